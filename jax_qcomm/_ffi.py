@@ -1,0 +1,74 @@
+"""Loading the compiled kernels and registering them as XLA FFI targets (once, at import).
+
+The binding is thin on purpose: each function here is one `jax.ffi.ffi_call` whose operands are
+already flat float32 / uint8 arrays; validation and reshaping live in `jax_qcomm.codecs`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from jax_qcomm import wire
+
+try:  # The CPU module is always built; a source checkout without a build has none.
+  from jax_qcomm import _qcomm_cpu  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - exercised only on unbuilt checkouts
+  _qcomm_cpu = None
+
+try:  # The CUDA module exists only where the build found nvcc.
+  from jax_qcomm import _qcomm_cuda  # type: ignore[attr-defined]
+except ImportError:
+  _qcomm_cuda = None
+
+_registered = False
+
+
+def register() -> None:
+  """Registers every compiled FFI target with XLA. Idempotent."""
+  global _registered
+  if _registered:
+    return
+  for module, platform in ((_qcomm_cpu, "cpu"), (_qcomm_cuda, "CUDA")):
+    if module is not None:
+      for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+  _registered = True
+
+
+def has_cpu_kernels() -> bool:
+  return _qcomm_cpu is not None
+
+
+def has_cuda_kernels() -> bool:
+  return _qcomm_cuda is not None
+
+
+def cpu_isa() -> str | None:
+  """The instruction set the CPU kernels dispatch to ("avx512", "avx2", "generic"), or None."""
+  return None if _qcomm_cpu is None else _qcomm_cpu.isa()
+
+
+def _attrs(bits: int, bucket_size: int, scheme: str) -> dict:
+  return dict(bits=np.int32(bits), bucket_size=np.int32(bucket_size),
+              scheme=np.int32(wire.SCHEMES.index(scheme)))
+
+
+def qsgd_encode(x: jax.Array, seed: jax.Array, *, bits: int, bucket_size: int, scheme: str,
+                rounding: str) -> jax.Array:
+  """x: float32[n], seed: uint32[2] -> uint8[payload_bytes]."""
+  size = wire.qsgd_payload_bytes(x.shape[-1], bits, bucket_size, scheme)
+  call = jax.ffi.ffi_call("qcomm_qsgd_encode", jax.ShapeDtypeStruct((size,), jnp.uint8),
+                          vmap_method="broadcast_all")
+  return call(x, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)),
+              **_attrs(bits, bucket_size, scheme))
+
+
+def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
+                    scheme: str) -> jax.Array:
+  """payloads: uint8[k, payload_bytes] -> float32[n], the in-order sum of the k decodes."""
+  call = jax.ffi.ffi_call("qcomm_qsgd_decode_sum", jax.ShapeDtypeStruct((n,), jnp.float32),
+                          vmap_method="broadcast_all")
+  return call(payloads, **_attrs(bits, bucket_size, scheme))

@@ -1,0 +1,88 @@
+// Run-time choice of the widest instruction set this CPU has, and the FTZ/DAZ mode XLA uses.
+#include "qsgd_cpu.h"
+
+#include <cstdint>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace qcomm::cpu {
+
+#define QCOMM_DECLARE_ISA(ISA)                                                                    \
+  namespace ISA {                                                                                 \
+  void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* out);  \
+  void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p, \
+                  float* out);                                                                    \
+  }
+QCOMM_DECLARE_ISA(generic)
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+QCOMM_DECLARE_ISA(avx2)
+QCOMM_DECLARE_ISA(avx512)
+#endif
+#undef QCOMM_DECLARE_ISA
+
+namespace {
+
+enum class Isa { kGeneric, kAvx2, kAvx512 };
+
+Isa detect() {
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kGeneric;
+}
+
+const Isa kIsa = detect();
+
+// XLA's CPU runtime flushes denormals (FTZ + DAZ); the kernels run the same way so that they
+// produce the same bytes as the pure-JAX reference.
+class FlushDenormals {
+ public:
+#if defined(__x86_64__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+}  // namespace
+
+const char* isa() {
+  switch (kIsa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* payload) {
+  FlushDenormals ftz;
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  if (kIsa == Isa::kAvx512) return avx512::encode(x, n, seed, p, payload);
+  if (kIsa == Isa::kAvx2) return avx2::encode(x, n, seed, p, payload);
+#endif
+  generic::encode(x, n, seed, p, payload);
+}
+
+void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
+                float* out) {
+  FlushDenormals ftz;
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  if (kIsa == Isa::kAvx512) return avx512::decode_sum(payloads, k, stride, n, p, out);
+  if (kIsa == Isa::kAvx2) return avx2::decode_sum(payloads, k, stride, n, p, out);
+#endif
+  generic::decode_sum(payloads, k, stride, n, p, out);
+}
+
+void decode(const uint8_t* payload, int64_t n, const Params& p, float* out) {
+  decode_sum(payload, 1, 0, n, p, out);
+}
+
+}  // namespace qcomm::cpu

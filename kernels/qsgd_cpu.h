@@ -1,0 +1,27 @@
+// CPU entry points of the QSGD codec. Arrays are contiguous; `n` counts float32 elements.
+// The payload layout is docs/wire-format.md; qsgd_math.h holds the per-element math.
+#pragma once
+
+#include <cstdint>
+
+namespace qcomm::cpu {
+
+struct Params {
+  int32_t bits;      // 1..8 (norm: 2..8)
+  int32_t bucket;    // positive multiple of 8
+  int32_t scheme;    // Scheme
+  int32_t rounding;  // Rounding
+};
+
+// x[n] -> payload[payload_bytes(n, ...)]; `seed` is two uint32 words derived from a JAX key.
+void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* payload);
+// payload -> out[n].
+void decode(const uint8_t* payload, int64_t n, const Params& p, float* out);
+// out[n] = sum over j < k of decode(payloads + j * stride), summed in order j = 0, 1, ...
+void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
+                float* out);
+
+// Name of the instruction set the dispatcher picked ("avx512", "avx2" or "generic").
+const char* isa();
+
+}  // namespace qcomm::cpu

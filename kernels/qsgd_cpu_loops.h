@@ -1,0 +1,248 @@
+// The CPU loops of the QSGD codec, compiled once per instruction set.
+//
+// Included by qsgd_cpu_<isa>.cc inside `namespace qcomm::cpu::QCOMM_ISA`, each compiled with its own
+// -m flags; qsgd_cpu.cc dispatches at run time. Everything here has internal linkage so copies
+// built for different ISAs never mix. Loops are written for the auto-vectoriser: contiguous,
+// fixed trip counts per bucket, selects instead of branches, 8 independent lanes in reductions.
+#include <math.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "qsgd_cpu.h"
+#include "qsgd_math.h"
+
+namespace {
+
+constexpr int kMaxBucketOnStack = 4096;
+
+struct BucketScales {
+  float min;   // maxmin only
+  float step;
+};
+
+template <int SCHEME>
+inline BucketScales bucket_scales(const float* x, int64_t bucket, uint32_t levels) {
+  BucketScales s{0.0f, 0.0f};
+  if constexpr (SCHEME == qcomm::kMaxMin) {
+    float lo[8], hi[8];
+    int32_t nan[8];
+    for (int j = 0; j < 8; ++j) lo[j] = hi[j] = x[j], nan[j] = 0;
+    for (int64_t g = 0; g < bucket; g += 8) {
+      for (int j = 0; j < 8; ++j) {
+        const float v = x[g + j];
+        lo[j] = v < lo[j] ? v : lo[j];
+        hi[j] = v > hi[j] ? v : hi[j];
+        nan[j] |= v != v;
+      }
+    }
+    float mn = lo[0], mx = hi[0];
+    int32_t any_nan = nan[0];
+    for (int j = 1; j < 8; ++j) {
+      mn = lo[j] < mn ? lo[j] : mn;
+      mx = hi[j] > mx ? hi[j] : mx;
+      any_nan |= nan[j];
+    }
+    // -0 and +0 compare equal; store +0 so the bytes do not depend on which came first.
+    mn = mn == 0.0f ? 0.0f : mn;
+    mx = mx == 0.0f ? 0.0f : mx;
+    if (any_nan) {
+      s.min = s.step = qcomm::canonical_nan();
+    } else {
+      s.min = mn;
+      s.step = qcomm::step_from(mx - mn, levels);
+    }
+  } else {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t g = 0; g < bucket; g += 8) {
+      for (int j = 0; j < 8; ++j) {
+        const float h = qcomm::truncate12(x[g + j]);
+        acc[j] += h * h;
+      }
+    }
+    const float a0 = acc[0] + acc[4], a1 = acc[1] + acc[5], a2 = acc[2] + acc[6], a3 = acc[3] + acc[7];
+    const float total = (a0 + a2) + (a1 + a3);
+    s.step = qcomm::step_from(sqrtf(total), levels);
+  }
+  return s;
+}
+
+// Codes of one bucket (one byte each, before packing).
+template <int BITS, int SCHEME>
+inline void bucket_codes(const float* x, int64_t bucket, BucketScales s, bool stochastic,
+                         uint32_t seed0, uint32_t seed1, uint32_t base, uint8_t* codes) {
+  constexpr uint32_t levels = SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
+  const float inv = qcomm::inverse_step(s.step);
+  for (int64_t i = 0; i < bucket; ++i) {
+    const float v = SCHEME == qcomm::kMaxMin ? x[i] - s.min : fabsf(x[i]);
+    const float u = qcomm::uniform01(qcomm::random_bits(seed0, seed1, base + static_cast<uint32_t>(i)));
+    const float r = stochastic ? u : 0.5f;
+    uint32_t q = qcomm::quantize(v * inv, r, levels);
+    if constexpr (SCHEME == qcomm::kNorm) q |= static_cast<uint32_t>(x[i] < 0.0f) << (BITS - 1);
+    codes[i] = static_cast<uint8_t>(q);
+  }
+}
+
+template <int BITS>
+inline void pack_codes(const uint8_t* codes, int64_t bucket, uint8_t* out) {
+  for (int64_t g = 0; g < bucket / 8; ++g) {
+    const uint64_t w = qcomm::pack8<BITS>(codes + 8 * g);
+    memcpy(out + g * BITS, &w, BITS);  // little-endian hosts only (x86-64, aarch64)
+  }
+}
+
+template <int BITS, int SCHEME>
+void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cpu::Params& p,
+              uint8_t* payload) {
+  constexpr uint32_t levels = SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
+  const int64_t B = p.bucket;
+  const int64_t nb = qcomm::num_buckets(n, B);
+  const int64_t S = qcomm::scales_per_bucket(SCHEME);
+  float* scales = reinterpret_cast<float*>(payload);  // XLA buffers are aligned
+  uint8_t* packed = payload + 4 * S * nb;
+  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
+  const bool stochastic = p.rounding == qcomm::kStochastic;
+
+  uint8_t codes_stack[kMaxBucketOnStack];
+  float pad_stack[kMaxBucketOnStack];
+  std::unique_ptr<uint8_t[]> codes_heap;
+  std::unique_ptr<float[]> pad_heap;
+  uint8_t* codes = codes_stack;
+  float* pad = pad_stack;
+  if (B > kMaxBucketOnStack) {
+    codes_heap.reset(new uint8_t[B]);
+    pad_heap.reset(new float[B]);
+    codes = codes_heap.get();
+    pad = pad_heap.get();
+  }
+
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, n - start);
+    const float* xb = x + start;
+    if (valid < B) {
+      // Padding that leaves the scales unchanged: the bucket's first value (maxmin), 0 (norm).
+      const float fill = SCHEME == qcomm::kMaxMin ? xb[0] : 0.0f;
+      std::copy(xb, xb + valid, pad);
+      std::fill(pad + valid, pad + B, fill);
+      xb = pad;
+    }
+    const BucketScales s = bucket_scales<SCHEME>(xb, B, levels);
+    bucket_codes<BITS, SCHEME>(xb, B, s, stochastic, seed[0], seed[1], static_cast<uint32_t>(start), codes);
+    if (valid < B) std::fill(codes + valid, codes + B, uint8_t{0});  // padding codes are 0
+    if constexpr (SCHEME == qcomm::kMaxMin) {
+      scales[2 * b] = s.min;
+      scales[2 * b + 1] = s.step;
+    } else {
+      scales[b] = s.step;
+    }
+    pack_codes<BITS>(codes, B, packed + b * code_bytes);
+  }
+}
+
+// Decodes (ACCUM=false: out = v) or accumulates (ACCUM=true: out += v) `count` values of a bucket.
+template <int BITS, int SCHEME, bool ACCUM>
+inline void decode_bucket(const float* scales, const uint8_t* packed, int64_t bucket, float* out) {
+  float mn = 0.0f, step;
+  if constexpr (SCHEME == qcomm::kMaxMin) {
+    mn = scales[0];
+    step = scales[1];
+  } else {
+    step = scales[0];
+  }
+  for (int64_t g = 0; g < bucket / 8; ++g) {
+    uint64_t w = 0;
+    memcpy(&w, packed + g * BITS, BITS);
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t c = qcomm::unpack1<BITS>(w, j);
+      const float v = SCHEME == qcomm::kMaxMin ? qcomm::dequantize_maxmin(c, mn, step)
+                                               : qcomm::dequantize_norm(c, BITS, step);
+      if constexpr (ACCUM) {
+        out[8 * g + j] += v;
+      } else {
+        out[8 * g + j] = v;
+      }
+    }
+  }
+}
+
+template <int BITS, int SCHEME>
+void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
+                  const qcomm::cpu::Params& p, float* out) {
+  const int64_t B = p.bucket;
+  const int64_t nb = qcomm::num_buckets(n, B);
+  const int64_t S = qcomm::scales_per_bucket(SCHEME);
+  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
+  float tail_stack[kMaxBucketOnStack];
+  std::unique_ptr<float[]> tail_heap;
+  float* tail = tail_stack;
+  if (B > kMaxBucketOnStack) {
+    tail_heap.reset(new float[B]);
+    tail = tail_heap.get();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, n - start);
+    float* ob = valid == B ? out + start : tail;
+    for (int64_t j = 0; j < k; ++j) {
+      const uint8_t* pj = payloads + j * stride;
+      const float* scales = reinterpret_cast<const float*>(pj) + S * b;
+      const uint8_t* packed = pj + 4 * S * nb + b * code_bytes;
+      if (j == 0) {
+        decode_bucket<BITS, SCHEME, false>(scales, packed, B, ob);
+      } else {
+        decode_bucket<BITS, SCHEME, true>(scales, packed, B, ob);
+      }
+    }
+    if (valid < B) std::copy(tail, tail + valid, out + start);
+  }
+}
+
+template <template <int, int> class F, typename... Args>
+void dispatch(const qcomm::cpu::Params& p, Args... args) {
+#define QCOMM_CASE(BITS)                                         \
+  case BITS:                                                     \
+    if (p.scheme == qcomm::kMaxMin) {                            \
+      F<BITS, qcomm::kMaxMin>::run(args...);                     \
+    } else {                                                     \
+      F<BITS, qcomm::kNorm>::run(args...);                       \
+    }                                                            \
+    break;
+  switch (p.bits) {
+    QCOMM_CASE(1) QCOMM_CASE(2) QCOMM_CASE(3) QCOMM_CASE(4)
+    QCOMM_CASE(5) QCOMM_CASE(6) QCOMM_CASE(7) QCOMM_CASE(8)
+  }
+#undef QCOMM_CASE
+}
+
+template <int BITS, int SCHEME>
+struct EncodeF {
+  static void run(const float* x, int64_t n, const uint32_t* seed, const qcomm::cpu::Params* p,
+                  uint8_t* payload) {
+    encode_t<BITS, SCHEME>(x, n, seed, *p, payload);
+  }
+};
+template <int BITS, int SCHEME>
+struct DecodeSumF {
+  static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
+                  const qcomm::cpu::Params* p, float* out) {
+    decode_sum_t<BITS, SCHEME>(payloads, k, stride, n, *p, out);
+  }
+};
+
+}  // namespace
+
+namespace qcomm::cpu::QCOMM_ISA {
+
+void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* payload) {
+  dispatch<EncodeF>(p, x, n, seed, &p, payload);
+}
+
+void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
+                float* out) {
+  dispatch<DecodeSumF>(p, payloads, k, stride, n, &p, out);
+}
+
+}  // namespace qcomm::cpu::QCOMM_ISA

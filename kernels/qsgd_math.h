@@ -1,0 +1,132 @@
+// The QSGD codec math, once, for every implementation.
+//
+// Everything that decides a payload byte lives here as small inline functions usable from host C++
+// and from CUDA device code. The pure-JAX reference (jax_qcomm/_reference.py) mirrors these
+// functions line by line; docs/wire-format.md is the normative description.
+//
+// Bit-exactness across implementations rules out a few innocent-looking formulas:
+//  * XLA contracts `a * b + c` into an FMA, so no product is ever followed by an add on the encode
+//    path (stochastic rounding compares `t >= floor(t) + u` instead of computing `floor(t + u)`).
+//  * XLA rewrites division by a constant as multiplication by its reciprocal, so the format itself
+//    is defined with `recip_levels(L) = fl(1 / L)`.
+//  * Summation order is fixed (8 lanes, sequential, then a tree), and the squares summed by the norm
+//    scheme are exact (12-bit operands), so FMA or not gives the same sum.
+#pragma once
+
+#include <math.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define QCOMM_HD __host__ __device__ __forceinline__
+#else
+// static: every translation unit (compiled for its own ISA) gets its own copy; no ODR mixing.
+#define QCOMM_HD static inline __attribute__((always_inline))
+#endif
+
+namespace qcomm {
+
+enum Scheme : int32_t { kMaxMin = 0, kNorm = 1 };
+enum Rounding : int32_t { kStochastic = 0, kNearest = 1 };
+
+// ---- format sizes ------------------------------------------------------------------------------
+
+// float32 scales stored per bucket: maxmin (min, step), norm (step).
+QCOMM_HD int64_t scales_per_bucket(int32_t scheme) { return scheme == kMaxMin ? 2 : 1; }
+QCOMM_HD int64_t num_buckets(int64_t n, int64_t bucket) { return (n + bucket - 1) / bucket; }
+QCOMM_HD int64_t code_bytes_per_bucket(int64_t bucket, int32_t bits) { return bucket * bits / 8; }
+QCOMM_HD int64_t payload_bytes(int64_t n, int64_t bucket, int32_t bits, int32_t scheme) {
+  return num_buckets(n, bucket) * (4 * scales_per_bucket(scheme) + code_bytes_per_bucket(bucket, bits));
+}
+
+// Highest quantization level: maxmin uses all 2^b codes, norm spends one bit on the sign.
+QCOMM_HD uint32_t num_levels(int32_t scheme, int32_t bits) {
+  return scheme == kMaxMin ? (1u << bits) - 1u : (1u << (bits - 1)) - 1u;
+}
+QCOMM_HD float recip_levels(uint32_t levels) { return 1.0f / static_cast<float>(levels); }
+
+// ---- randomness: a counter-based hash of (seed, element index) ---------------------------------
+
+// Chris Wellons' "lowbias32" integer finaliser.
+QCOMM_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+QCOMM_HD uint32_t random_bits(uint32_t seed0, uint32_t seed1, uint32_t index) {
+  return mix32(mix32(index * 0x9e3779b1u + seed0) ^ seed1);
+}
+// Uniform in [0, 1) with 24 random bits; exact in float32.
+QCOMM_HD float uniform01(uint32_t bits) { return static_cast<float>(bits >> 8) * 5.9604644775390625e-8f; }
+
+// ---- per-bucket scales ------------------------------------------------------------------------
+
+QCOMM_HD float canonical_nan() { return __builtin_nanf(""); }  // 0x7fc00000
+QCOMM_HD bool is_nan(float v) { return v != v; }
+
+// Step from the bucket's range (maxmin) or norm (norm); canonical NaN if the bucket held a NaN.
+QCOMM_HD float step_from(float span, uint32_t levels) {
+  const float s = span * recip_levels(levels);
+  return is_nan(s) ? canonical_nan() : s;
+}
+// 1/step, or 0 where the step is 0 or not a number: all codes of such a bucket are then fixed.
+QCOMM_HD float inverse_step(float step) { return step > 0.0f ? 1.0f / step : 0.0f; }
+
+// The norm scheme sums squares of x truncated to 12 significant bits: such squares are exact in
+// float32, so the sum is the same with or without FMA contraction.
+QCOMM_HD float truncate12(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  u &= 0xfffff000u;
+  float r;
+  memcpy(&r, &u, 4);
+  return r;
+}
+
+// ---- per-element quantisation -----------------------------------------------------------------
+
+// t >= 0 is the value in units of the step. Rounds up with probability frac(t) (stochastic, r = u)
+// or at frac(t) >= 1/2 (nearest, r = 0.5); clamps to `levels` (also where t is NaN).
+QCOMM_HD uint32_t quantize(float t, float r, uint32_t levels) {
+  const float fl = floorf(t);
+  const float q = fl + (t >= fl + r ? 1.0f : 0.0f);
+  const float top = static_cast<float>(levels);
+  return q <= top ? static_cast<uint32_t>(q) : levels;
+}
+
+// Product and sum rounded separately (no FMA), as XLA computes it where it does not contract;
+// decoded values may therefore differ from the pure-JAX reference by one rounding of the product.
+QCOMM_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);  // never contracted by nvcc
+#else
+  return a * b;  // host code is built with -ffp-contract=off
+#endif
+}
+QCOMM_HD float dequantize_maxmin(uint32_t code, float min, float step) {
+  return min + mul_rn(static_cast<float>(code), step);
+}
+QCOMM_HD float dequantize_norm(uint32_t code, int32_t bits, float step) {
+  const uint32_t level = code & ((1u << (bits - 1)) - 1u);
+  const float v = static_cast<float>(level) * step;
+  return (code >> (bits - 1)) ? -v : v;
+}
+
+// ---- bit packing: 8 codes of `bits` bits -> `bits` bytes, little-endian, code j at bit j*bits --
+
+template <int BITS>
+QCOMM_HD uint64_t pack8(const uint8_t* codes) {
+  uint64_t w = 0;
+  for (int j = 0; j < 8; ++j) w |= static_cast<uint64_t>(codes[j]) << (j * BITS);
+  return w;
+}
+template <int BITS>
+QCOMM_HD uint32_t unpack1(uint64_t w, int j) {
+  return static_cast<uint32_t>(w >> (j * BITS)) & ((1u << BITS) - 1u);
+}
+
+}  // namespace qcomm
