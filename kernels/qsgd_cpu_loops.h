@@ -24,27 +24,20 @@ struct BucketScales {
 };
 
 template <int SCHEME>
-inline BucketScales bucket_scales(const float* x, int64_t bucket, uint32_t levels) {
+inline BucketScales bucket_scales(const float* __restrict x, int64_t bucket, uint32_t levels) {
   BucketScales s{0.0f, 0.0f};
   if constexpr (SCHEME == qcomm::kMaxMin) {
-    float lo[8], hi[8];
-    int32_t nan[8];
-    for (int j = 0; j < 8; ++j) lo[j] = hi[j] = x[j], nan[j] = 0;
-    for (int64_t g = 0; g < bucket; g += 8) {
-      for (int j = 0; j < 8; ++j) {
-        const float v = x[g + j];
-        lo[j] = v < lo[j] ? v : lo[j];
-        hi[j] = v > hi[j] ? v : hi[j];
-        nan[j] |= v != v;
-      }
+    // Min and max over order-preserving integer keys of the float bits: integer min/max
+    // vectorise without -ffast-math, and NaNs are detected separately.
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
+    uint32_t any_nan = 0;
+    for (int64_t i = 0; i < bucket; ++i) {
+      const int32_t k = qcomm::order_key(x[i]);
+      lo = k < lo ? k : lo;
+      hi = k > hi ? k : hi;
+      any_nan |= qcomm::nan_flag(x[i]);
     }
-    float mn = lo[0], mx = hi[0];
-    int32_t any_nan = nan[0];
-    for (int j = 1; j < 8; ++j) {
-      mn = lo[j] < mn ? lo[j] : mn;
-      mx = hi[j] > mx ? hi[j] : mx;
-      any_nan |= nan[j];
-    }
+    float mn = qcomm::from_order_key(lo), mx = qcomm::from_order_key(hi);
     // -0 and +0 compare equal; store +0 so the bytes do not depend on which came first.
     mn = mn == 0.0f ? 0.0f : mn;
     mx = mx == 0.0f ? 0.0f : mx;
@@ -71,8 +64,9 @@ inline BucketScales bucket_scales(const float* x, int64_t bucket, uint32_t level
 
 // Codes of one bucket (one byte each, before packing).
 template <int BITS, int SCHEME>
-inline void bucket_codes(const float* x, int64_t bucket, BucketScales s, bool stochastic,
-                         uint32_t seed0, uint32_t seed1, uint32_t base, uint8_t* codes) {
+inline void bucket_codes(const float* __restrict x, int64_t bucket, BucketScales s, bool stochastic,
+                         uint32_t seed0, uint32_t seed1, uint32_t base,
+                         uint8_t* __restrict codes) {
   constexpr uint32_t levels = SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
   const float inv = qcomm::inverse_step(s.step);
   for (int64_t i = 0; i < bucket; ++i) {
@@ -86,7 +80,7 @@ inline void bucket_codes(const float* x, int64_t bucket, BucketScales s, bool st
 }
 
 template <int BITS>
-inline void pack_codes(const uint8_t* codes, int64_t bucket, uint8_t* out) {
+inline void pack_codes(const uint8_t* __restrict codes, int64_t bucket, uint8_t* __restrict out) {
   for (int64_t g = 0; g < bucket / 8; ++g) {
     const uint64_t w = qcomm::pack8<BITS>(codes + 8 * g);
     memcpy(out + g * BITS, &w, BITS);  // little-endian hosts only (x86-64, aarch64)
@@ -142,28 +136,36 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
   }
 }
 
-// Decodes (ACCUM=false: out = v) or accumulates (ACCUM=true: out += v) `count` values of a bucket.
-template <int BITS, int SCHEME, bool ACCUM>
-inline void decode_bucket(const float* scales, const uint8_t* packed, int64_t bucket, float* out) {
-  float mn = 0.0f, step;
-  if constexpr (SCHEME == qcomm::kMaxMin) {
-    mn = scales[0];
-    step = scales[1];
+template <int BITS>
+inline void unpack_codes(const uint8_t* __restrict packed, int64_t bucket, uint8_t* __restrict codes) {
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+  if constexpr (8 % BITS == 0) {
+    // Codes never straddle a byte: a plain loop over bytes that the compiler vectorises.
+    constexpr int per_byte = 8 / BITS;
+    for (int64_t k = 0; k < bucket / per_byte; ++k)
+      for (int s = 0; s < per_byte; ++s) codes[k * per_byte + s] = (packed[k] >> (s * BITS)) & mask;
   } else {
-    step = scales[0];
+    for (int64_t g = 0; g < bucket / 8; ++g) {
+      uint64_t w = 0;
+      memcpy(&w, packed + g * BITS, BITS);
+      for (int j = 0; j < 8; ++j) codes[8 * g + j] = static_cast<uint8_t>(qcomm::unpack1<BITS>(w, j));
+    }
   }
-  for (int64_t g = 0; g < bucket / 8; ++g) {
-    uint64_t w = 0;
-    memcpy(&w, packed + g * BITS, BITS);
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t c = qcomm::unpack1<BITS>(w, j);
-      const float v = SCHEME == qcomm::kMaxMin ? qcomm::dequantize_maxmin(c, mn, step)
-                                               : qcomm::dequantize_norm(c, BITS, step);
-      if constexpr (ACCUM) {
-        out[8 * g + j] += v;
-      } else {
-        out[8 * g + j] = v;
-      }
+}
+
+// Decodes (ACCUM=false: out = v) or accumulates (ACCUM=true: out += v) one bucket.
+template <int BITS, int SCHEME, bool ACCUM>
+inline void decode_bucket(const float* scales, const uint8_t* __restrict codes, int64_t bucket,
+                          float* __restrict out) {
+  const float mn = SCHEME == qcomm::kMaxMin ? scales[0] : 0.0f;
+  const float step = SCHEME == qcomm::kMaxMin ? scales[1] : scales[0];
+  for (int64_t i = 0; i < bucket; ++i) {
+    const float v = SCHEME == qcomm::kMaxMin ? qcomm::dequantize_maxmin(codes[i], mn, step)
+                                             : qcomm::dequantize_norm(codes[i], BITS, step);
+    if constexpr (ACCUM) {
+      out[i] += v;
+    } else {
+      out[i] = v;
     }
   }
 }
@@ -176,11 +178,16 @@ void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
   float tail_stack[kMaxBucketOnStack];
+  uint8_t codes_stack[kMaxBucketOnStack];
   std::unique_ptr<float[]> tail_heap;
+  std::unique_ptr<uint8_t[]> codes_heap;
   float* tail = tail_stack;
+  uint8_t* codes = codes_stack;
   if (B > kMaxBucketOnStack) {
     tail_heap.reset(new float[B]);
+    codes_heap.reset(new uint8_t[B]);
     tail = tail_heap.get();
+    codes = codes_heap.get();
   }
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t start = b * B;
@@ -190,10 +197,11 @@ void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
       const uint8_t* pj = payloads + j * stride;
       const float* scales = reinterpret_cast<const float*>(pj) + S * b;
       const uint8_t* packed = pj + 4 * S * nb + b * code_bytes;
+      unpack_codes<BITS>(packed, B, codes);
       if (j == 0) {
-        decode_bucket<BITS, SCHEME, false>(scales, packed, B, ob);
+        decode_bucket<BITS, SCHEME, false>(scales, codes, B, ob);
       } else {
-        decode_bucket<BITS, SCHEME, true>(scales, packed, B, ob);
+        decode_bucket<BITS, SCHEME, true>(scales, codes, B, ob);
       }
     }
     if (valid < B) std::copy(tail, tail + valid, out + start);

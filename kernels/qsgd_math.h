@@ -76,6 +76,24 @@ QCOMM_HD float step_from(float span, uint32_t levels) {
 // 1/step, or 0 where the step is 0 or not a number: all codes of such a bucket are then fixed.
 QCOMM_HD float inverse_step(float step) { return step > 0.0f ? 1.0f / step : 0.0f; }
 
+// Order-preserving map of float bits to int32 (for min/max), and back; -0 orders below +0.
+QCOMM_HD int32_t order_key(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return static_cast<int32_t>(u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) >> 1));
+}
+QCOMM_HD float from_order_key(int32_t k) {
+  const uint32_t u = static_cast<uint32_t>(k) ^ (static_cast<uint32_t>(k >> 31) >> 1);
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
+}
+QCOMM_HD uint32_t nan_flag(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
 // The norm scheme sums squares of x truncated to 12 significant bits: such squares are exact in
 // float32, so the sum is the same with or without FMA contraction.
 QCOMM_HD float truncate12(float x) {
