@@ -1,13 +1,18 @@
 """jax_qcomm: compressed gradient collectives for JAX.
 
 QSGD codecs as XLA FFI kernels (C++ on CPU, CUDA on NVIDIA GPUs) with a pure-JAX reference of the
-same wire format, and the collectives and optax wrapper built from them.
+same wire format, and the collectives built from them (inside ``jax.shard_map`` / ``jax.pmap``).
 """
 
 from jax_qcomm import _ffi
 from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
+from jax_qcomm.collectives import Hierarchical, all_gather, allreduce, cast_pmean, reduce_scatter
+from jax_qcomm.packing import LeafPolicy
 
 _ffi.register()
 
-__all__ = ["QSGD", "Cast", "Codec", "NoCompression"]
+__all__ = [
+    "QSGD", "Cast", "Codec", "NoCompression",
+    "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
+]
 __version__ = "0.1.0"

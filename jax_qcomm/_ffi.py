@@ -51,6 +51,22 @@ def cpu_isa() -> str | None:
   return None if _qcomm_cpu is None else _qcomm_cpu.isa()
 
 
+def _vma(x: jax.Array) -> frozenset:
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax >= 0.12: aval.mat.varying; earlier: aval.vma
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _varying_like(out: jax.Array, like: jax.Array) -> jax.Array:
+  """Marks an FFI result as varying over the same shard_map axes as its input.
+
+  ``ffi_call`` results carry no varying-manual-axes type, which makes them mismatch the pure-JAX
+  branch of ``lax.platform_dependent`` (and shard_map's checks) inside ``shard_map``.
+  """
+  missing = tuple(_vma(like) - _vma(out))
+  return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
 def _attrs(bits: int, bucket_size: int, scheme: str) -> dict:
   return dict(bits=np.int32(bits), bucket_size=np.int32(bucket_size),
               scheme=np.int32(wire.SCHEMES.index(scheme)))
@@ -62,8 +78,9 @@ def qsgd_encode(x: jax.Array, seed: jax.Array, *, bits: int, bucket_size: int, s
   size = wire.qsgd_payload_bytes(x.shape[-1], bits, bucket_size, scheme)
   call = jax.ffi.ffi_call("qcomm_qsgd_encode", jax.ShapeDtypeStruct((size,), jnp.uint8),
                           vmap_method="broadcast_all")
-  return call(x, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)),
-              **_attrs(bits, bucket_size, scheme))
+  out = call(x, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)),
+             **_attrs(bits, bucket_size, scheme))
+  return _varying_like(out, x)
 
 
 def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
@@ -71,4 +88,4 @@ def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
   """payloads: uint8[k, payload_bytes] -> float32[n], the in-order sum of the k decodes."""
   call = jax.ffi.ffi_call("qcomm_qsgd_decode_sum", jax.ShapeDtypeStruct((n,), jnp.float32),
                           vmap_method="broadcast_all")
-  return call(payloads, **_attrs(bits, bucket_size, scheme))
+  return _varying_like(call(payloads, **_attrs(bits, bucket_size, scheme)), payloads)

@@ -1,0 +1,161 @@
+"""Pytree -> flat communication buffers and back, and the per-leaf compression policy.
+
+A model with 160 leaves must not issue 320 collectives, so leaves that share a codec are concatenated
+into flat float32 buffers of at most ``comm_bucket_size`` elements. Each leaf is padded to a whole
+number of quantisation buckets first, so a quantisation bucket never straddles two leaves. The pad
+value leaves the bucket's scales unchanged (the leaf's last value for maxmin, 0 otherwise), and the
+padding is dropped again on the way back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_qcomm.codecs import QSGD, Codec, NoCompression
+
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def path_str(path: Sequence[Any]) -> str:
+  """'params/Dense_0/kernel' for a pytree key path."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPolicy:
+  """Decides, per leaf, which codec synchronises it.
+
+  Args:
+    min_size: leaves with fewer elements travel exact (their compression saves little and costs a
+      lot of accuracy per byte).
+    compress_1d: if False (default), 1-D leaves (biases, norm scales) travel exact.
+    exclude: regular expressions; a leaf whose path ('params/Dense_0/bias') matches any of them
+      (``re.search``) travels exact.
+    overrides: mapping of path regex -> codec; the first match wins over the default codec (and over
+      the size and 1-D rules).
+  """
+
+  min_size: int = 1024
+  compress_1d: bool = False
+  exclude: tuple[str, ...] = ()
+  overrides: tuple[tuple[str, Codec], ...] = ()
+
+  def __init__(self, min_size: int = 1024, compress_1d: bool = False,
+               exclude: str | Sequence[str] = (),
+               overrides: Mapping[str, Codec] | Sequence[tuple[str, Codec]] = ()):
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+      raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
+    if isinstance(exclude, str):
+      exclude = (exclude,)
+    exclude = tuple(exclude)
+    for pat in exclude:
+      _compile(pat, "exclude")
+    items = tuple(overrides.items()) if isinstance(overrides, Mapping) else tuple(overrides)
+    for pat, codec in items:
+      _compile(pat, "overrides")
+      if not isinstance(codec, Codec):
+        raise ValueError(f"overrides[{pat!r}] must be a jax_qcomm codec, got {codec!r}")
+    object.__setattr__(self, "min_size", min_size)
+    object.__setattr__(self, "compress_1d", bool(compress_1d))
+    object.__setattr__(self, "exclude", exclude)
+    object.__setattr__(self, "overrides", items)
+
+  def codec_for(self, path: str, leaf: Any, default: Codec) -> Codec:
+    for pat, codec in self.overrides:
+      if re.search(pat, path):
+        return codec
+    if any(re.search(p, path) for p in self.exclude):
+      return NoCompression()
+    if leaf.size < self.min_size or (leaf.ndim <= 1 and not self.compress_1d):
+      return NoCompression()
+    return default
+
+
+def _compile(pattern: str, name: str) -> None:
+  try:
+    re.compile(pattern)
+  except (re.error, TypeError) as e:
+    raise ValueError(f"{name} entries must be regular expressions, got {pattern!r}: {e}") from None
+
+
+def check_float_leaves(tree: Any, name: str = "x") -> None:
+  """ValueError naming the first leaf that is not a float32/bfloat16/float16 array."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = jnp.result_type(leaf)
+    if not any(dtype == d for d in _FLOATS):
+      where = path_str(path) or "<root>"
+      raise ValueError(f"{name} leaf '{where}' must be float32, bfloat16 or float16, got {dtype}")
+
+
+def quant_bucket(codec: Codec) -> int:
+  """Granularity a leaf is padded to inside a flat buffer: the QSGD bucket, else 1."""
+  return codec.bucket_size if isinstance(codec, QSGD) else 1
+
+
+def neutral_pad(x: jax.Array, multiple: int, codec: Codec) -> jax.Array:
+  """Pads float32[n] to a multiple of `multiple` without changing the last bucket's scales."""
+  n = x.shape[0]
+  pad = -n % multiple
+  if pad == 0:
+    return x
+  maxmin = isinstance(codec, QSGD) and codec.scheme == "maxmin"
+  fill = x[-1] if (maxmin and n > 0) else jnp.float32(0)
+  return jnp.concatenate([x, jnp.broadcast_to(fill, (pad,)).astype(x.dtype)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Leaves (by index in the flattened tree) that travel together in one flat buffer."""
+  codec: Codec
+  leaves: tuple[int, ...]
+
+
+def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int) -> list[Group]:
+  """Groups consecutive-by-codec leaves into buffers of at most comm_bucket_size elements.
+
+  A leaf larger than comm_bucket_size gets a buffer of its own. Order within a group follows the
+  tree order, so the plan is deterministic (every device builds the same buffers).
+  """
+  by_codec: dict[Codec, list[list[int]]] = {}
+  sizes: dict[Codec, int] = {}
+  for i, (leaf, codec) in enumerate(zip(leaves, codecs)):
+    padded = math.ceil(leaf.size / quant_bucket(codec)) * quant_bucket(codec)
+    groups = by_codec.setdefault(codec, [[]])
+    if groups[-1] and sizes[codec] + padded > comm_bucket_size:
+      groups.append([])
+      sizes[codec] = 0
+    groups[-1].append(i)
+    sizes[codec] = sizes.get(codec, 0) + padded
+  return [Group(codec, tuple(g)) for codec, gs in by_codec.items() for g in gs if g]
+
+
+def pack(leaves: Sequence[jax.Array], group: Group) -> jax.Array:
+  """float32 flat buffer of the group's leaves, each padded to whole quantisation buckets."""
+  b = quant_bucket(group.codec)
+  parts = [neutral_pad(leaves[i].reshape(-1).astype(jnp.float32), b, group.codec)
+           for i in group.leaves]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def unpack(flat: jax.Array, leaves: Sequence[jax.Array], group: Group, out: list[Any]) -> None:
+  """Writes the group's leaves (original shapes and dtypes) from `flat` into out[i]."""
+  b = quant_bucket(group.codec)
+  offset = 0
+  for i in group.leaves:
+    leaf = leaves[i]
+    out[i] = flat[offset:offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype)
+    offset += math.ceil(leaf.size / b) * b
