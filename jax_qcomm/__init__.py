@@ -8,11 +8,14 @@ from jax_qcomm import _ffi
 from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
 from jax_qcomm.collectives import Hierarchical, all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
+from jax_qcomm.accumulation import accumulate_gradients
+from jax_qcomm.sync import SyncState, codec_for_bits, state_partition_spec, sync
 
 _ffi.register()
 
 __all__ = [
     "QSGD", "Cast", "Codec", "NoCompression",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
+    "accumulate_gradients", "sync", "SyncState", "codec_for_bits", "state_partition_spec",
 ]
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm import wire
+from jax_qcomm import _vma, wire
 
 try:  # The CPU module is always built; a source checkout without a build has none.
   from jax_qcomm import _qcomm_cpu  # type: ignore[attr-defined]
@@ -51,22 +51,6 @@ def cpu_isa() -> str | None:
   return None if _qcomm_cpu is None else _qcomm_cpu.isa()
 
 
-def _vma(x: jax.Array) -> frozenset:
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.12: aval.mat.varying; earlier: aval.vma
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def _varying_like(out: jax.Array, like: jax.Array) -> jax.Array:
-  """Marks an FFI result as varying over the same shard_map axes as its input.
-
-  ``ffi_call`` results carry no varying-manual-axes type, which makes them mismatch the pure-JAX
-  branch of ``lax.platform_dependent`` (and shard_map's checks) inside ``shard_map``.
-  """
-  missing = tuple(_vma(like) - _vma(out))
-  return jax.lax.pcast(out, missing, to="varying") if missing else out
-
-
 def _attrs(bits: int, bucket_size: int, scheme: str) -> dict:
   return dict(bits=np.int32(bits), bucket_size=np.int32(bucket_size),
               scheme=np.int32(wire.SCHEMES.index(scheme)))
@@ -80,7 +64,7 @@ def qsgd_encode(x: jax.Array, seed: jax.Array, *, bits: int, bucket_size: int, s
                           vmap_method="broadcast_all")
   out = call(x, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)),
              **_attrs(bits, bucket_size, scheme))
-  return _varying_like(out, x)
+  return _vma.make_varying(out, _vma.vma_of(x) | _vma.vma_of(seed))
 
 
 def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
@@ -88,4 +72,4 @@ def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
   """payloads: uint8[k, payload_bytes] -> float32[n], the in-order sum of the k decodes."""
   call = jax.ffi.ffi_call("qcomm_qsgd_decode_sum", jax.ShapeDtypeStruct((n,), jnp.float32),
                           vmap_method="broadcast_all")
-  return _varying_like(call(payloads, **_attrs(bits, bucket_size, scheme)), payloads)
+  return _vma.make_varying(call(payloads, **_attrs(bits, bucket_size, scheme)), _vma.vma_of(payloads))

@@ -86,18 +86,24 @@ def _decode_rows(codec: Codec, payloads: jax.Array, c: int) -> jax.Array:
 # ---- flat float32 buffers ----------------------------------------------------------------------
 
 def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
-         scale: float) -> jax.Array:
-  """Compressed allreduce of float32[n], n a multiple of D * bucket; result times `scale`."""
+         scale: float) -> tuple[jax.Array, jax.Array]:
+  """Compressed allreduce of float32[n], n a multiple of D * bucket; result times `scale`.
+
+  Also returns this device's own quantisation residual (x minus what it sent), for error feedback;
+  XLA drops it where it is unused.
+  """
   d = lax.axis_size(axis_name)
   c = x.shape[0] // d
-  payloads = _encode_rows(codec, x.reshape(d, c), _device_key(key, axis_name, 0))
+  chunks = x.reshape(d, c)
+  payloads = _encode_rows(codec, chunks, _device_key(key, axis_name, 0))
+  residual = (chunks - _decode_rows(codec, payloads, c)).reshape(-1)
   received = lax.all_to_all(payloads, axis_name, 0, 0, tiled=True)  # row s: my chunk from s
   reduced = codec.decode_sum(received, (c,))
   if scale != 1.0:
     reduced = reduced * jnp.float32(scale)
   mine = codec.encode(reduced, _device_key(key, axis_name, 1))
-  gathered = lax.all_gather(mine, axis_name)  # [D, P], the same on every device
-  return _decode_rows(codec, gathered, c).reshape(-1)
+  gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, P], the same everywhere
+  return _decode_rows(codec, gathered, c).reshape(-1), residual
 
 
 def _pad_to(x: jax.Array, multiple: int) -> jax.Array:
@@ -106,15 +112,20 @@ def _pad_to(x: jax.Array, multiple: int) -> jax.Array:
 
 
 def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
-                   op: str) -> jax.Array:
-  """Allreduce of a flat float32 buffer (already padded to whole quantisation buckets)."""
+                   op: str) -> tuple[jax.Array, jax.Array]:
+  """Allreduce of a flat float32 buffer (already padded to whole quantisation buckets).
+
+  Returns (result, residual): residual[n] is what this device's first quantisation lost, in the
+  units of x (zero for NoCompression), so that error feedback can add it to the next gradient.
+  """
   n = x.shape[0]
   size = axis_size(axis_name)
   if n == 0:
-    return x
+    return x, x
   if isinstance(codec, NoCompression):
     names = (axis_name.inner, axis_name.outer) if isinstance(axis_name, Hierarchical) else axis_name
-    return lax.pmean(x, names) if op == "mean" else lax.psum(x, names)
+    out = lax.pmean(x, names) if op == "mean" else lax.psum(x, names)
+    return out, jnp.zeros_like(x)
   scale = 1.0 / size if op == "mean" else 1.0
   bucket = packing.quant_bucket(codec)
   if isinstance(axis_name, Hierarchical):
@@ -123,18 +134,24 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
     shard = lax.psum_scatter(x, axis_name.inner, scatter_dimension=0, tiled=True)  # exact
     if scale != 1.0:
       shard = shard * jnp.float32(scale)
-    shard_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axis_name.inner))
-    shard = _sra(shard, axis_name.outer, codec, shard_key, 1.0)
-    return lax.all_gather(shard, axis_name.inner, tiled=True)[:n]
+    inner_index = lax.axis_index(axis_name.inner)
+    shard_key = None if key is None else jax.random.fold_in(key, inner_index)
+    shard, shard_residual = _sra(shard, axis_name.outer, codec, shard_key, 1.0)
+    # The shard's residual goes back where this device's next gradient enters that shard.
+    residual = lax.dynamic_update_slice(jnp.zeros_like(x), shard_residual / jnp.float32(scale),
+                                        (inner_index * shard.shape[0],))
+    full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
+    return full[:n], residual[:n]
   x = _pad_to(x, size * bucket)
-  return _sra(x, axis_name, codec, key, scale)[:n]
+  out, residual = _sra(x, axis_name, codec, key, scale)
+  return out[:n], residual[:n]
 
 
 # ---- public API ----------------------------------------------------------------------------------
 
 def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array | None = None,
               op: str = "mean", *, policy: packing.LeafPolicy | None = None,
-              comm_bucket_size: int = DEFAULT_COMM_BUCKET) -> Any:
+              comm_bucket_size: int = DEFAULT_COMM_BUCKET, return_residual: bool = False) -> Any:
   """Compressed allreduce of an array or a pytree of float arrays across ``axis_name``.
 
   Call it inside ``jax.shard_map`` / ``jax.pmap``. Returns the same structure, shapes and dtypes.
@@ -152,6 +169,8 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
       sent with ``codec``.
     comm_bucket_size: most float32 elements per flat communication buffer; leaves sharing a codec
       are concatenated up to this size so that a model issues few collectives.
+    return_residual: also return, as a float32 pytree like ``x``, what this device's own first
+      quantisation lost (``x`` minus what it sent; zeros for exact leaves), for error feedback.
   """
   _check_common(codec, op)
   if isinstance(comm_bucket_size, bool) or not isinstance(comm_bucket_size, int) or comm_bucket_size < 1:
@@ -169,11 +188,17 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
     raise ValueError("key is required for stochastic rounding: pass key=jax.random.key(...) "
                      "(a new one per call)")
   out: list[Any] = [None] * len(leaves)
+  residual: list[Any] = [None] * len(leaves)
   for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size)):
     group_key = None if key is None else jax.random.fold_in(key, i)
     flat = packing.pack(leaves, group)
-    packing.unpack(allreduce_flat(flat, axis_name, group.codec, group_key, op), leaves, group, out)
-  return jax.tree_util.tree_unflatten(treedef, out)
+    reduced, lost = allreduce_flat(flat, axis_name, group.codec, group_key, op)
+    packing.unpack(reduced, leaves, group, out)
+    packing.unpack(lost, leaves, group, residual, dtype=jnp.float32)
+  result = jax.tree_util.tree_unflatten(treedef, out)
+  if return_residual:
+    return result, jax.tree_util.tree_unflatten(treedef, residual)
+  return result
 
 
 def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
@@ -223,9 +248,10 @@ def all_gather(x: jax.Array, axis_name: AxisName,
   if tiled and x.ndim == 0:
     raise ValueError("x must have at least one dimension for tiled=True")
   if isinstance(codec, NoCompression):
-    return lax.all_gather(x, axis_name, tiled=tiled)
+    return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
   payload = codec.encode(x, _device_key(key, axis_name, 0))
-  out = _decode_rows(codec, lax.all_gather(payload, axis_name), x.size).astype(x.dtype)
+  gathered = lax.all_gather(payload, axis_name, to="invarying")
+  out = _decode_rows(codec, gathered, x.size).astype(x.dtype)
   out = out.reshape((d,) + x.shape)
   return out.reshape((d * x.shape[0],) + x.shape[1:]) if tiled else out
 

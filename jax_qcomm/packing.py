@@ -151,11 +151,12 @@ def pack(leaves: Sequence[jax.Array], group: Group) -> jax.Array:
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def unpack(flat: jax.Array, leaves: Sequence[jax.Array], group: Group, out: list[Any]) -> None:
-  """Writes the group's leaves (original shapes and dtypes) from `flat` into out[i]."""
+def unpack(flat: jax.Array, leaves: Sequence[jax.Array], group: Group, out: list[Any],
+           dtype: Any = None) -> None:
+  """Writes the group's leaves (original shapes; their dtypes unless `dtype`) into out[i]."""
   b = quant_bucket(group.codec)
   offset = 0
   for i in group.leaves:
     leaf = leaves[i]
-    out[i] = flat[offset:offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype)
+    out[i] = flat[offset:offset + leaf.size].reshape(leaf.shape).astype(dtype or leaf.dtype)
     offset += math.ceil(leaf.size / b) * b
