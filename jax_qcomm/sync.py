@@ -80,7 +80,7 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       an ``exclude`` regex travel exact; ``overrides`` maps path regexes to codecs.
     scheme: QSGD scheme, ``"maxmin"`` or ``"norm"``.
     error_feedback: keep, per device, what its own quantisation lost and add it to the next
-      gradient. Costs one float32 copy of the gradients per device (plus, with accumulation, the
+      gradient; QSGD then rounds to nearest (EF-SGD's deterministic compressor). Costs one float32 copy of the gradients per device (plus, with accumulation, the
       accumulator: another copy).
     comm_bucket_size: most elements per flat communication buffer.
     seed: seeds the rounding key (the device index is folded in, so replicas still differ).
@@ -88,6 +88,10 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise ValueError(f"inner must be an optax.GradientTransformation, got {inner!r}")
   codec = codec_for_bits(bits, bucket_size, scheme)
+  if error_feedback and isinstance(codec, QSGD):
+    # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit
+    # the residual (up to a whole bucket range) feeds the next range and training diverged.
+    codec = QSGD(bits=bits, bucket_size=bucket_size, scheme=scheme, rounding="nearest")
   if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
     raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}")
   if not isinstance(error_feedback, bool):
