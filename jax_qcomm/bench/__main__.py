@@ -1,0 +1,64 @@
+"""Command line of the benchmarks: ``python -m jax_qcomm.bench <subcommand> [options]``.
+
+Unless ``--raw-malloc`` is given or the variables are already set, the process first re-executes
+itself with glibc's malloc tuned (:func:`jax_qcomm.bench._timing.ensure_malloc_env`) so that large
+XLA output buffers do not page-fault on every call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from jax_qcomm.bench import _timing, allreduce, codec
+
+
+def _common_options() -> argparse.ArgumentParser:
+  """Options every subcommand takes."""
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--repeats", type=int, default=7, help="timed runs per point (default: 7)")
+  common.add_argument("--warmup", type=int, default=2,
+                      help="untimed runs before timing, compilation included (default: 2)")
+  common.add_argument("--raw-malloc", action="store_true",
+                      help=f"keep glibc's malloc defaults (no re-exec with "
+                           f"{' '.join(_timing.MALLOC_ENV)} set)")
+  return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The parser of all subcommands."""
+  parser = argparse.ArgumentParser(prog="python -m jax_qcomm.bench",
+                                   description="Benchmarks of jax_qcomm.")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+  common = _common_options()
+  codec.add_arguments(sub.add_parser(
+      "codec", parents=[common], help="QSGD encode / decode / decode-sum throughput, ffi vs jax",
+      description=codec.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+  allreduce.add_arguments(sub.add_parser(
+      "allreduce", parents=[common],
+      help="allreduce time of fp32 psum, cast_pmean, Cast(bf16), QSGD 8/4/2 (devices or processes)",
+      description=allreduce.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+  return parser
+
+
+def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> int:
+  """Parses argv (default: sys.argv[1:]) and runs the subcommand; returns the exit status.
+
+  With ``allow_reexec`` (set when run as a program) the process may first re-execute itself with
+  the malloc tuning; called from Python, the malloc mode of the caller's process is recorded as is.
+  """
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = build_parser().parse_args(argv)
+  if allow_reexec:
+    _timing.ensure_malloc_env(raw=args.raw_malloc)
+  command = ["python", "-m", "jax_qcomm.bench", *argv]
+  if args.command == "codec":
+    return codec.main(args, command)
+  if args.command == "allreduce":
+    return allreduce.main(args, command)
+  raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown subcommands
+
+
+if __name__ == "__main__":
+  sys.exit(main(allow_reexec=True))

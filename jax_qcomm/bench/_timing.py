@@ -1,0 +1,218 @@
+"""Timing and run-metadata helpers shared by the benchmarks of this package.
+
+* :func:`median_time` -- warm up a jitted function, then time ``repeats`` calls (each one waited
+  for with ``block_until_ready``) and keep the median, min and max.
+* :func:`ensure_malloc_env` / :func:`malloc_metadata` -- the glibc malloc settings of the run.
+  XLA CPU allocates a fresh output buffer per call, and glibc serves allocations above its mmap
+  threshold (at most 32 MB by default) with fresh mmap pages, so without tuning every call on a
+  large array pays for page faults on its whole output. The variables below keep such buffers on
+  the heap; glibc reads them once at process start, hence the re-exec.
+* :func:`run_metadata`, :func:`format_table`, :func:`write_json` -- reporting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import pathlib
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+#: glibc malloc tuning applied by re-exec: no mmap below 4 GiB, no trimming of the heap below 16 GiB.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+#: Set in the environment of the re-executed process, so that it can tell how the variables came.
+_REEXEC_MARKER = "JAX_QCOMM_BENCH_MALLOC_REEXEC"
+
+
+def _minor_faults() -> int:
+  """Minor page faults of this process so far (0 where getrusage is unavailable)."""
+  try:
+    import resource
+  except ImportError:  # pragma: no cover - not Unix
+    return 0
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Wall-clock seconds of the timed calls of one function, and the minor page faults (of the
+  whole process) during each: a nonzero count shows memory being freshly mapped per call."""
+
+  times: tuple[float, ...]
+  faults: tuple[int, ...] = ()
+
+  @property
+  def median(self) -> float:
+    return statistics.median(self.times)
+
+  @property
+  def min(self) -> float:
+    return min(self.times)
+
+  @property
+  def max(self) -> float:
+    return max(self.times)
+
+  @property
+  def median_faults(self) -> float | None:
+    return statistics.median(self.faults) if self.faults else None
+
+  def as_dict(self) -> dict[str, Any]:
+    """median_s, min_s, max_s, the individual times_s and page faults, for a JSON row."""
+    return dict(median_s=self.median, min_s=self.min, max_s=self.max, times_s=list(self.times),
+                minor_faults_median=self.median_faults, minor_faults=list(self.faults))
+
+
+def median_time(fn: Callable[..., Any], *args: Any, repeats: int = 7, warmup: int = 2) -> Timing:
+  """Times ``fn(*args)`` ``repeats`` times after ``warmup`` untimed calls (compilation included).
+
+  Each call is waited for with ``jax.block_until_ready`` and its result dropped before the next
+  call starts. The garbage collector is paused while timing. Returns the times and the minor
+  page faults during each timed call.
+  """
+  import jax  # not at module level: see the package docstring
+
+  if repeats < 1 or warmup < 1:
+    raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times, faults = [], []
+  gc_was_enabled = gc.isenabled()
+  gc.collect()
+  gc.disable()
+  try:
+    for _ in range(repeats):
+      faults0 = _minor_faults()
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - start)
+      faults.append(_minor_faults() - faults0)
+  finally:
+    if gc_was_enabled:
+      gc.enable()
+  return Timing(tuple(times), tuple(faults))
+
+
+# -- glibc malloc settings --------------------------------------------------------------------------
+
+def ensure_malloc_env(raw: bool) -> None:
+  """Re-executes this interpreter with :data:`MALLOC_ENV` set, unless both variables are already
+  set or ``raw`` is true. Does not return when it re-executes.
+
+  Only for a process started as a program (``python -m jax_qcomm.bench``): the new process runs
+  ``sys.orig_argv``, the original command line.
+  """
+  if raw or all(name in os.environ for name in MALLOC_ENV):
+    return
+  env = dict(os.environ)
+  for name, value in MALLOC_ENV.items():
+    env.setdefault(name, value)
+  env[_REEXEC_MARKER] = "1"
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def malloc_metadata() -> dict[str, Any]:
+  """The malloc mode of this process: ``tuned`` (:data:`MALLOC_ENV`), ``raw`` (glibc defaults) or
+  ``custom`` (other values); where the variables came from; and every ``MALLOC_*`` variable (and
+  ``GLIBC_TUNABLES``) of the environment."""
+  values = {name: os.environ.get(name) for name in MALLOC_ENV}
+  if all(v is None for v in values.values()):
+    mode, source = "raw", None
+  else:
+    mode = "tuned" if values == MALLOC_ENV else "custom"
+    source = "re-exec" if os.environ.get(_REEXEC_MARKER) == "1" else "environment"
+  env = {k: v for k, v in sorted(os.environ.items())
+         if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}
+  return dict(mode=mode, source=source, env=env)
+
+
+def malloc_note(meta: dict[str, Any]) -> str:
+  """One line saying what the malloc mode of :func:`malloc_metadata` means for the numbers."""
+  settings = " ".join(f"{k}={v}" for k, v in meta["env"].items())
+  if meta["mode"] == "raw":
+    return ("malloc: raw glibc defaults (--raw-malloc): outputs above the mmap threshold (<= 32 MB) "
+            "page-fault on every call, which can dominate large sizes")
+  how = "re-executed with" if meta["source"] == "re-exec" else "from the environment:"
+  return (f"malloc: {meta['mode']} ({how} {settings}): output buffers reuse heap pages instead of "
+          "fresh mmaps; pass --raw-malloc for glibc defaults")
+
+
+# -- run metadata and reporting --------------------------------------------------------------------
+
+def cpu_model() -> str:
+  """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where there is none)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "cpu model"):
+          return value.strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def run_metadata(command: Sequence[str]) -> dict[str, Any]:
+  """Date, host, CPU, thread counts, versions, backend, kernel ISA, command line and malloc mode."""
+  import jax
+  import jaxlib
+
+  import jax_qcomm
+  from jax_qcomm import _ffi
+
+  try:
+    affinity = len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):  # pragma: no cover - not Linux
+    affinity = None
+  return dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      hostname=socket.gethostname(),
+      cpu_model=cpu_model(),
+      nproc=os.cpu_count(),
+      cpus_available=affinity,
+      python=platform.python_version(),
+      jax_version=jax.__version__,
+      jaxlib_version=jaxlib.__version__,
+      jax_qcomm_version=jax_qcomm.__version__,
+      backend=jax.default_backend(),
+      devices=[str(d) for d in jax.devices()],
+      cpu_isa=_ffi.cpu_isa(),
+      has_cuda_kernels=_ffi.has_cuda_kernels(),
+      xla_flags=os.environ.get("XLA_FLAGS"),
+      command=shlex.join(command),
+      malloc=malloc_metadata(),
+  )
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                 align: str | None = None) -> str:
+  """A plain-text table; ``align`` has one ``l`` or ``r`` per column (default: all right)."""
+  align = align or "r" * len(headers)
+  if len(align) != len(headers):
+    raise ValueError(f"align needs {len(headers)} letters, got {align!r}")
+  cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+  def line(r: Sequence[str]) -> str:
+    return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
+                     for c, w, a in zip(r, widths, align)).rstrip()
+
+  return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def write_json(path: str | os.PathLike, data: Any) -> pathlib.Path:
+  """Writes data as indented JSON, creating the parent directories; returns the path."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+  return path

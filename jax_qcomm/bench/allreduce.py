@@ -1,0 +1,391 @@
+"""Allreduce benchmark: fp32 psum, cast_pmean bf16, Cast(bf16) and QSGD 8/4/2 bits, one buffer.
+
+Runs over the host devices of one process (``--devices N``, via ``jax_num_cpu_devices``), or, when
+started by the launcher, over all devices of all processes (``jax.distributed`` over gloo)::
+
+    python -m jax_qcomm.bench allreduce --devices 4 --sizes 1M
+    python -m jax_qcomm.launch -n 4 -m jax_qcomm.bench allreduce --sizes 25600000
+
+Each codec's allreduce of one float32[n] buffer per device (different data on every device, op
+mean) is jitted under ``jax.shard_map`` over a 1-D mesh of the D devices and timed with
+``block_until_ready``; across processes, call i takes the slowest process's time of call i.
+
+Columns:
+
+* ``wire MB``: bytes each device sends per allreduce, by the algorithm's count (not measured on
+  the socket). Scatter-reduce-allgather codecs (``Cast``, ``QSGD``): the buffer is padded to whole
+  buckets on every device and its payload is P bytes; each device sends D-1 of its D chunk payloads
+  in the all_to_all and its reduced chunk payload to D-1 peers in the all_gather:
+  2 (D-1)/D * P. ``psum`` (fp32, cast_pmean) as a ring allreduce: 2 (D-1)/D * n * itemsize, the
+  itemsize being that of the all-reduce XLA actually compiled (XLA CPU promotes a bf16 all-reduce to
+  f32: ``cast_pmean`` then sends 4 bytes per value; the dtype is read from the compiled HLO).
+* ``busbw GB/s``: nccl-tests' bus bandwidth, algbw * 2 (D-1)/D, with algbw computed on the bytes
+  actually sent (payload bytes, not float32 bytes): wire bytes / time.
+* ``algbw GB/s``: effective algorithm bandwidth on the uncompressed buffer: 4 n / time.
+* ``vs fp32``: fp32 psum time / this time (> 1: faster than fp32), and ``wire/fp32`` the ratio of
+  wire bytes.
+* ``floor ms`` (with ``--link-gbps``): wire bytes / link rate, the transfer time alone.
+
+``--breakdown`` also times, on one device without any communication, the codec work a device does
+inside one compressed allreduce (encode D chunks, decode-and-sum D payloads, re-encode one chunk,
+decode D payloads), and the transfer alone (the same all_to_all + all_gather of uint8 payloads, no
+codec), to separate codec cost from transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any, Callable, Sequence
+
+from jax_qcomm.bench import _timing
+from jax_qcomm.bench.codec import parse_size
+
+DEFAULT_SIZES = (1_000_000, 25_600_000)
+DEFAULT_OUT = "bench-results/allreduce.json"
+DEFAULT_DEVICES = 4
+#: codec name -> (description, kind, arguments); kind "psum", "cast_pmean" or "sra".
+CODECS = {
+    "fp32": ("NoCompression: lax.pmean of float32", "psum", {}),
+    "cast_pmean_bf16": ("cast_pmean(bfloat16): cast, lax.pmean, cast back", "cast_pmean", {}),
+    "cast_bf16": ("Cast(bfloat16): bf16 bits on the wire, SRA", "sra", {"dtype": "bfloat16"}),
+    "qsgd8": ("QSGD 8 bits maxmin, SRA", "sra", {"bits": 8}),
+    "qsgd4": ("QSGD 4 bits maxmin, SRA", "sra", {"bits": 4}),
+    "qsgd2": ("QSGD 2 bits maxmin, SRA", "sra", {"bits": 2}),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the allreduce benchmark's options to its subcommand parser."""
+  parser.add_argument("--sizes", type=parse_size, nargs="+", default=list(DEFAULT_SIZES),
+                      metavar="N", help="float32 elements per device (default: 1M 25.6M)")
+  parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS),
+                      help="codecs to time (default: all)")
+  parser.add_argument("--bucket", type=int, default=128, help="QSGD bucket size (default: 128)")
+  parser.add_argument("--devices", type=int, default=None,
+                      help=f"host devices per process (default: {DEFAULT_DEVICES} in a single "
+                           "process; under the launcher QCOMM_LOCAL_DEVICES, else 1)")
+  parser.add_argument("--impl", choices=("auto", "ffi", "jax"), default="auto",
+                      help="QSGD implementation (default: auto)")
+  parser.add_argument("--link-gbps", type=float, default=None,
+                      help="link rate in Gbit/s, for a 'floor' column (wire bytes / rate)")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="also time the codec work of one device without communication")
+  parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
+
+
+# -- setup ------------------------------------------------------------------------------------------
+
+def _init_devices(devices: int | None) -> None:
+  """Multi-process (under the launcher) or single-process device setup; before any backend."""
+  import jax
+
+  from jax_qcomm import distributed
+
+  if devices is not None and devices < 1:
+    raise SystemExit(f"--devices must be >= 1, got {devices}")
+  if distributed.under_launcher():
+    distributed.initialize(local_device_count=devices)
+  else:
+    jax.config.update("jax_num_cpu_devices", DEFAULT_DEVICES if devices is None else devices)
+
+
+def _make_codec(name: str, bucket: int, impl: str):
+  import jax.numpy as jnp
+
+  import jax_qcomm as qcomm
+
+  _, kind, kw = CODECS[name]
+  if kind == "psum":
+    return qcomm.NoCompression()
+  if kind == "cast_pmean":
+    return None
+  if "dtype" in kw:
+    return qcomm.Cast(getattr(jnp, kw["dtype"]))
+  return qcomm.QSGD(bits=kw["bits"], bucket_size=bucket, scheme="maxmin", impl=impl)
+
+
+def _allreduce_fn(name: str, codec, mesh) -> Callable:
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  import jax_qcomm as qcomm
+
+  key = jax.random.key(0)
+  kind = CODECS[name][1]
+
+  def per_device(x):
+    v = x[0]
+    if kind == "cast_pmean":
+      out = qcomm.cast_pmean(v, "data", jnp.bfloat16)
+    else:
+      out = qcomm.allreduce(v, "data", codec=codec, key=key)
+    return out[None]
+
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+
+
+_HLO_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "u8": 1, "s8": 1}
+
+
+def collective_itemsizes(compiled_text: str, op: str = "all-reduce") -> list[int]:
+  """Element sizes of the results of the ``op`` instructions of a compiled HLO module's text."""
+  sizes = []
+  for m in re.finditer(r"=\s*\(?([a-z]+[0-9]+)\[[^\]]*\][^=]*?\s" + re.escape(op) + r"(?:-start)?\(",
+                       compiled_text):
+    sizes.append(_HLO_DTYPE_BYTES.get(m.group(1), 4))
+  return sizes
+
+
+def wire_bytes(name: str, codec, n: int, d: int, psum_itemsize: int = 4) -> tuple[int, int]:
+  """(payload bytes of the whole buffer, bytes each device sends) for one allreduce of n values."""
+  if d == 1:
+    return 0, 0
+  kind = CODECS[name][1]
+  if kind in ("psum", "cast_pmean"):
+    payload = n * psum_itemsize
+  else:
+    bucket = getattr(codec, "bucket_size", 1)
+    n_pad = -(-n // (d * bucket)) * d * bucket
+    payload = d * codec.payload_size(n_pad // d)
+  return payload, (2 * (d - 1) * payload) // d
+
+
+def _global_input(mesh, n: int):
+  """float32[D, n], row g (on device g) normal with a device-dependent seed."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  d = mesh.devices.size
+
+  def rows(idx):
+    return np.stack([np.random.default_rng([7, g]).standard_normal(n, dtype=np.float32)
+                     for g in range(*idx[0].indices(d))])
+
+  return jax.make_array_from_callback((d, n), NamedSharding(mesh, P("data")), rows)
+
+
+def _collective_timing(t: _timing.Timing) -> _timing.Timing:
+  """Across processes: call i takes the slowest process's time of call i."""
+  import jax
+  import numpy as np
+
+  if jax.process_count() == 1:
+    return t
+  from jax_qcomm import distributed
+
+  all_times = np.asarray(distributed.process_allgather(np.asarray(t.times, np.float64)))
+  return _timing.Timing(tuple(float(v) for v in all_times.max(axis=0)))
+
+
+def _log(msg: str) -> None:
+  import jax
+
+  if jax.process_index() == 0:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- the benchmark ----------------------------------------------------------------------------------
+
+def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: int,
+               warmup: int, link_gbps: float | None) -> list[dict[str, Any]]:
+  """Times every codec's allreduce of n values per device; one row per codec."""
+  import jax
+
+  d = mesh.devices.size
+  x = _global_input(mesh, n)
+  jax.block_until_ready(x)
+  rows = []
+  for name in names:
+    codec = _make_codec(name, bucket, impl)
+    fn = _allreduce_fn(name, codec, mesh)
+    compiled = fn.lower(x).compile()
+    itemsizes = collective_itemsizes(compiled.as_text())
+    psum_itemsize = max(itemsizes) if itemsizes else 4
+    payload, sent = wire_bytes(name, codec, n, d, psum_itemsize)
+    t = _collective_timing(_timing.median_time(compiled, x, repeats=repeats, warmup=warmup))
+    _log(f"  {n:>13,} {name:<16} {1e3 * t.median:10.2f} ms")
+    rows.append(dict(
+        codec=name, description=CODECS[name][0], size=n, devices=d,
+        processes=jax.process_count(), bucket_size=bucket if name.startswith("qsgd") else None,
+        psum_wire_itemsize=psum_itemsize if CODECS[name][1] != "sra" else None,
+        payload_bytes=payload, wire_bytes_per_device=sent,
+        **t.as_dict(),
+        busbw_gb_per_s=sent / t.median / 1e9,
+        algbw_gb_per_s=4 * n / t.median / 1e9,
+        link_floor_s=None if link_gbps is None else sent * 8 / (link_gbps * 1e9),
+        speedup_vs_fp32=None, wire_ratio_vs_fp32=None))
+    del fn, compiled
+  base = next((r for r in rows if r["codec"] == "fp32"), None)
+  if base is not None:
+    for r in rows:
+      r["speedup_vs_fp32"] = base["median_s"] / r["median_s"]
+      r["wire_ratio_vs_fp32"] = (r["wire_bytes_per_device"] / base["wire_bytes_per_device"]
+                                 if base["wire_bytes_per_device"] else None)
+  return rows
+
+
+def _transfer_fn(mesh, payload_row: int) -> Callable:
+  """The SRA's communication alone: all_to_all of uint8[D, p] and all_gather of uint8[p]."""
+  import jax
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
+
+  def per_device(a):
+    rows = a[0]  # [D, p]
+    received = lax.all_to_all(rows, "data", 0, 0, tiled=True)
+    gathered = lax.all_gather(received[0], "data")
+    return received[None], gathered[None]
+
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"),
+                               out_specs=(P("data"), P("data"))))
+
+
+def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: int,
+                    warmup: int) -> list[dict[str, Any]]:
+  """Where an SRA allreduce of n values over the mesh's D devices spends its time.
+
+  * codec work of one device, without communication, on this process's first device (all
+    processes at once, as in the allreduce): encode the D chunks, decode-and-sum the D received
+    payloads, re-encode the reduced chunk, decode the D gathered payloads;
+  * transfer alone: the same all_to_all + all_gather of uint8 payload bytes, no codec.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  d = mesh.devices.size
+  dev = jax.local_devices()[0]
+  rows = []
+  for name in names:
+    if CODECS[name][1] != "sra":
+      continue
+    codec = _make_codec(name, bucket, impl)
+    b = getattr(codec, "bucket_size", 1)
+    c = -(-n // (d * b)) * b  # chunk length per device, as the allreduce pads
+    key = jax.random.key(1)
+    chunks = jax.device_put(jax.random.normal(jax.random.key(2), (d, c), jnp.float32), dev)
+    enc_rows = jax.jit(lambda xs, k: jax.vmap(codec.encode)(xs, jax.random.split(k, xs.shape[0])))
+    payloads = jax.block_until_ready(enc_rows(chunks, key))
+    stages = {
+        "encode_chunks": (enc_rows, (chunks, key)),
+        "decode_sum": (jax.jit(lambda p: codec.decode_sum(p, (c,))), (payloads,)),
+        "encode_reduced": (jax.jit(codec.encode), (chunks[0], key)),
+        "decode_chunks": (jax.jit(lambda p: jax.vmap(lambda q: codec.decode(q, (c,)))(p)),
+                          (payloads,)),
+    }
+    row = dict(codec=name, size=n, devices=d, chunk=c)
+    total = 0.0
+    for stage, (fn, args) in stages.items():
+      t = _collective_timing(_timing.median_time(fn, *args, repeats=repeats, warmup=warmup))
+      row[f"{stage}_s"] = t.median
+      total += t.median
+    row["codec_total_s"] = total
+    if d > 1:
+      p = codec.payload_size(c)
+      buf = jax.make_array_from_callback(
+          (d, d, p), NamedSharding(mesh, P("data")),
+          lambda idx: np.full((len(range(*idx[0].indices(d))), d, p), 7, np.uint8))
+      t = _collective_timing(_timing.median_time(_transfer_fn(mesh, p), buf, repeats=repeats,
+                                                 warmup=warmup))
+      row["transfer_s"] = t.median
+    else:
+      row["transfer_s"] = None
+    _log(f"  {n:>13,} {name:<16} codec work {1e3 * total:10.2f} ms")
+    rows.append(row)
+  return rows
+
+
+def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str, Any]],
+                   meta: dict[str, Any]) -> str:
+  """The printed report: the table, the optional breakdown and the footer notes."""
+  cfg = meta["config"]
+  has_floor = cfg["link_gbps"] is not None
+  headers = ["size", "codec", "median ms", "min ms", "max ms", "wire MB", "busbw GB/s",
+             "algbw GB/s", "vs fp32", "wire/fp32"] + (["floor ms"] if has_floor else [])
+  table = []
+  for r in rows:
+    line = [f"{r['size']:,}", r["codec"], f"{1e3 * r['median_s']:.1f}", f"{1e3 * r['min_s']:.1f}",
+            f"{1e3 * r['max_s']:.1f}", f"{r['wire_bytes_per_device'] / 1e6:.2f}",
+            f"{r['busbw_gb_per_s']:.3f}", f"{r['algbw_gb_per_s']:.3f}",
+            "" if r["speedup_vs_fp32"] is None else f"{r['speedup_vs_fp32']:.2f}x",
+            "" if r["wire_ratio_vs_fp32"] is None else f"{r['wire_ratio_vs_fp32']:.3f}"]
+    if has_floor:
+      line.append(f"{1e3 * r['link_floor_s']:.1f}")
+    table.append(line)
+  lines = [
+      f"allreduce (op=mean) over D={meta['num_devices']} devices in {meta['num_processes']} "
+      f"process(es)  |  {meta['backend']}  {meta['cpu_model']}  nproc={meta['nproc']}  "
+      f"jax {meta['jax_version']}",
+      "",
+      _timing.format_table(headers, table, align="rl" + "r" * (len(headers) - 2)),
+      "",
+      f"times: median (min, max) of {cfg['repeats']} runs after {cfg['warmup']} warmup runs"
+      + ("; per call, the slowest process" if meta["num_processes"] > 1 else "") + ".",
+      "wire MB: bytes each device sends, 2(D-1)/D x payload of the buffer (SRA codecs: all_to_all "
+      "+ all_gather of the padded payload; psum: ring allreduce of n x itemsize of the compiled "
+      "all-reduce). busbw = wire bytes / time (nccl-tests busbw on the bytes sent); algbw = 4n / "
+      "time (uncompressed float32); vs fp32 = fp32 time / time.",
+  ]
+  if breakdown:
+    bh = ["size", "codec", "chunk", "encode D ms", "decode_sum ms", "re-encode ms", "decode D ms",
+          "codec total ms", "transfer ms", "allreduce ms"]
+    med = {(r["size"], r["codec"]): r["median_s"] for r in rows}
+    bt = [[f"{r['size']:,}", r["codec"], f"{r['chunk']:,}", f"{1e3 * r['encode_chunks_s']:.1f}",
+           f"{1e3 * r['decode_sum_s']:.1f}", f"{1e3 * r['encode_reduced_s']:.1f}",
+           f"{1e3 * r['decode_chunks_s']:.1f}", f"{1e3 * r['codec_total_s']:.1f}",
+           "" if r["transfer_s"] is None else f"{1e3 * r['transfer_s']:.1f}",
+           f"{1e3 * med.get((r['size'], r['codec']), float('nan')):.1f}"] for r in breakdown]
+    lines += ["", "breakdown: codec work per allreduce of one device of each process, without "
+              "communication (processes at once), and the transfer alone (the same uint8 "
+              "all_to_all + all_gather, no codec):",
+              _timing.format_table(bh, bt, align="rl" + "r" * (len(bh) - 2))]
+  lines.append(_timing.malloc_note(meta["malloc"]))
+  return "\n".join(lines)
+
+
+def main(args: argparse.Namespace, command: Sequence[str]) -> int:
+  """Runs the benchmark of the parsed ``args``; process 0 prints the table and writes the JSON."""
+  if args.repeats < 1 or args.warmup < 1:
+    raise SystemExit("--repeats and --warmup must be >= 1")
+  if args.bucket < 8 or args.bucket % 8:
+    raise SystemExit(f"--bucket must be a positive multiple of 8, got {args.bucket}")
+  _init_devices(args.devices)
+  import jax
+
+  from jax_qcomm import distributed
+
+  mesh = distributed.global_mesh(("data",))
+  d = mesh.devices.size
+  launch_command = os.environ.get("QCOMM_LAUNCH_COMMAND") if distributed.under_launcher() else None
+  meta = _timing.run_metadata(command)
+  if launch_command:
+    meta["command"] = launch_command
+  meta.update(benchmark="allreduce", num_devices=d, num_processes=jax.process_count(),
+              local_devices=jax.local_device_count(),
+              launcher=distributed.under_launcher(),
+              gloo_interface=os.environ.get(distributed.ENV_GLOO_INTERFACE))
+  meta["devices"] = [str(dev) for dev in distributed.global_devices()]
+  meta["config"] = dict(sizes=args.sizes, codecs=args.codecs, bucket_size=args.bucket,
+                        impl=args.impl, repeats=args.repeats, warmup=args.warmup,
+                        link_gbps=args.link_gbps, breakdown=args.breakdown, op="mean")
+  _log(_timing.malloc_note(meta["malloc"]))
+  if d == 1:
+    _log("warning: one device only: nothing is communicated")
+  rows, breakdown = [], []
+  for n in args.sizes:
+    rows += bench_size(n, mesh, args.codecs, bucket=args.bucket, impl=args.impl,
+                       repeats=args.repeats, warmup=args.warmup, link_gbps=args.link_gbps)
+    if args.breakdown:
+      breakdown += bench_breakdown(n, mesh, args.codecs, bucket=args.bucket, impl=args.impl,
+                                   repeats=args.repeats, warmup=args.warmup)
+  if jax.process_index() == 0:
+    print(format_results(rows, breakdown, meta))
+    path = _timing.write_json(args.out, dict(metadata=meta, rows=rows, breakdown=breakdown))
+    print(f"wrote {path}")
+  return 0

@@ -1,0 +1,179 @@
+"""Codec benchmark: QSGD encode, decode and decode-and-sum, FFI kernels against pure JAX.
+
+For each size n and each implementation (``QSGD(..., impl="ffi")`` and ``impl="jax"``) it times
+three jitted functions on the default backend:
+
+* ``encode``      float32[n] + key -> payload (throughput counts the n input elements);
+* ``decode``      one payload -> float32[n] (counts the n output elements);
+* ``decode_sum``  payloads[4, P] -> float32[n], the sum of 4 decodes (counts the n output
+  elements, not the 4n decoded ones).
+
+GB/s is of the float32 side: 4n bytes of input for encode, of output for the decodes. Both
+implementations decode the same payloads (the format is shared). ``ffi/jax`` is the speedup of the
+FFI kernel over the reference, median against median, measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any, Sequence
+
+from jax_qcomm.bench import _timing
+
+OPS = ("encode", "decode", "decode_sum")
+IMPLS = ("ffi", "jax")
+NUM_PAYLOADS = 4  # decode_sum sums this many payloads, as a 4-worker allreduce would
+DEFAULT_SIZES = (1_000_000, 25_000_000)
+DEFAULT_OUT = "bench-results/codec.json"
+
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_size(text: str) -> int:
+  """An element count: ``25000000``, ``25_000_000``, ``2.5e7`` or ``25M`` (k, M, G: powers of 10)."""
+  match = re.fullmatch(r"([0-9._eE+]+)([kKmMgG]?)", text.strip())
+  try:
+    if match is None:
+      raise ValueError
+    value = float(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2).lower()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not an element count: {text!r}") from None
+  if value < 1 or value != int(value):
+    raise argparse.ArgumentTypeError(f"size must be a positive integer, got {text!r}")
+  return int(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the codec benchmark's options to its subcommand parser."""
+  parser.add_argument("--sizes", type=parse_size, nargs="+", default=list(DEFAULT_SIZES),
+                      metavar="N", help="element counts (default: 1M 25M)")
+  parser.add_argument("--bits", type=int, default=4, help="bits per value (default: 4)")
+  parser.add_argument("--bucket", type=int, default=128, help="bucket size (default: 128)")
+  parser.add_argument("--scheme", choices=("maxmin", "norm"), default="maxmin",
+                      help="quantisation scheme (default: maxmin)")
+  parser.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
+                      help="encode rounding (default: stochastic)")
+  parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+                      help="implementations to time (default: ffi jax)")
+  parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
+
+
+def _row_label(n: int) -> str:
+  return f"{n:,}"
+
+
+def _jitted_op(codec: Any, op: str, shape: tuple[int, ...]) -> Any:
+  """The jitted function of one op of one codec; see :func:`bench_size` for its arguments."""
+  import jax
+
+  if op == "encode":
+    return jax.jit(codec.encode)
+  if op == "decode":
+    return jax.jit(lambda payload: codec.decode(payload, shape))
+  return jax.jit(lambda payloads: codec.decode_sum(payloads, shape))
+
+
+def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
+               impls: Sequence[str], repeats: int, warmup: int) -> list[dict[str, Any]]:
+  """Times every op of every impl at n elements; returns one row per (op, impl)."""
+  import jax
+  import jax.numpy as jnp
+
+  from jax_qcomm import QSGD
+
+  codecs = {impl: QSGD(bits, bucket, scheme, rounding, impl=impl) for impl in impls}
+  shape = (n,)
+  x = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+  # The payloads come from one implementation (the format is shared): both decode the same bytes.
+  make = jax.jit(QSGD(bits, bucket, scheme, rounding).encode)
+  payloads = jnp.stack([make(jax.random.normal(jax.random.key(2 + i), shape, jnp.float32),
+                             jax.random.key(100 + i)) for i in range(NUM_PAYLOADS)])
+  inputs = {"encode": (x, jax.random.key(0)), "decode": (payloads[0],), "decode_sum": (payloads,)}
+  num_payloads = {"encode": None, "decode": 1, "decode_sum": NUM_PAYLOADS}
+  jax.block_until_ready(inputs)
+
+  rows = []
+  for op in OPS:
+    timings = {}
+    for impl, codec in codecs.items():
+      t = _timing.median_time(_jitted_op(codec, op, shape), *inputs[op], repeats=repeats,
+                              warmup=warmup)
+      timings[impl] = t
+      print(f"  {_row_label(n):>13} {op:<10} {impl:<3}  {1e3 * t.median:9.3f} ms",
+            file=sys.stderr, flush=True)
+      rows.append(dict(
+          op=op, impl=impl, size=n, bits=bits, bucket_size=bucket, scheme=scheme,
+          rounding=rounding, payload_bytes=int(payloads.shape[1]), num_payloads=num_payloads[op],
+          **t.as_dict(),
+          elements_per_s=n / t.median,
+          gb_per_s=4 * n / t.median / 1e9,
+          speedup_ffi_over_jax=None,
+      ))
+    if "ffi" in timings and "jax" in timings:
+      speedup = timings["jax"].median / timings["ffi"].median
+      for row in rows[-len(timings):]:
+        if row["impl"] == "ffi":
+          row["speedup_ffi_over_jax"] = speedup
+  return rows
+
+
+def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
+  """The printed report: the table and its footer notes."""
+  headers = ("size", "op", "impl", "median ms", "min ms", "max ms", "Melem/s", "GB/s", "ffi/jax",
+             "faults")
+  table = [(_row_label(r["size"]), r["op"], r["impl"], f"{1e3 * r['median_s']:.3f}",
+            f"{1e3 * r['min_s']:.3f}", f"{1e3 * r['max_s']:.3f}",
+            f"{r['elements_per_s'] / 1e6:.1f}", f"{r['gb_per_s']:.2f}",
+            "" if r["speedup_ffi_over_jax"] is None else f"{r['speedup_ffi_over_jax']:.2f}x",
+            f"{r['minor_faults_median']:.0f}")
+           for r in rows]
+  cfg = meta["config"]
+  nproc = meta["nproc"]
+  lines = [
+      f"QSGD bits={cfg['bits']} bucket={cfg['bucket_size']} scheme={cfg['scheme']} "
+      f"rounding={cfg['rounding']}  |  {meta['backend']}  {meta['cpu_model']}  nproc={nproc}  "
+      f"isa={meta['cpu_isa']}  jax {meta['jax_version']}",
+      "",
+      _timing.format_table(headers, table, align="rllrrrrrrr"),
+      "",
+      f"times: median (min, max) of {cfg['repeats']} runs after {cfg['warmup']} warmup runs; "
+      "ffi/jax = jax median / ffi median.",
+      "Melem/s counts input elements (encode) or output elements (decode, decode_sum of "
+      f"{NUM_PAYLOADS} payloads); GB/s is of those float32 bytes; faults: median minor page "
+      "faults per call (4 KiB each).",
+  ]
+  if meta["backend"] == "cpu":
+    lines.append(f"threads: the C++ FFI kernels run on one thread, while XLA may spread the pure-JAX "
+                 f"reference over up to {nproc} threads (os.cpu_count()={nproc}).")
+  lines.append(_timing.malloc_note(meta["malloc"]))
+  return "\n".join(lines)
+
+
+def main(args: argparse.Namespace, command: Sequence[str]) -> int:
+  """Runs the benchmark of the parsed ``args``, prints the table, writes the JSON; returns 0."""
+  from jax_qcomm import QSGD
+
+  if args.repeats < 1 or args.warmup < 1:
+    raise SystemExit("error: --repeats and --warmup must be >= 1")
+  try:  # the codec's own validation, before any work
+    for impl in args.impls:
+      QSGD(args.bits, args.bucket, args.scheme, args.rounding, impl=impl)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+  meta = _timing.run_metadata(command)
+  meta["benchmark"] = "codec"
+  meta["config"] = dict(sizes=args.sizes, bits=args.bits, bucket_size=args.bucket,
+                        scheme=args.scheme, rounding=args.rounding, impls=args.impls,
+                        num_payloads=NUM_PAYLOADS, repeats=args.repeats, warmup=args.warmup)
+  print(_timing.malloc_note(meta["malloc"]), file=sys.stderr, flush=True)
+  rows = []
+  for n in args.sizes:
+    rows += bench_size(n, bits=args.bits, bucket=args.bucket, scheme=args.scheme,
+                       rounding=args.rounding, impls=args.impls, repeats=args.repeats,
+                       warmup=args.warmup)
+  print(format_results(rows, meta))
+  path = _timing.write_json(args.out, dict(metadata=meta, rows=rows))
+  print(f"wrote {path}")
+  return 0

@@ -1,0 +1,86 @@
+"""The benchmark command line runs end to end at a tiny size and writes well-formed JSON.
+
+No timing is asserted: only the shape of the output and that every number is positive and finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_qcomm import _ffi, wire
+from jax_qcomm.bench import _timing, codec
+
+_NUMBERS = ("median_s", "min_s", "max_s", "elements_per_s", "gb_per_s")
+
+
+def _run_codec_bench(tmp_path, *extra: str) -> dict:
+  out = tmp_path / "codec.json"
+  env = {k: v for k, v in os.environ.items()
+         if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_qcomm.bench", "codec", "--sizes", "4096", "1000",
+       "--repeats", "2", "--warmup", "1", "--out", str(out), *extra],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "decode_sum" in proc.stdout and "malloc:" in proc.stdout
+  return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not _ffi.has_cpu_kernels(), reason="needs the compiled CPU kernels")
+@pytest.mark.parametrize("raw", [False, True], ids=["tuned", "raw"])
+def test_codec_bench_json(tmp_path, raw):
+  result = _run_codec_bench(tmp_path, *(["--raw-malloc"] if raw else []))
+  meta, rows = result["metadata"], result["rows"]
+
+  assert meta["benchmark"] == "codec"
+  assert meta["nproc"] == os.cpu_count()
+  assert meta["cpu_isa"] == _ffi.cpu_isa()
+  assert meta["command"].startswith("python -m jax_qcomm.bench codec --sizes 4096 1000")
+  for key in ("date", "hostname", "cpu_model", "jax_version", "backend"):
+    assert meta[key], key
+  if raw:
+    assert meta["malloc"] == dict(mode="raw", source=None, env={})
+  else:
+    assert meta["malloc"]["mode"] == "tuned" and meta["malloc"]["source"] == "re-exec"
+    assert meta["malloc"]["env"] == _timing.MALLOC_ENV
+
+  assert [(r["size"], r["op"], r["impl"]) for r in rows] == [
+      (n, op, impl) for n in (4096, 1000) for op in codec.OPS for impl in codec.IMPLS]
+  for r in rows:
+    for key in _NUMBERS:
+      assert math.isfinite(r[key]) and r[key] > 0, (r, key)
+    assert r["min_s"] <= r["median_s"] <= r["max_s"]
+    assert len(r["times_s"]) == 2
+    assert r["elements_per_s"] == pytest.approx(r["size"] / r["median_s"])
+    assert r["payload_bytes"] == wire.qsgd_payload_bytes(r["size"], 4, 128, "maxmin")
+    speedup = r["speedup_ffi_over_jax"]
+    if r["impl"] == "ffi":
+      assert math.isfinite(speedup) and speedup > 0
+    else:
+      assert speedup is None
+    assert r["num_payloads"] == {"encode": None, "decode": 1, "decode_sum": 4}[r["op"]]
+
+
+def test_parse_size():
+  assert [codec.parse_size(s) for s in ("4096", "25_000_000", "2.5e7", "25M", "10k", "1G")] == [
+      4096, 25_000_000, 25_000_000, 25_000_000, 10_000, 10**9]
+  for bad in ("0", "-5", "1.5", "abc", "3x"):
+    with pytest.raises(argparse.ArgumentTypeError):
+      codec.parse_size(bad)
+
+
+def test_median_time_and_table():
+  t = _timing.median_time(lambda: 1, repeats=3, warmup=1)
+  assert len(t.times) == 3 and len(t.faults) == 3
+  assert t.min <= t.median <= t.max
+  with pytest.raises(ValueError):
+    _timing.median_time(lambda: 1, repeats=0)
+  table = _timing.format_table(("a", "bb"), [("x", 1), ("yyy", 22)], align="lr")
+  assert table.splitlines() == ["a    bb", "---  --", "x     1", "yyy  22"]

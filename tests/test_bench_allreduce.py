@@ -1,0 +1,79 @@
+"""The allreduce benchmark runs end to end (single process, 4 host devices, a tiny size).
+
+No timing assertions: only that every codec has a row of positive finite numbers, that the wire-byte
+convention holds, and that the metadata is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CODECS = ("fp32", "cast_pmean_bf16", "cast_bf16", "qsgd8", "qsgd4", "qsgd2")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench") / "allreduce.json"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}  # not under a launcher
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_qcomm.bench", "allreduce", "--devices", "4", "--sizes", "5000",
+       "--repeats", "2", "--warmup", "1", "--breakdown", "--link-gbps", "1", "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+  return json.loads(out.read_text()), proc.stdout
+
+
+def _positive_finite(v):
+  return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def test_rows_have_positive_finite_numbers(result):
+  data, _ = result
+  rows = {r["codec"]: r for r in data["rows"]}
+  assert set(rows) == set(CODECS)
+  for name, r in rows.items():
+    assert r["size"] == 5000 and r["devices"] == 4 and r["processes"] == 1
+    for field in ("median_s", "min_s", "max_s", "wire_bytes_per_device", "payload_bytes",
+                  "busbw_gb_per_s", "algbw_gb_per_s", "speedup_vs_fp32", "wire_ratio_vs_fp32",
+                  "link_floor_s"):
+      assert _positive_finite(r[field]), (name, field, r[field])
+    assert r["min_s"] <= r["median_s"] <= r["max_s"]
+    assert len(r["times_s"]) == 2
+
+
+def test_wire_bytes_convention(result):
+  data, _ = result
+  rows = {r["codec"]: r for r in data["rows"]}
+  d, n = 4, 5000
+  assert rows["fp32"]["wire_bytes_per_device"] == 2 * (d - 1) * 4 * n // d
+  # XLA CPU promotes the bf16 all-reduce to f32: cast_pmean sends fp32 bytes (read from the HLO).
+  assert rows["cast_pmean_bf16"]["psum_wire_itemsize"] == 4
+  assert rows["cast_bf16"]["wire_ratio_vs_fp32"] == pytest.approx(0.5)
+  # QSGD 4 bits, bucket 128: 64 code bytes + 8 scale bytes per bucket, buffer padded to D*128.
+  n_pad = -(-n // (d * 128)) * d * 128
+  assert rows["qsgd4"]["payload_bytes"] == n_pad // 128 * 72
+  assert rows["qsgd2"]["wire_bytes_per_device"] < rows["qsgd4"]["wire_bytes_per_device"] \
+      < rows["qsgd8"]["wire_bytes_per_device"] < rows["cast_bf16"]["wire_bytes_per_device"]
+
+
+def test_breakdown_and_metadata(result):
+  data, stdout = result
+  assert {r["codec"] for r in data["breakdown"]} == {"cast_bf16", "qsgd8", "qsgd4", "qsgd2"}
+  for r in data["breakdown"]:
+    assert _positive_finite(r["codec_total_s"]) and _positive_finite(r["transfer_s"])
+  meta = data["metadata"]
+  assert meta["benchmark"] == "allreduce" and meta["num_devices"] == 4
+  assert meta["num_processes"] == 1 and not meta["launcher"]
+  for key in ("date", "hostname", "cpu_model", "jax_version", "command", "malloc"):
+    assert meta[key], key
+  assert "allreduce" in meta["command"]
+  assert "qsgd4" in stdout and "busbw" in stdout
