@@ -9,6 +9,10 @@ Three implementations of the QSGD wire format are compared byte for byte:
   ``packbits``). numpy does not flush denormals as XLA's CPU runtime does, so data given to it has
   no denormal values or intermediates.
 
+Decoded values: the kernels and the numpy model round `min + code * step` (maxmin) twice; XLA CPU
+contracts it into an FMA when the pure-JAX decode is jitted, so that decode may differ in the last
+bit (checked precisely by `assert_jax_decode`; the strict xfail test records the deviation).
+
 Accuracy assertions are derived from the quantisation step of the data, computed here in float64
 from its definition: maxmin step = (max - min) / (2**b - 1), norm step = ||bucket||_2 / (2**(b-1) - 1)
 (the kernels sum squares of values truncated to 12 significant bits, so the stored norm step may be
@@ -176,6 +180,14 @@ def _steps(x, bits, bucket, scheme) -> np.ndarray:
   return out
 
 
+def _bucket_min(x, bucket) -> np.ndarray:
+  x = np.asarray(x, np.float64).reshape(-1)
+  out = np.empty_like(x)
+  for s in range(0, x.size, bucket):
+    out[s:s + bucket] = x[s:s + bucket].min()
+  return out
+
+
 def _bucket_max_abs(x, bucket) -> np.ndarray:
   x = np.abs(np.asarray(x, np.float64).reshape(-1))
   out = np.empty_like(x)
@@ -296,14 +308,6 @@ def test_jax_decode_under_jit_bit_identical_to_ffi():
   assert mismatches == 0, f"{mismatches} decoded values differ"
 
 
-def test_jax_decode_eager_bit_identical_to_ffi():
-  """Eagerly (one XLA op at a time, nothing to contract) the two decodes agree exactly."""
-  for config in [(2, 24, "maxmin", "stochastic")]:  # one config: eager pure JAX is slow
-    x, _, (pf, _, df, _) = _sweep_result(config)
-    dj = as_np(qcomm.QSGD(*config, impl="jax").decode(jnp.asarray(pf), x.shape))
-    np.testing.assert_array_equal(dj, df)
-
-
 SHAPES = [(), (0,), (2, 0), (1,), (7,), (40,), (3, 50), (2, 3, 37)]
 SHAPE_INPUTS = ([(s, "float32") for s in SHAPES]
                 + [(s, "bfloat16") for s in ((), (7,), (3, 50))]
@@ -376,7 +380,8 @@ def _unbias_input():
 @pytest.mark.parametrize("scheme,bits", [("maxmin", 1), ("maxmin", 2), ("maxmin", 4),
                                          ("norm", 2), ("norm", 4)])
 def test_stochastic_rounding_is_unbiased(scheme, bits):
-  """The mean of K roundtrips is within 5 standard errors of x, element by element, both impls.
+  """The mean of K roundtrips is within 5 standard errors of x, element by element, both impls;
+  the pooled z-score of all elements off the grid is within 5 too.
 
   One stochastic rounding of t (in steps) is floor(t) or floor(t)+1, a variance of
   frac(t)(1-frac(t)) step^2 <= step^2/4; the mean of K independent ones has a standard error
@@ -390,10 +395,19 @@ def test_stochastic_rounding_is_unbiased(scheme, bits):
   step = _steps(x, bits, 16, scheme)
   slack = 2.0**-20 * _bucket_max_abs(x, 16)
   tol = 5 * step / math.sqrt(4 * K) + slack
+  # Pooled z-score of the signed errors (toward larger codes), which sees a small systematic bias
+  # that the per-element bound cannot: under unbiasedness it is ~N(0, 1).
+  sign = np.ones_like(x, np.float64) if scheme == "maxmin" else np.sign(x)
+  t = (x - _bucket_min(x, 16)) / step if scheme == "maxmin" else np.abs(x) / step
+  p = t - np.floor(t)
+  use = p * (1 - p) > 0.01
+  sigma = np.sqrt(p * (1 - p)) * step / math.sqrt(K)
   for impl, dec in zip(("ffi", "jax"), f(jnp.asarray(x), keys)):
     dec = as_np(dec).astype(np.float64)
     err = np.abs(dec.mean(axis=0) - x)
     assert np.all(err <= tol), (impl, np.max(err / step), np.argmax(err - tol))
+    z = ((dec.mean(axis=0) - x) * sign / sigma)[use]
+    assert use.sum() > 20 and abs(z.sum() / math.sqrt(z.size)) <= 5, (impl, z.sum() / math.sqrt(z.size))
     # Every roundtrip is one of the two grid points around x.
     assert np.all(np.abs(dec - x) <= step * (1 + 1e-4) + slack), impl
     # The randomness is real: values off the grid are rounded both ways across the keys.
@@ -489,12 +503,23 @@ def test_nearest_norm_exact_on_grid(bits):
     b[r.permutation(16)[: len(ks)]] = np.array(ks) * r.choice([-1.0, 1.0], len(ks)) * 2.0**e
     rows.append(b)
   single = np.zeros(16)
-  single[r.integers(16)] = -1.375 * 2.0**-3  # one nonzero value: it is the norm itself
+  single[r.integers(16)] = -(2.0**-3)  # one nonzero value: it is the norm itself
   rows.append(single)
-  rows.append(np.array([0.0, 0.0, 2.75]))  # partial bucket with one nonzero value
-  x = np.concatenate(rows).astype(np.float32)
+  # One nonzero value v that is not a power of two: code L, decoded L * fl(|v| * fl(1/L)), which
+  # need not be v (the step is stored, not the norm), but is within one float32 ulp of it.
+  general = []
+  for v in (-1.375 * 2.0**-3, 2.75):
+    g = np.zeros(16)
+    g[r.integers(16)] = v
+    general.append(g)
+  tail = np.array([0.0, 0.0, 4.0])  # a partial last bucket with one nonzero value
+  x = np.concatenate(rows + general + [tail]).astype(np.float32)
+  grid = np.ones(x.size, bool)
+  grid[16 * len(rows): 16 * (len(rows) + len(general))] = False
   for d in _roundtrip_both(bits, 16, "norm")(jnp.asarray(x)):
-    np.testing.assert_array_equal(as_np(d), x)
+    d = as_np(d)
+    np.testing.assert_array_equal(d[grid], x[grid])
+    assert np.all(np.abs(d[~grid] - x[~grid]) <= np.spacing(np.abs(x[~grid]))), d[~grid]
 
 
 # ---- 5. payload sizes -------------------------------------------------------------------------
@@ -647,8 +672,8 @@ def test_bad_call_arguments_raise(codec):
     codec.decode(p[:-1], (5, 8))
   with pytest.raises(ValueError, match="payload"):
     codec.decode(jnp.zeros((codec.payload_size(40) + 1,), jnp.uint8), (5, 8))
-  with pytest.raises(ValueError, match="payload"):
-    codec.decode(p, (5, 9) if isinstance(codec, qcomm.QSGD) else (5, 7))
+  with pytest.raises(ValueError, match="payload"):  # a shape of another payload size
+    codec.decode(p, (17, 8) if isinstance(codec, qcomm.QSGD) else (5, 7))
   with pytest.raises(ValueError, match="payload"):
     codec.decode(p.astype(jnp.int8), (5, 8))
   with pytest.raises(ValueError, match="payload"):
@@ -719,6 +744,8 @@ def _check_rows(config, impl, payloads, decodes):
 @pytest.mark.parametrize("impl", ["ffi", "jax"])
 @pytest.mark.parametrize("config", TRANSFORM_CODECS, ids=codec_id)
 def test_jit_matches_eager(config, impl):
+  """jit gives the eager bytes; eager decodes (also pure JAX: one op at a time, no FMA) are the
+  format's exact values."""
   c = qcomm.QSGD(*config, impl=impl)
   xs, keys = _rows(), _row_keys()
   x2 = jnp.asarray(xs[2].reshape(ROW_SHAPE))
@@ -803,8 +830,8 @@ def test_keys(impl):
     assert not np.array_equal(o[scale_bytes:], typed[scale_bytes:])  # the rounding does not
   near = qcomm.QSGD(4, 16, rounding="nearest", impl=impl)
   enc_near = jax.jit(near.encode)
-  ref = as_np(enc_near(x))
-  for k in (jax.random.key(0), jax.random.key(1), jax.random.PRNGKey(3)):
+  ref = as_np(enc_near(x))  # no key at all
+  for k in (jax.random.key(0), jax.random.key(1)):
     np.testing.assert_array_equal(as_np(enc_near(x, k)), ref)
 
 
@@ -817,11 +844,14 @@ def test_other_prng_impls_and_eager_keys():
                                                 "stochastic"))
   np.testing.assert_array_equal(as_np(c.encode(x, jax.random.PRNGKey(5))),
                                 as_np(c.encode(x, jax.random.key(5))))
+  near = qcomm.QSGD(4, 16, rounding="nearest", impl="ffi")
+  np.testing.assert_array_equal(as_np(near.encode(x, jax.random.PRNGKey(3))), as_np(near.encode(x)))
 
 
 # ---- 10. Cast and NoCompression ----------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_cast_roundtrip_and_decode_sum(dtype):
   r = np.random.default_rng(3)
   x = (r.standard_normal((4, 37)) * np.logspace(-8, 6, 37)).astype(np.float32)  # f16 over/underflow
@@ -863,10 +893,10 @@ def test_nocompression_is_exact():
 
 # ---- 11. decode_sum ----------------------------------------------------------------------------
 
-DS_SHAPE = (5, 41)
+DS_SHAPE = (8, 25)  # = ROW_SHAPE: the eager pure-JAX decode ops compiled for test 8 are reused
 
 
-@pytest.mark.parametrize("config", [(4, 16, "maxmin", "stochastic"), (5, 24, "norm", "stochastic"),
+@pytest.mark.parametrize("config", [(4, 128, "maxmin", "stochastic"), (5, 24, "norm", "stochastic"),
                                     (8, 128, "maxmin", "nearest"), (2, 8, "norm", "nearest")],
                          ids=codec_id)
 def test_decode_sum_is_in_order_float32_sum(config):
@@ -890,7 +920,7 @@ def test_decode_sum_is_in_order_float32_sum(config):
   np.testing.assert_array_equal(as_np(f.decode_sum(ps, DS_SHAPE, jnp.bfloat16)),
                                 want.astype(ml_dtypes.bfloat16))
   # jax impl, eager: exactly the format's sum
-  if config[0] == 4:
+  if config == TRANSFORM_CODECS[0]:
     np.testing.assert_array_equal(as_np(j.decode_sum(ps[:2], DS_SHAPE)), decs[0] + decs[1])
 
   @jax.jit
