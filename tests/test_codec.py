@@ -308,10 +308,10 @@ def test_jax_decode_under_jit_bit_identical_to_ffi():
   assert mismatches == 0, f"{mismatches} decoded values differ"
 
 
-SHAPES = [(), (0,), (2, 0), (1,), (7,), (40,), (3, 50), (2, 3, 37)]
+SHAPES = [(), (0,), (2, 0), (1,), (7,), (3, 50), (2, 3, 37)]
 SHAPE_INPUTS = ([(s, "float32") for s in SHAPES]
-                + [(s, "bfloat16") for s in ((), (7,), (3, 50))]
-                + [(s, "float16") for s in ((1,), (2, 3, 37))])
+                + [(s, "bfloat16") for s in ((), (3, 50))]
+                + [(s, "float16") for s in ((7,), (2, 3, 37))])
 SHAPE_CONFIGS = [(4, 16, "maxmin", "stochastic"), (3, 24, "norm", "nearest"),
                  (8, 8, "norm", "stochastic"), (1, 128, "maxmin", "nearest")]
 
@@ -406,8 +406,9 @@ def test_stochastic_rounding_is_unbiased(scheme, bits):
     dec = as_np(dec).astype(np.float64)
     err = np.abs(dec.mean(axis=0) - x)
     assert np.all(err <= tol), (impl, np.max(err / step), np.argmax(err - tol))
-    z = ((dec.mean(axis=0) - x) * sign / sigma)[use]
-    assert use.sum() > 20 and abs(z.sum() / math.sqrt(z.size)) <= 5, (impl, z.sum() / math.sqrt(z.size))
+    z = ((dec.mean(axis=0) - x) * sign)[use] / sigma[use]
+    pooled = z.sum() / math.sqrt(z.size)
+    assert z.size > 20 and abs(pooled) <= 5, (impl, pooled)
     # Every roundtrip is one of the two grid points around x.
     assert np.all(np.abs(dec - x) <= step * (1 + 1e-4) + slack), impl
     # The randomness is real: values off the grid are rounded both ways across the keys.
