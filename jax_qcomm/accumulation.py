@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_qcomm._checks import check_int
+
 
 def accumulate_gradients(grad_fn: Callable[[Any, Any], tuple[jax.Array, Any]], params: Any,
                          batch: Any, accum_steps: int) -> tuple[jax.Array, Any]:
@@ -25,8 +27,7 @@ def accumulate_gradients(grad_fn: Callable[[Any, Any], tuple[jax.Array, Any]], p
     (loss, grads): means over the micro-batches; grads have the dtypes grad_fn returns, summed in
     float32.
   """
-  if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-    raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}")
+  check_int("accum_steps", accum_steps)
   leaves = jax.tree_util.tree_leaves(batch)
   if not leaves:
     raise ValueError("batch must contain at least one array")

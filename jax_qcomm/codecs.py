@@ -25,18 +25,23 @@ from jax import lax
 from jax_qcomm import _ffi, _reference, wire
 
 Shape = Sequence[int]
-_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 IMPLS = ("auto", "ffi", "jax")
 
 
+def is_float_dtype(dtype: Any) -> bool:
+  """float32, bfloat16 or float16: the dtypes codecs and collectives accept."""
+  return any(jnp.dtype(dtype) == d for d in FLOAT_DTYPES)
+
+
 def _check_float(x: jax.Array, name: str = "x") -> None:
-  if not any(x.dtype == d for d in _FLOATS):
+  if not is_float_dtype(x.dtype):
     raise ValueError(f"{name} must be a float32, bfloat16 or float16 array, got dtype {x.dtype}")
 
 
 def _check_out_dtype(dtype: Any) -> jnp.dtype:
   dtype = jnp.dtype(dtype)
-  if not any(dtype == d for d in _FLOATS):
+  if not is_float_dtype(dtype):
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
   return dtype
 
@@ -58,6 +63,14 @@ def seed_words(key: jax.Array) -> jax.Array:
     raise ValueError("key must be a JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)), "
                      f"got an array of dtype {key.dtype} and shape {key.shape}")
   return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def _sum_in_order(vals: jax.Array) -> jax.Array:
+  """vals[0] + vals[1] + ... in float32, unrolled: XLA CPU's reduce over a short axis is slow."""
+  out = vals[0]
+  for j in range(1, vals.shape[0]):
+    out = out + vals[j]
+  return out
 
 
 class Codec:
@@ -224,11 +237,8 @@ class Cast(Codec):
 
   def _decode_sum_flat(self, payloads, n):
     k = payloads.shape[0]
-    vals = lax.bitcast_convert_type(payloads.reshape(k, n, 2), self.dtype).astype(jnp.float32)
-    out = vals[0]
-    for j in range(1, k):  # in order, unrolled: XLA CPU's reduce over a short axis is slow
-      out = out + vals[j]
-    return out
+    return _sum_in_order(
+        lax.bitcast_convert_type(payloads.reshape(k, n, 2), self.dtype).astype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +258,4 @@ class NoCompression(Codec):
 
   def _decode_sum_flat(self, payloads, n):
     k = payloads.shape[0]
-    vals = lax.bitcast_convert_type(payloads.reshape(k, n, 4), jnp.float32)
-    out = vals[0]
-    for j in range(1, k):
-      out = out + vals[j]
-    return out
+    return _sum_in_order(lax.bitcast_convert_type(payloads.reshape(k, n, 4), jnp.float32))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import packing
+from jax_qcomm._checks import check_int
 from jax_qcomm.codecs import QSGD, Codec, NoCompression
 
 AxisName = Union[Hashable, tuple]
@@ -173,8 +174,7 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
       quantisation lost (``x`` minus what it sent; zeros for exact leaves), for error feedback.
   """
   _check_common(codec, op)
-  if isinstance(comm_bucket_size, bool) or not isinstance(comm_bucket_size, int) or comm_bucket_size < 1:
-    raise ValueError(f"comm_bucket_size must be a positive integer, got {comm_bucket_size!r}")
+  check_int("comm_bucket_size", comm_bucket_size)
   axis_size(axis_name)
   packing.check_float_leaves(x)
   with_path, treedef = jax.tree_util.tree_flatten_with_path(x)

@@ -11,7 +11,6 @@ and 2 bits, with and without accumulation, reporting the final loss of each.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
@@ -25,16 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import jax_qcomm as qcomm  # noqa: E402
 from jax_qcomm import _ffi  # noqa: E402
-
-
-def _median_time(fn, *args, repeats: int = 5) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+from jax_qcomm.bench._timing import median_time  # noqa: E402
 
 
 def codec_section(n: int) -> None:
@@ -72,7 +62,7 @@ def allreduce_section(mesh: Mesh, n: int) -> None:
     per_leaf = sum(codec.payload_size(int(np.prod(s))) if len(s) > 1 else 4 * int(np.prod(s))
                    for s in shapes.values())
     sent = 2 * (d - 1) / d * per_leaf / 1e6
-    print(f"{name:34s} {sent:14.2f} {err:10.4f} {1e3 * _median_time(fn, grads, key):8.1f} {str(same):>15s}")
+    print(f"{name:34s} {sent:14.2f} {err:10.4f} {1e3 * median_time(fn, grads, key, repeats=5).median:8.1f} {str(same):>15s}")
 
 
 def training_section(mesh: Mesh, steps: int) -> None:

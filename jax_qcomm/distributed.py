@@ -34,6 +34,8 @@ import numpy as np
 import jax
 from jax.sharding import Mesh
 
+from jax_qcomm._checks import check_int
+
 ENV_COORDINATOR = "QCOMM_COORDINATOR"
 ENV_NUM_PROCESSES = "QCOMM_NUM_PROCESSES"
 ENV_PROCESS_ID = "QCOMM_PROCESS_ID"
@@ -60,11 +62,6 @@ def _env_int(name: str, value: int | None, what: str) -> int | None:
     return int(text)
   except ValueError:
     raise ValueError(f"{what}: environment variable {name} must be an integer, got {text!r}") from None
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _register_gloo_cpu_backend(interface: str | None, hostname: str | None) -> None:
@@ -145,12 +142,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                      "them explicitly")
   if not isinstance(coordinator_address, str) or ":" not in coordinator_address:
     raise ValueError(f"coordinator_address must be 'host:port', got {coordinator_address!r}")
-  _check_int("num_processes", num_processes, 1)
-  _check_int("process_id", process_id, 0)
+  check_int("num_processes", num_processes, 1)
+  check_int("process_id", process_id, 0)
   if process_id >= num_processes:
     raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
   if local_device_count is not None:
-    _check_int("local_device_count", local_device_count, 1)
+    check_int("local_device_count", local_device_count, 1)
   if interface is not None and (not isinstance(interface, str) or not interface):
     raise ValueError(f"interface must be a network interface name such as 'eth0', got {interface!r}")
   if interface is not None and os.path.isdir("/sys/class/net") and not os.path.exists(

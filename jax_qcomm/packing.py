@@ -17,9 +17,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm.codecs import QSGD, Codec, NoCompression
-
-_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+from jax_qcomm._checks import check_int
+from jax_qcomm.codecs import QSGD, Codec, NoCompression, is_float_dtype
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -57,8 +56,7 @@ class LeafPolicy:
   def __init__(self, min_size: int = 1024, compress_1d: bool = False,
                exclude: str | Sequence[str] = (),
                overrides: Mapping[str, Codec] | Sequence[tuple[str, Codec]] = ()):
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-      raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
+    min_size = check_int("min_size", min_size, minimum=0)
     if isinstance(exclude, str):
       exclude = (exclude,)
     exclude = tuple(exclude)
@@ -96,7 +94,7 @@ def check_float_leaves(tree: Any, name: str = "x") -> None:
   """ValueError naming the first leaf that is not a float32/bfloat16/float16 array."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = jnp.result_type(leaf)
-    if not any(dtype == d for d in _FLOATS):
+    if not is_float_dtype(dtype):
       where = path_str(path) or "<root>"
       raise ValueError(f"{name} leaf '{where}' must be float32, bfloat16 or float16, got {dtype}")
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_qcomm import _vma, collectives, packing
+from jax_qcomm._checks import check_int
 from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
 
 
@@ -92,16 +93,14 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
     # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit
     # the residual (up to a whole bucket range) feeds the next range and training diverged.
     codec = QSGD(bits=bits, bucket_size=bucket_size, scheme=scheme, rounding="nearest")
-  if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-    raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}")
+  check_int("accum_steps", accum_steps)
   if not isinstance(error_feedback, bool):
     raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"seed must be an integer, got {seed!r}")
   policy = packing.LeafPolicy(min_size=min_size, compress_1d=compress_1d, exclude=exclude,
                               overrides=overrides or {})
-  if isinstance(comm_bucket_size, bool) or not isinstance(comm_bucket_size, int) or comm_bucket_size < 1:
-    raise ValueError(f"comm_bucket_size must be a positive integer, got {comm_bucket_size!r}")
+  check_int("comm_bucket_size", comm_bucket_size)
   use_ef = error_feedback and codec.lossy
 
   def init(params: Any) -> SyncState:

@@ -198,8 +198,10 @@ def test_launcher_propagates_failure_and_kills_the_others(tmp_path):
   script.write_text(
       "import os, sys, time\n"
       "rank = int(os.environ['QCOMM_PROCESS_ID'])\n"
-      "print('hello from', rank, os.environ['QCOMM_NUM_PROCESSES'], os.environ['QCOMM_COORDINATOR'])\n"
+      "print('hello from', rank, os.environ['QCOMM_NUM_PROCESSES'], os.environ['QCOMM_COORDINATOR'],"
+      " flush=True)\n"
       "if rank == 1:\n"
+      "    time.sleep(2)  # let the others start and print before the failure kills them\n"
       "    sys.exit(3)\n"
       "time.sleep(60)\n")
   start = time.monotonic()
