@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from jax_qcomm.bench import _timing, allreduce, codec
+from jax_qcomm.bench import _timing, allreduce, cluster, codec
 
 
 def _common_options() -> argparse.ArgumentParser:
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
       "allreduce", parents=[common],
       help="allreduce time of fp32 psum, cast_pmean, Cast(bf16), QSGD 8/4/2 (devices or processes)",
       description=allreduce.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+  cluster.add_arguments(sub.add_parser(
+      "cluster", help="run a benchmark on a simulated cluster: network namespaces, tc-shaped links",
+      usage="%(prog)s --nodes N --rate RATE [options] -- BENCHMARK [args ...]",
+      description=cluster.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
   return parser
 
 
@@ -51,12 +55,15 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> in
   argv = list(sys.argv[1:] if argv is None else argv)
   args = build_parser().parse_args(argv)
   if allow_reexec:
-    _timing.ensure_malloc_env(raw=args.raw_malloc)
+    # cluster: no re-exec of its own; each node's benchmark process re-executes itself.
+    _timing.ensure_malloc_env(raw=getattr(args, "raw_malloc", True))
   command = ["python", "-m", "jax_qcomm.bench", *argv]
   if args.command == "codec":
     return codec.main(args, command)
   if args.command == "allreduce":
     return allreduce.main(args, command)
+  if args.command == "cluster":
+    return cluster.main(args, command)
   raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown subcommands
 
 

@@ -24,7 +24,8 @@ Columns:
 * ``algbw GB/s``: effective algorithm bandwidth on the uncompressed buffer: 4 n / time.
 * ``vs fp32``: fp32 psum time / this time (> 1: faster than fp32), and ``wire/fp32`` the ratio of
   wire bytes.
-* ``floor ms`` (with ``--link-gbps``): wire bytes / link rate, the transfer time alone.
+* ``floor ms`` (with ``--link-gbps``): wire bytes / link rate, the transfer time alone, and
+  ``time/floor`` the median time over it (1.00x: the link is the only cost).
 
 ``--breakdown`` also times, on one device without any communication, the codec work a device does
 inside one compressed allreduce (encode D chunks, decode-and-sum D payloads, re-encode one chunk,
@@ -218,6 +219,8 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
         busbw_gb_per_s=sent / t.median / 1e9,
         algbw_gb_per_s=4 * n / t.median / 1e9,
         link_floor_s=None if link_gbps is None else sent * 8 / (link_gbps * 1e9),
+        time_vs_floor=(None if link_gbps is None or not sent
+                       else t.median / (sent * 8 / (link_gbps * 1e9))),
         speedup_vs_fp32=None, wire_ratio_vs_fp32=None))
     del fn, compiled
   base = next((r for r in rows if r["codec"] == "fp32"), None)
@@ -307,7 +310,8 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
   cfg = meta["config"]
   has_floor = cfg["link_gbps"] is not None
   headers = ["size", "codec", "median ms", "min ms", "max ms", "wire MB", "busbw GB/s",
-             "algbw GB/s", "vs fp32", "wire/fp32"] + (["floor ms"] if has_floor else [])
+             "algbw GB/s", "vs fp32", "wire/fp32"] + (["floor ms", "time/floor"] if has_floor
+                                                      else [])
   table = []
   for r in rows:
     line = [f"{r['size']:,}", r["codec"], f"{1e3 * r['median_s']:.1f}", f"{1e3 * r['min_s']:.1f}",
@@ -316,7 +320,8 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
             "" if r["speedup_vs_fp32"] is None else f"{r['speedup_vs_fp32']:.2f}x",
             "" if r["wire_ratio_vs_fp32"] is None else f"{r['wire_ratio_vs_fp32']:.3f}"]
     if has_floor:
-      line.append(f"{1e3 * r['link_floor_s']:.1f}")
+      line += [f"{1e3 * r['link_floor_s']:.1f}",
+               "" if r["time_vs_floor"] is None else f"{r['time_vs_floor']:.2f}x"]
     table.append(line)
   lines = [
       f"allreduce (op=mean) over D={meta['num_devices']} devices in {meta['num_processes']} "
@@ -332,6 +337,9 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
       "all-reduce). busbw = wire bytes / time (nccl-tests busbw on the bytes sent); algbw = 4n / "
       "time (uncompressed float32); vs fp32 = fp32 time / time.",
   ]
+  if has_floor:
+    lines.append(f"floor = wire bytes / link rate ({cfg['link_gbps']:g} Gbit/s): the time the bytes "
+                 "each device sends take on its link alone; time/floor = median / floor.")
   if breakdown:
     bh = ["size", "codec", "chunk", "encode D ms", "decode_sum ms", "re-encode ms", "decode D ms",
           "codec total ms", "transfer ms", "allreduce ms"]

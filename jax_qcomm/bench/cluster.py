@@ -1,0 +1,610 @@
+"""A simulated bandwidth-limited cluster on one Linux machine: one JAX process per network namespace.
+
+Usage (as root, with iproute2's ``ip`` and ``tc``)::
+
+    python -m jax_qcomm.bench cluster --nodes 4 --rate 1gbit [--local-devices 1] [--out F.json] \\
+        -- allreduce --sizes 25600000
+    python -m jax_qcomm.bench cluster --cleanup            # remove leftovers of killed runs
+
+What it builds (all names start with ``<prefix><pid>``, default prefix ``qcl``, so it never touches
+anything it did not create and two runs never collide):
+
+* a Linux bridge ``<tag>br`` with no address (the host neither routes to it nor from it);
+* per node i a network namespace ``<tag>n<i>`` and a veth pair: the host end ``<tag>v<i>`` enslaved to
+  the bridge, the other end moved into the namespace and renamed ``eth0``, with address
+  ``<subnet>.(i+1)`` (default subnet 10.77.0.0/24); the namespace has only ``lo`` and that link, and
+  no default route, so the traffic stays between the namespaces;
+* each link shaped with ``tc qdisc add ... root tbf rate R`` in both directions: on the namespace
+  end (what node i sends) and on the host end (what node i receives), like a full-duplex NIC port
+  of rate R on a switch.
+
+Then it checks the link (a TCP transfer from node 1 to node 0, through both shapers, unless
+``--no-link-check``) and runs ``python -m jax_qcomm.bench <benchmark ...>`` in every namespace through
+:func:`jax_qcomm.launch.launch`: ``jax.distributed`` with the coordinator on node 0's address and gloo
+bound to ``eth0`` of each namespace (``QCOMM_GLOO_INTERFACE``). Each process enters its namespace by
+``ip netns exec`` (which also remounts ``/sys`` so that the namespace's interfaces are the ones seen).
+For ``allreduce``, ``--link-gbps`` is set from the rate unless given. Rank 0's JSON (the benchmark
+writes it to a temporary file) is copied to ``--out`` with ``metadata.cluster`` added: nodes, rate,
+the tc commands, addresses, the link check.
+
+Teardown always runs: try/finally, SIGINT/SIGTERM/SIGHUP handlers, processes still inside the
+namespaces are killed first (``ip netns pids``). ``--cleanup`` removes leftovers of runs whose process
+is gone (``--force``: also of live ones).
+
+Exit status: the benchmark's (0 on success); 2 for bad arguments; 69 when the machine cannot do it
+(not root, no ``ip`` / ``tc``, no network namespaces), with the reason printed; 124 on ``--timeout``.
+
+On a 2-core machine 1 Gbit/s links hold (iperf ~950 Mbit/s); 10 Gbit/s cannot be simulated (the
+veth/bridge path is CPU-bound at ~3 Gbit/s), and the benchmark processes share the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Sequence
+
+#: Exit status when the machine cannot host the cluster (sysexits' EX_UNAVAILABLE).
+EXIT_UNAVAILABLE = 69
+EXIT_USAGE = 2
+DEFAULT_PREFIX = "qcl"
+DEFAULT_SUBNET = "10.77.0.0/24"
+DEFAULT_PORT = 29471
+DEFAULT_OUT = "bench-results/cluster.json"
+DEFAULT_TIMEOUT = 3600.0
+NS_INTERFACE = "eth0"
+MAX_NODES = 64
+#: Benchmark subcommands that cannot run inside the cluster.
+_NOT_IN_CLUSTER = {"cluster"}
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+               "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
+
+# Run in each node process by the launcher (``python -c STUB ip tag -m jax_qcomm.bench ...``): enters
+# the rank's namespace with `ip netns exec` (which also remounts /sys) and execs the benchmark. No
+# imports beyond os/sys, so the extra interpreter costs a few milliseconds.
+_NODE_STUB = ("import os, sys; ip, tag = sys.argv[1], sys.argv[2]; "
+              "ns = tag + 'n' + os.environ['QCOMM_PROCESS_ID']; "
+              "os.execv(ip, [ip, 'netns', 'exec', ns, sys.executable, *sys.argv[3:]])")
+
+# Link check: node 0 receives, node 1 sends N bytes; the receiver times first byte to last byte.
+_SINK = r"""
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(60)
+print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(60)
+buf = bytearray(1 << 20); got = 0; t0 = None
+while True:
+  k = c.recv_into(buf)
+  if not k: break
+  if t0 is None: t0 = time.perf_counter()
+  got += k
+print(got, time.perf_counter() - t0, flush=True)
+"""
+_SOURCE = r"""
+import socket, sys
+n = int(sys.argv[3]); block = b"\x5a" * (1 << 20)
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+while n > 0:
+  c.sendall(block[:min(n, len(block))]); n -= len(block)
+c.shutdown(socket.SHUT_WR); c.close()
+"""
+
+
+class Unavailable(Exception):
+  """The machine cannot host the simulated cluster (the message says why)."""
+
+
+class _Stop(Exception):
+  """Raised by the signal handlers so that teardown runs through ``finally``."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+# -- arguments ----------------------------------------------------------------------------------------
+
+def parse_rate(text: str) -> int:
+  """A tc rate (``1gbit``, ``100mbit``, ``500kbit``, ``125mbps`` = bytes) in bits per second."""
+  m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)\s*", str(text))
+  if not m or m.group(2).lower() not in _RATE_UNITS:
+    raise argparse.ArgumentTypeError(
+        f"rate must be a number and a tc unit ({', '.join(_RATE_UNITS)}), e.g. 1gbit or 100mbit; "
+        f"got {text!r}")
+  bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2).lower()])
+  if bits < 100_000:
+    raise argparse.ArgumentTypeError(f"rate must be at least 100kbit, got {text!r}")
+  return bits
+
+
+def tc_rate(bits_per_s: int) -> str:
+  """The rate as tc writes it (``1gbit``, ``100mbit``, or bits)."""
+  for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+    if bits_per_s % scale == 0:
+      return f"{bits_per_s // scale}{unit}"
+  return f"{bits_per_s}bit"
+
+
+def tbf_params(bits_per_s: int) -> dict[str, str]:
+  """tbf's bucket and queue for a rate: burst = 4 ms of traffic (at least 32 KiB), latency 50 ms."""
+  burst = max(32 * 1024, int(bits_per_s / 8 * 0.004))
+  return {"rate": tc_rate(bits_per_s), "burst": str(burst), "latency": "50ms"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the cluster's options to its subcommand parser."""
+  parser.add_argument("--nodes", type=int, default=4,
+                      help=f"namespaces, one JAX process each (2..{MAX_NODES}; default: 4)")
+  parser.add_argument("--rate", type=parse_rate, default=None,
+                      help="link rate of every node in each direction, a tc rate: 1gbit, 100mbit")
+  parser.add_argument("--local-devices", type=int, default=None,
+                      help="host (CPU) devices per process (QCOMM_LOCAL_DEVICES; default: 1)")
+  parser.add_argument("--out", default=None,
+                      help=f"JSON of rank 0 with the cluster metadata (default: {DEFAULT_OUT})")
+  parser.add_argument("--prefix", default=DEFAULT_PREFIX,
+                      help=f"name prefix, 1-4 lowercase letters (default: {DEFAULT_PREFIX}); names are "
+                           "<prefix><pid>br / <prefix><pid>v<i> / <prefix><pid>n<i>")
+  parser.add_argument("--subnet", default=DEFAULT_SUBNET,
+                      help=f"private IPv4 subnet of the nodes (default: {DEFAULT_SUBNET})")
+  parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                      help=f"coordinator port on node 0 (default: {DEFAULT_PORT})")
+  parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                      help=f"kill the benchmark after this many seconds (default: {DEFAULT_TIMEOUT:g})")
+  parser.add_argument("--no-link-check", action="store_true",
+                      help="skip the TCP transfer that measures the shaped link before the benchmark")
+  parser.add_argument("--cleanup", action="store_true",
+                      help="only remove leftovers (namespaces, bridge, veths) of runs with --prefix "
+                           "whose process is gone, then exit")
+  parser.add_argument("--force", action="store_true",
+                      help="with --cleanup: also remove those of runs that are still alive")
+  parser.add_argument("benchmark", nargs=argparse.REMAINDER,
+                      help="after --: the benchmark subcommand and its options, e.g. "
+                           "allreduce --sizes 25600000")
+
+
+def _check_prefix(prefix: str) -> str:
+  if not re.fullmatch(r"[a-z]{1,4}", prefix or ""):
+    raise ValueError(f"--prefix must be 1-4 lowercase letters (interface names have at most 15 "
+                     f"characters), got {prefix!r}")
+  return prefix
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+  """Checks the cluster options and the benchmark command line; returns the benchmark's argv.
+
+  Raises ValueError with a message naming the option. The benchmark's own options are parsed by the
+  benchmark parser here, so a typo fails before any namespace exists.
+  """
+  _check_prefix(args.prefix)
+  if args.cleanup:
+    return []
+  if args.force:
+    raise ValueError("--force only goes with --cleanup")
+  if not (2 <= args.nodes <= MAX_NODES):
+    raise ValueError(f"--nodes must be in 2..{MAX_NODES}, got {args.nodes}")
+  if args.rate is None:
+    raise ValueError("--rate is required, e.g. --rate 1gbit")
+  if args.local_devices is not None and args.local_devices < 1:
+    raise ValueError(f"--local-devices must be >= 1, got {args.local_devices}")
+  if not (1024 <= args.port <= 65535):
+    raise ValueError(f"--port must be in 1024..65535, got {args.port}")
+  if not args.timeout > 0:
+    raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+  try:
+    net = ipaddress.IPv4Network(args.subnet, strict=True)
+  except ValueError as e:
+    raise ValueError(f"--subnet must be an IPv4 network such as {DEFAULT_SUBNET}: {e}") from None
+  if not net.is_private:
+    raise ValueError(f"--subnet must be a private network (10/8, 172.16/12, 192.168/16), got {net}")
+  if net.num_addresses - 2 < args.nodes:
+    raise ValueError(f"--subnet {net} has room for {max(0, net.num_addresses - 2)} nodes, "
+                     f"not {args.nodes}")
+  bench = list(args.benchmark)
+  if bench and bench[0] == "--":
+    bench = bench[1:]
+  if not bench:
+    raise ValueError("give the benchmark to run after --, e.g. -- allreduce --sizes 25600000")
+  if bench[0] in _NOT_IN_CLUSTER:
+    raise ValueError(f"the benchmark {bench[0]!r} cannot run inside the cluster")
+  from jax_qcomm.bench import __main__ as bench_main
+
+  parser = bench_main.build_parser()
+  parser.exit_on_error = False
+  try:
+    parsed = _parse_quietly(parser, bench)
+  except (argparse.ArgumentError, SystemExit) as e:
+    raise ValueError(f"benchmark command {shlex.join(bench)!r} rejected: {e}") from None
+  if parsed.command in _NOT_IN_CLUSTER:
+    raise ValueError(f"the benchmark {parsed.command!r} cannot run inside the cluster")
+  return bench
+
+
+def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+  """parse_args that raises instead of printing usage and exiting (subparsers exit regardless)."""
+
+  def error(message):
+    raise argparse.ArgumentError(None, message)
+
+  parser.error = error  # type: ignore[method-assign]
+  for action in parser._actions:  # the subparsers report errors through their own .error
+    if isinstance(action, argparse._SubParsersAction):
+      for sub in action.choices.values():
+        sub.error = error  # type: ignore[method-assign]
+  return parser.parse_args(argv)
+
+
+# -- the machine --------------------------------------------------------------------------------------
+
+def preflight(euid: int | None = None, which=shutil.which) -> tuple[str, str]:
+  """(path of ``ip``, path of ``tc``); raises :class:`Unavailable` saying what is missing."""
+  euid = os.geteuid() if euid is None else euid
+  problems = []
+  if euid != 0:
+    problems.append(f"needs root (network namespaces, veths, a bridge, tc qdiscs); running as uid "
+                    f"{euid}: run it with sudo")
+  ip, tc = which("ip"), which("tc")
+  if ip is None:
+    problems.append("`ip` (iproute2) not found on PATH")
+  if tc is None:
+    problems.append("`tc` (iproute2) not found on PATH")
+  if not os.path.exists("/proc/self/ns/net"):
+    problems.append("this kernel has no network namespaces (/proc/self/ns/net missing)")
+  if problems:
+    raise Unavailable("; ".join(problems))
+  return ip, tc
+
+
+class Cluster:
+  """The namespaces, veths, bridge and qdiscs of one run; :meth:`teardown` removes what was made."""
+
+  def __init__(self, nodes: int, rate_bits: int, *, ip: str, tc: str, prefix: str = DEFAULT_PREFIX,
+               subnet: str = DEFAULT_SUBNET, log=None):
+    self.nodes = nodes
+    self.rate_bits = rate_bits
+    self.ip, self.tc = ip, tc
+    self.tag = f"{_check_prefix(prefix)}{os.getpid()}"
+    net = ipaddress.IPv4Network(subnet)
+    self.prefixlen = net.prefixlen
+    self.addresses = [str(net.network_address + i + 1) for i in range(nodes)]
+    self.bridge = f"{self.tag}br"
+    self.namespaces = [f"{self.tag}n{i}" for i in range(nodes)]
+    self.host_veths = [f"{self.tag}v{i}" for i in range(nodes)]
+    self.tbf = tbf_params(rate_bits)
+    self.commands: list[str] = []  # every command run to build it (for the record)
+    self._log = log or (lambda msg: print(f"[cluster] {msg}", file=sys.stderr, flush=True))
+
+  def _run(self, *argv: str, record: bool = True, check: bool = True) -> subprocess.CompletedProcess:
+    if record:
+      self.commands.append(shlex.join(argv))
+    proc = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+      raise RuntimeError(f"`{shlex.join(argv)}` failed ({proc.returncode}): "
+                         f"{(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+  def tbf_command(self, dev: str, netns: str | None = None) -> list[str]:
+    ns = ["-n", netns] if netns else []
+    t = self.tbf
+    return [self.tc, *ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", t["rate"], "burst",
+            t["burst"], "latency", t["latency"]]
+
+  def setup(self) -> None:
+    """Builds the bridge, namespaces, links, addresses and shapers."""
+    ip = self.ip
+    self._log(f"building {self.nodes} namespaces {self.namespaces[0]}..{self.namespaces[-1]} on "
+              f"bridge {self.bridge}, links {self.tbf['rate']} each way")
+    self._run(ip, "link", "add", self.bridge, "type", "bridge")
+    self._run(ip, "link", "set", self.bridge, "up")
+    for i, (ns, veth, addr) in enumerate(zip(self.namespaces, self.host_veths, self.addresses)):
+      peer = f"{self.tag}p{i}"
+      self._run(ip, "netns", "add", ns)
+      self._run(ip, "link", "add", veth, "type", "veth", "peer", "name", peer)
+      self._run(ip, "link", "set", peer, "netns", ns)
+      self._run(ip, "-n", ns, "link", "set", peer, "name", NS_INTERFACE)
+      self._run(ip, "link", "set", veth, "master", self.bridge)
+      self._run(ip, "link", "set", veth, "up")
+      self._run(ip, "-n", ns, "addr", "add", f"{addr}/{self.prefixlen}", "dev", NS_INTERFACE)
+      self._run(ip, "-n", ns, "link", "set", "lo", "up")
+      self._run(ip, "-n", ns, "link", "set", NS_INTERFACE, "up")
+      self._run(*self.tbf_command(NS_INTERFACE, ns))   # what node i sends
+      self._run(*self.tbf_command(veth))                 # what node i receives
+    for ns in self.namespaces:                           # the namespace has no way out
+      routes = self._run(ip, "-n", ns, "route", "show", record=False).stdout
+      if "default" in routes:
+        raise RuntimeError(f"namespace {ns} has a default route: {routes!r}")
+    self._wait_reachable()
+
+  def _wait_reachable(self, timeout: float = 10.0) -> None:
+    """Waits until node 0 can reach every other node (bridge ports forwarding, addresses ready)."""
+    deadline = time.monotonic() + timeout
+    for addr in self.addresses[1:]:
+      while True:
+        proc = self._run(self.ip, "netns", "exec", self.namespaces[0], sys.executable, "-c",
+                         "import socket, sys\n"
+                         "s = socket.socket(socket.AF_INET, socket.SOCK_STREAM); s.settimeout(1)\n"
+                         "try: s.connect((sys.argv[1], 9))\n"
+                         "except ConnectionRefusedError: sys.exit(0)\n"
+                         "except OSError: sys.exit(1)\n", addr, record=False, check=False)
+        if proc.returncode == 0:
+          break
+        if time.monotonic() > deadline:
+          raise RuntimeError(f"node address {addr} unreachable from {self.namespaces[0]} after "
+                             f"{timeout:g} s")
+        time.sleep(0.2)
+
+  def qdisc_report(self) -> list[str]:
+    """``tc qdisc show`` of every shaped device (for the record)."""
+    lines = []
+    for ns, veth in zip(self.namespaces, self.host_veths):
+      for argv in ([self.tc, "-n", ns, "qdisc", "show", "dev", NS_INTERFACE],
+                   [self.tc, "qdisc", "show", "dev", veth]):
+        out = self._run(*argv, record=False, check=False).stdout.strip()
+        lines.append(f"{ns if '-n' in argv else 'host'} {argv[-1]}: {out}")
+    return lines
+
+  def link_check(self, seconds: float = 0.5) -> dict[str, Any]:
+    """TCP transfer of ~``seconds`` at the rate from node 1 to node 0 (through both shapers)."""
+    nbytes = int(min(max(self.rate_bits / 8 * seconds, 1 << 20), 256 << 20))
+    port = DEFAULT_PORT + 1
+    sink = subprocess.Popen([self.ip, "netns", "exec", self.namespaces[0], sys.executable, "-c",
+                             _SINK, self.addresses[0], str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+      ready = sink.stdout.readline().strip()
+      if ready != "ready":
+        raise RuntimeError(f"link check: receiver did not start: {sink.stderr.read()}")
+      subprocess.run([self.ip, "netns", "exec", self.namespaces[1], sys.executable, "-c", _SOURCE,
+                      self.addresses[0], str(port), str(nbytes)],
+                     check=True, capture_output=True, text=True, timeout=120)
+      out, err = sink.communicate(timeout=60)
+      got, secs = out.split()
+      got, secs = int(got), float(secs)
+    finally:
+      if sink.poll() is None:
+        sink.kill()
+        sink.wait()
+    if got != nbytes:
+      raise RuntimeError(f"link check: sent {nbytes} bytes, received {got}")
+    measured = got * 8 / secs
+    return dict(direction=f"node 1 -> node 0 ({self.addresses[1]} -> {self.addresses[0]})",
+                bytes=got, seconds=secs, measured_bits_per_s=measured,
+                ratio_to_rate=measured / self.rate_bits)
+
+  def metadata(self) -> dict[str, Any]:
+    return dict(nodes=self.nodes, rate=self.tbf["rate"], rate_bits_per_s=self.rate_bits,
+                tc=dict(qdisc="tbf", **self.tbf,
+                        where="root qdisc on both ends of each node's veth: the namespace end "
+                              "(egress of the node) and the host end on the bridge (ingress)"),
+                tag=self.tag, bridge=self.bridge, namespaces=self.namespaces,
+                interface=NS_INTERFACE, addresses=self.addresses,
+                subnet=f"{ipaddress.IPv4Network(f'{self.addresses[0]}/{self.prefixlen}', strict=False)}",
+                setup_commands=self.commands)
+
+  def teardown(self) -> list[str]:
+    """Kills what runs in the namespaces and deletes them, the veths and the bridge (the qdiscs go
+    with their devices). Returns what is left (empty on success); never raises."""
+    return remove(self.ip, self.namespaces, [*self.host_veths, self.bridge])
+
+
+# -- teardown and --cleanup -------------------------------------------------------------------------
+
+def _list_netns(ip: str) -> list[str]:
+  out = subprocess.run([ip, "netns", "list"], capture_output=True, text=True).stdout
+  return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _list_links(ip: str) -> list[str]:
+  out = subprocess.run([ip, "-o", "link", "show"], capture_output=True, text=True).stdout
+  names = []
+  for line in out.splitlines():
+    parts = line.split(":", 2)
+    if len(parts) >= 2:
+      names.append(parts[1].strip().split("@")[0])
+  return names
+
+
+def _kill_in_netns(ip: str, ns: str) -> None:
+  """SIGKILLs every process inside namespace ``ns`` (they are this tool's: it made the namespace)."""
+  for _ in range(20):
+    out = subprocess.run([ip, "netns", "pids", ns], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+    if not pids:
+      return
+    for pid in pids:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    time.sleep(0.1)
+
+
+def remove(ip: str, namespaces: Sequence[str], links: Sequence[str]) -> list[str]:
+  """Deletes the named namespaces (killing what runs there) and host links; returns what is left."""
+  existing_ns = set(_list_netns(ip))
+  for ns in namespaces:
+    if ns in existing_ns:
+      _kill_in_netns(ip, ns)
+      subprocess.run([ip, "netns", "del", ns], capture_output=True)
+  existing_links = set(_list_links(ip))
+  for link in links:
+    if link in existing_links:
+      subprocess.run([ip, "link", "del", link], capture_output=True)
+  left = [ns for ns in _list_netns(ip) if ns in set(namespaces)]
+  left += [link for link in _list_links(ip) if link in set(links)]
+  return left
+
+
+def _name_pattern(prefix: str) -> re.Pattern:
+  return re.compile(rf"{re.escape(prefix)}(\d+)(?:br|v\d+|p\d+|n\d+)")
+
+
+def leftovers(ip: str, prefix: str = DEFAULT_PREFIX) -> dict[str, list[str]]:
+  """Namespaces and host links whose names this tool makes with ``prefix``."""
+  pat = _name_pattern(_check_prefix(prefix))
+  return dict(namespaces=[n for n in _list_netns(ip) if pat.fullmatch(n)],
+              links=[n for n in _list_links(ip) if pat.fullmatch(n)])
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def cleanup(ip: str, prefix: str = DEFAULT_PREFIX, force: bool = False,
+            log=print) -> tuple[list[str], list[str]]:
+  """Removes leftovers with ``prefix`` of runs whose process is gone (all of them with ``force``).
+  Returns (removed, kept)."""
+  pat = _name_pattern(_check_prefix(prefix))
+  found = leftovers(ip, prefix)
+  ns_rm, link_rm, kept = [], [], []
+  for kind, names in found.items():
+    for name in names:
+      pid = int(pat.fullmatch(name).group(1))
+      if not force and pid != os.getpid() and _pid_alive(pid):
+        kept.append(name)
+        continue
+      (ns_rm if kind == "namespaces" else link_rm).append(name)
+  left = remove(ip, ns_rm, link_rm)
+  removed = [n for n in ns_rm + link_rm if n not in left]
+  for name in removed:
+    log(f"removed {name}")
+  for name in kept:
+    log(f"kept {name}: its run (pid {pat.fullmatch(name).group(1)}) is alive; --force removes it")
+  for name in left:
+    log(f"could not remove {name}")
+  return removed, kept + left
+
+
+# -- running ------------------------------------------------------------------------------------------
+
+def _bench_name(bench: Sequence[str]) -> str:
+  return bench[0]
+
+
+def _has_option(argv: Sequence[str], option: str) -> bool:
+  return any(a == option or a.startswith(option + "=") for a in argv)
+
+
+def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> int:
+  """Builds the cluster, runs the benchmark in it, writes rank 0's JSON, tears everything down."""
+  from jax_qcomm import launch
+  from jax_qcomm.bench import _timing
+
+  ip, tc = preflight()
+  if _bench_name(bench) == "allreduce" and not _has_option(bench, "--link-gbps"):
+    bench = [*bench, "--link-gbps", f"{args.rate / 1e9:g}"]
+  tmpdir = tempfile.mkdtemp(prefix="qcomm-cluster-")
+  rank0_json = os.path.join(tmpdir, "rank0.json")
+  bench_argv = [*bench, "--out", rank0_json]
+  out_path = args.out or DEFAULT_OUT
+  cluster = Cluster(args.nodes, args.rate, ip=ip, tc=tc, prefix=args.prefix, subnet=args.subnet)
+
+  def on_signal(signum, frame):
+    raise _Stop(signum)
+
+  handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+  in_main = threading.current_thread() is threading.main_thread()
+  previous = {s: signal.getsignal(s) for s in handled} if in_main else {}
+  for s in previous:
+    signal.signal(s, on_signal)
+  status = 1
+  try:
+    cluster.setup()
+    meta = cluster.metadata()
+    meta["qdiscs"] = cluster.qdisc_report()
+    if not args.no_link_check:
+      check = cluster.link_check()
+      meta["link_check"] = check
+      cluster._log(f"link check: {check['bytes'] / 1e6:.1f} MB in {check['seconds']:.3f} s = "
+                   f"{check['measured_bits_per_s'] / 1e6:.0f} Mbit/s "
+                   f"({100 * check['ratio_to_rate']:.0f}% of {cluster.tbf['rate']})")
+    cluster._log(f"running `python -m jax_qcomm.bench {shlex.join(bench)}` on {args.nodes} nodes "
+                 f"(coordinator {cluster.addresses[0]}:{args.port}, gloo on {NS_INTERFACE})")
+    # launch() handles SIGTERM itself while it runs (kills the processes, returns 143) and
+    # Ctrl-C (returns 130); the finally below tears the cluster down in every case.
+    start = time.monotonic()
+    status = launch.launch(
+        ["-c", _NODE_STUB, ip, cluster.tag, "-m", "jax_qcomm.bench", *bench_argv], args.nodes,
+        local_devices=args.local_devices, port=args.port, host=cluster.addresses[0],
+        interface=NS_INTERFACE, timeout=args.timeout, launch_command=shlex.join(command))
+    meta["benchmark_wall_s"] = time.monotonic() - start
+    meta["benchmark_command"] = shlex.join(["python", "-m", "jax_qcomm.bench", *bench])
+    meta["exit_status"] = status
+    meta["load_average"] = list(os.getloadavg())
+    if status != 0:
+      cluster._log(f"benchmark failed with exit status {status}")
+    elif not os.path.exists(rank0_json):
+      cluster._log(f"benchmark exited 0 but wrote no JSON ({shlex.join(bench)}: does it take --out?)")
+      status = 1
+    else:
+      with open(rank0_json, encoding="utf-8") as f:
+        data = json.load(f)
+      data.setdefault("metadata", {})["cluster"] = meta
+      data["metadata"]["cluster_command"] = shlex.join(command)
+      path = _timing.write_json(out_path, data)
+      cluster._log(f"wrote {path}")
+  except _Stop as e:
+    cluster._log(f"signal {signal.Signals(e.signum).name}: tearing down")
+    status = 128 + e.signum
+  except KeyboardInterrupt:
+    cluster._log("interrupted: tearing down")
+    status = 130
+  except Exception as e:  # setup or link check failed: report, then tear down
+    cluster._log(f"error: {type(e).__name__}: {e}")
+    status = 1
+  finally:
+    # A second signal must not interrupt the teardown.
+    for s in previous:
+      signal.signal(s, signal.SIG_IGN)
+    left = cluster.teardown()
+    for s, h in previous.items():
+      signal.signal(s, h)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+    if left:
+      cluster._log(f"teardown left {left}; run `python -m jax_qcomm.bench cluster --cleanup "
+                   f"--prefix {args.prefix} --force`")
+      status = status or 1
+    else:
+      cluster._log(f"removed {cluster.tag}*: namespaces, veths, bridge, qdiscs")
+  return status
+
+
+def main(args: argparse.Namespace, command: Sequence[str]) -> int:
+  """The ``cluster`` subcommand."""
+  try:
+    bench = validate(args)
+  except ValueError as e:
+    print(f"python -m jax_qcomm.bench cluster: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  try:
+    ip, _ = preflight()
+  except Unavailable as e:
+    print(f"python -m jax_qcomm.bench cluster: cannot build the simulated cluster here: {e}",
+          file=sys.stderr)
+    return EXIT_UNAVAILABLE
+  if args.cleanup:
+    removed, kept = cleanup(ip, args.prefix, args.force,
+                            log=lambda m: print(f"[cluster] {m}", file=sys.stderr))
+    if not removed and not kept:
+      print(f"[cluster] nothing to clean up (prefix {args.prefix!r})", file=sys.stderr)
+    return 0
+  return run(args, bench, command)
