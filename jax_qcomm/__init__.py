@@ -10,6 +10,7 @@ from jax_qcomm.collectives import Hierarchical, all_gather, allreduce, cast_pmea
 from jax_qcomm.packing import LeafPolicy
 from jax_qcomm.accumulation import accumulate_gradients
 from jax_qcomm.sync import SyncState, codec_for_bits, state_partition_spec, sync
+from jax_qcomm import efficiency
 
 _ffi.register()
 

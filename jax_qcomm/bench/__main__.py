@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from jax_qcomm.bench import _timing, allreduce, cluster, codec
+from jax_qcomm.bench import _timing, allreduce, cluster, codec, partial, step
 
 
 def _common_options() -> argparse.ArgumentParser:
@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
       "allreduce", parents=[common],
       help="allreduce time of fp32 psum, cast_pmean, Cast(bf16), QSGD 8/4/2 (devices or processes)",
       description=allreduce.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+  step.add_arguments(sub.add_parser(
+      "step", parents=[common],
+      help="data-parallel training step with qcomm.sync: Ts, Tstep, Tc, eta, and the cost model",
+      description=step.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+  partial.add_arguments(sub.add_parser(
+      "partial", parents=[common],
+      help="fp32 psum of N/gamma elements: where time stops falling with gamma",
+      description=partial.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
   cluster.add_arguments(sub.add_parser(
       "cluster", help="run a benchmark on a simulated cluster: network namespaces, tc-shaped links",
       usage="%(prog)s --nodes N --rate RATE [options] -- BENCHMARK [args ...]",
@@ -62,6 +70,10 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> in
     return codec.main(args, command)
   if args.command == "allreduce":
     return allreduce.main(args, command)
+  if args.command == "step":
+    return step.main(args, command)
+  if args.command == "partial":
+    return partial.main(args, command)
   if args.command == "cluster":
     return cluster.main(args, command)
   raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown subcommands

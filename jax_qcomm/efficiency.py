@@ -1,0 +1,329 @@
+"""Cost model of data-parallel training with (compressed) gradient allreduce.
+
+Small pure functions; every size is in **bytes** or **elements** (float32 values), every time in
+**seconds**, link rates in **Gbit/s** (10**9 bits per second), throughputs in **elements per second**.
+
+Bytes each device sends per allreduce of ``n`` float32 values over ``D`` devices
+(:func:`allreduce_bytes`):
+
+* exact float32 (``lax.psum``, XLA's ring allreduce): ``2 (D-1)/D * 4 n``;
+* scatter-reduce-allgather (SRA) codecs (``QSGD``, ``Cast``): the buffer is padded to a multiple of
+  ``D * bucket`` elements (``Cast``: ``D``), its payload ``P`` is ``D`` chunk payloads (codes, scales
+  per bucket, :mod:`jax_qcomm.wire`), and each device sends ``D-1`` chunk payloads in the all_to_all
+  and its reduced chunk payload to ``D-1`` peers in the all_gather: ``2 (D-1)/D * P``;
+* :class:`jax_qcomm.Hierarchical` (``D_in`` fast x ``D_out`` slow devices,
+  :func:`hierarchical_allreduce_bytes`): exact float32 reduce-scatter + all-gather on the fast links
+  (``2 (D_in-1)/D_in * 4 n``), an SRA of the ``n / D_in`` shard on the slow links.
+
+Communication time of one allreduce (:func:`comm_time`)::
+
+    Tc = bytes / (link_gbps * 1e9 / 8)  +  messages * latency_s  +  n_coded / codec_elems_per_s
+
+where ``messages = 2 (D-1)`` per flat buffer (ring: D-1 reduce-scatter + D-1 all-gather steps;
+SRA: all_to_all to D-1 peers + all_gather from D-1 peers) and the codec term is a device's whole
+codec work in one SRA allreduce (encode its D chunks, decode-and-sum the D received payloads,
+re-encode its reduced chunk, decode the D gathered payloads), expressed as *elements of the
+allreduced buffer per second* (what ``python -m jax_qcomm.bench step`` measures). The model assumes
+no overlap of communication with computation (an upper bound on the step time when XLA overlaps).
+
+Step time and scaling efficiency with gradient accumulation (``k = accum_steps``: one allreduce
+every ``k`` micro-steps). **Ts is the compute time of one micro-step** (forward + backward + the
+local accumulation; the inner optimizer's step is small and counted in it), so that::
+
+    optimizer step:   T_step = k * Ts + Tc
+    per micro-step:   T_micro = Ts + Tc / k
+    efficiency:       eta = Ts / (Ts + Tc / k) = k Ts / (k Ts + Tc)
+
+The step benchmark reports per-optimizer-step numbers: its ``ts_s`` is ``k * Ts`` (a full cycle of
+``k`` micro-steps without synchronisation), its ``tstep_s`` the same cycle with synchronisation,
+``tc_s = tstep_s - ts_s`` and ``eta = ts_s / tstep_s`` -- the same eta as above.
+
+Bandwidths (nccl-tests convention, :func:`algbw`, :func:`busbw`): ``algbw = S / t`` for a buffer of
+``S`` bytes, ``busbw = algbw * factor`` with factor ``2 (D-1)/D`` for allreduce, ``(D-1)/D`` for
+reduce-scatter, all-gather and all-to-all, 1 for broadcast and reduce. For a compressed allreduce use
+``S`` = payload bytes for the bus bandwidth (bytes really carried) and the float32 size for the
+*effective* algbw.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_COMM_BUCKET", "codec_of", "sra_padded_elements", "payload_bytes", "ring_allreduce_bytes",
+    "sra_allreduce_bytes", "allreduce_bytes", "hierarchical_allreduce_bytes", "tree_allreduce_bytes",
+    "messages_per_allreduce", "transfer_time", "codec_time", "comm_time", "optimizer_step_time",
+    "micro_step_time", "scaling_efficiency", "speedup", "algbw", "busbw", "BUS_FACTORS", "eta_table",
+]
+
+#: elements per flat communication buffer, as ``jax_qcomm.collectives.DEFAULT_COMM_BUCKET``.
+DEFAULT_COMM_BUCKET = 1 << 24
+
+#: nccl-tests bus-bandwidth factors, as functions of the device count D.
+BUS_FACTORS = {
+    "allreduce": lambda d: 2 * (d - 1) / d,
+    "reduce_scatter": lambda d: (d - 1) / d,
+    "all_gather": lambda d: (d - 1) / d,
+    "all_to_all": lambda d: (d - 1) / d,
+    "broadcast": lambda d: 1.0,
+    "reduce": lambda d: 1.0,
+}
+
+
+# -- argument checks --------------------------------------------------------------------------------
+
+def _int(name: str, value: Any, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+  value = int(value)
+  if value < minimum:
+    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+  return value
+
+
+def _num(name: str, value: Any, *, positive: bool = False, allow_none: bool = False) -> float | None:
+  if value is None and allow_none:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} number, "
+                     f"got {value!r}")
+  v = float(value)
+  if not math.isfinite(v) or v < 0 or (positive and v == 0):
+    raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} "
+                     f"number, got {value!r}")
+  return v
+
+
+def codec_of(codec: Any) -> Any:
+  """A codec object from a codec or a ``bits`` value (32 exact, 16 bf16, 1..8 QSGD maxmin, bucket
+  128, as :func:`jax_qcomm.sync`); ValueError otherwise."""
+  from jax_qcomm.codecs import Codec
+  from jax_qcomm.sync import codec_for_bits
+
+  if isinstance(codec, Codec):
+    return codec
+  if isinstance(codec, bool) or not isinstance(codec, int):
+    raise ValueError(f"codec must be a jax_qcomm codec (QSGD, Cast, NoCompression) or bits "
+                     f"(32, 16 or 1..8), got {codec!r}")
+  return codec_for_bits(codec)
+
+
+def _is_exact(codec: Any) -> bool:
+  from jax_qcomm.codecs import NoCompression
+  return isinstance(codec, NoCompression)
+
+
+def _bucket(codec: Any) -> int:
+  from jax_qcomm.codecs import QSGD
+  return codec.bucket_size if isinstance(codec, QSGD) else 1
+
+
+# -- bytes ------------------------------------------------------------------------------------------
+
+def sra_padded_elements(n: int, devices: int, codec: Any) -> int:
+  """Elements of the buffer after the SRA pads it to a multiple of ``devices * bucket``."""
+  n = _int("n", n, 0)
+  d = _int("devices", devices, 1)
+  m = d * _bucket(codec_of(codec))
+  return -(-n // m) * m
+
+
+def payload_bytes(n: int, codec: Any, devices: int = 1) -> int:
+  """Bytes of the payload of ``n`` float32 values as the allreduce sends them.
+
+  Exact float32: ``4 n``. SRA codecs: the buffer padded to ``devices * bucket`` elements and cut
+  into ``devices`` chunks, each with its own payload (codes + per-bucket scales,
+  :func:`jax_qcomm.wire.qsgd_payload_bytes`; ``Cast``: 2 bytes per value).
+  """
+  codec = codec_of(codec)
+  n = _int("n", n, 0)
+  d = _int("devices", devices, 1)
+  if _is_exact(codec):
+    return 4 * n
+  c = sra_padded_elements(n, d, codec) // d
+  return d * codec.payload_size(c)
+
+
+def ring_allreduce_bytes(n: int, devices: int, itemsize: int = 4) -> float:
+  """Bytes each device sends in a ring allreduce of ``n`` values of ``itemsize`` bytes:
+  ``2 (D-1)/D * n * itemsize`` (0 for one device)."""
+  n = _int("n", n, 0)
+  d = _int("devices", devices, 1)
+  itemsize = _int("itemsize", itemsize, 1)
+  return 2 * (d - 1) / d * n * itemsize
+
+
+def sra_allreduce_bytes(n: int, devices: int, codec: Any) -> float:
+  """Bytes each device sends in a scatter-reduce-allgather allreduce of ``n`` float32 values with
+  ``codec``: ``2 (D-1)/D * payload_bytes(n, codec, D)`` (padding and scales included)."""
+  d = _int("devices", devices, 1)
+  return 2 * (d - 1) / d * payload_bytes(n, codec, d)
+
+
+def allreduce_bytes(n: int, devices: int, codec: Any = 32) -> float:
+  """Bytes each device sends per allreduce of ``n`` float32 values: ring float32 for exact
+  (``NoCompression`` / bits 32), SRA for ``QSGD`` / ``Cast`` (bits 1..8 / 16)."""
+  codec = codec_of(codec)
+  if _is_exact(codec):
+    return ring_allreduce_bytes(n, devices, 4)
+  return sra_allreduce_bytes(n, devices, codec)
+
+
+def hierarchical_allreduce_bytes(n: int, inner: int, outer: int, codec: Any = 4) -> dict[str, float]:
+  """Bytes each device sends in a ``Hierarchical(inner, outer)`` allreduce of ``n`` float32 values.
+
+  Returns ``{"inner": bytes on the fast links, "outer": bytes on the slow links}``. Compressed
+  codecs: the buffer is padded to ``inner * outer * bucket``; exact reduce-scatter and all-gather of
+  float32 over ``inner`` (``2 (Di-1)/Di * 4 n_pad``), SRA of the ``n_pad / Di`` shard over ``outer``.
+  Exact float32 (``NoCompression``): one flat ring ``pmean`` over all ``Di * Do`` devices, counted
+  on the slow links (a ring crosses them).
+  """
+  codec = codec_of(codec)
+  di = _int("inner", inner, 1)
+  do = _int("outer", outer, 1)
+  n = _int("n", n, 0)
+  if _is_exact(codec):
+    return {"inner": 0.0, "outer": ring_allreduce_bytes(n, di * do, 4)}
+  m = di * do * _bucket(codec)
+  n_pad = -(-n // m) * m
+  return {"inner": 2 * (di - 1) / di * 4 * n_pad,
+          "outer": sra_allreduce_bytes(n_pad // di, do, codec)}
+
+
+def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any = None,
+                         comm_bucket_size: int = DEFAULT_COMM_BUCKET) -> dict[str, Any]:
+  """Bytes each device sends when ``qcomm.allreduce`` / ``qcomm.sync`` synchronise a pytree.
+
+  ``tree``: arrays or ``jax.ShapeDtypeStruct`` leaves (only shapes are read). Applies the same leaf
+  policy (default ``LeafPolicy()``: leaves under 1024 elements and 1-D leaves exact) and the same
+  packing into flat buffers of at most ``comm_bucket_size`` elements as the library.
+
+  Returns a dict: ``bytes`` (total sent per device), ``messages`` (``2 (D-1)`` per buffer),
+  ``coded_elements`` (elements going through a lossy codec, i.e. its codec work), ``elements``
+  (all gradient elements), ``buffers`` (list of ``(codec repr, elements, bytes)``).
+  """
+  import jax
+
+  from jax_qcomm import packing
+
+  codec = codec_of(codec)
+  d = _int("devices", devices, 1)
+  comm_bucket_size = _int("comm_bucket_size", comm_bucket_size, 1)
+  policy = packing.LeafPolicy() if policy is None else policy
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = [leaf for _, leaf in with_path]
+  if treedef.num_leaves == 1 and treedef.num_nodes == 1:
+    codecs = [codec]
+  else:
+    codecs = [policy.codec_for(packing.path_str(p), leaf, codec) for p, leaf in with_path]
+  total, messages, coded, buffers = 0.0, 0, 0, []
+  for group in packing.plan(leaves, codecs, comm_bucket_size):
+    b = packing.quant_bucket(group.codec)
+    n = sum(-(-int(math.prod(leaves[i].shape)) // b) * b for i in group.leaves)
+    sent = allreduce_bytes(n, d, group.codec)
+    total += sent
+    messages += messages_per_allreduce(d) if n else 0
+    if not _is_exact(group.codec):
+      coded += n
+    buffers.append((repr(group.codec), n, sent))
+  elements = sum(int(math.prod(leaf.shape)) for leaf in leaves)
+  return dict(bytes=total, messages=messages, coded_elements=coded, elements=elements,
+              buffers=buffers)
+
+
+def messages_per_allreduce(devices: int) -> int:
+  """Messages each device sends per flat buffer: ``2 (D-1)`` (ring and SRA alike)."""
+  d = _int("devices", devices, 1)
+  return 2 * (d - 1)
+
+
+# -- times ------------------------------------------------------------------------------------------
+
+def transfer_time(nbytes: float, link_gbps: float, *, latency_s: float = 0.0,
+                  messages: int = 0) -> float:
+  """Seconds to send ``nbytes`` bytes over a link of ``link_gbps`` Gbit/s (10**9 bit/s), plus
+  ``messages * latency_s``."""
+  nbytes = _num("nbytes", nbytes)
+  rate = _num("link_gbps", link_gbps, positive=True)
+  latency_s = _num("latency_s", latency_s)
+  messages = _int("messages", messages, 0)
+  return nbytes * 8 / (rate * 1e9) + messages * latency_s
+
+
+def codec_time(coded_elements: float, codec_elems_per_s: float | None) -> float:
+  """Seconds of codec work: ``coded_elements / codec_elems_per_s`` (0 when the throughput is None,
+  i.e. free). The throughput is in elements of the allreduced buffer per second of one device's
+  whole codec work in one SRA allreduce (see the module docstring)."""
+  coded_elements = _num("coded_elements", coded_elements)
+  tput = _num("codec_elems_per_s", codec_elems_per_s, positive=True, allow_none=True)
+  return 0.0 if tput is None or coded_elements == 0 else coded_elements / tput
+
+
+def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: float = 0.0,
+              codec_elems_per_s: float | None = None) -> float:
+  """Tc, seconds of one allreduce of ``n`` float32 values as one flat buffer: transfer of
+  :func:`allreduce_bytes` at ``link_gbps`` + ``2 (D-1)`` messages x ``latency_s`` + codec work
+  ``n / codec_elems_per_s`` (lossy codecs only). 0 on one device."""
+  codec = codec_of(codec)
+  d = _int("devices", devices, 1)
+  n = _int("n", n, 0)
+  if d == 1:
+    return 0.0
+  t = transfer_time(allreduce_bytes(n, d, codec), link_gbps, latency_s=latency_s,
+                    messages=messages_per_allreduce(d) if n else 0)
+  if not _is_exact(codec):
+    t += codec_time(n, codec_elems_per_s)
+  return t
+
+
+def optimizer_step_time(ts: float, tc: float, accum_steps: int = 1) -> float:
+  """Seconds per optimizer step: ``accum_steps * ts + tc`` (``ts``: compute per micro-step,
+  ``tc``: one allreduce; no overlap)."""
+  ts = _num("ts", ts)
+  tc = _num("tc", tc)
+  k = _int("accum_steps", accum_steps, 1)
+  return k * ts + tc
+
+
+def micro_step_time(ts: float, tc: float, accum_steps: int = 1) -> float:
+  """Seconds per micro-step: ``ts + tc / accum_steps``."""
+  return optimizer_step_time(ts, tc, accum_steps) / _int("accum_steps", accum_steps, 1)
+
+
+def scaling_efficiency(ts: float, tc: float, accum_steps: int = 1) -> float:
+  """eta = ``ts / (ts + tc / accum_steps)`` in [0, 1]: ``ts`` compute seconds per micro-step,
+  ``tc`` seconds per allreduce (one every ``accum_steps`` micro-steps)."""
+  ts = _num("ts", ts, positive=True)
+  tc = _num("tc", tc)
+  k = _int("accum_steps", accum_steps, 1)
+  return ts / (ts + tc / k)
+
+
+def speedup(ts: float, tc: float, devices: int, accum_steps: int = 1) -> float:
+  """Throughput of ``devices`` data-parallel devices relative to one: ``devices * eta``."""
+  return _int("devices", devices, 1) * scaling_efficiency(ts, tc, accum_steps)
+
+
+# -- bandwidths (nccl-tests) ------------------------------------------------------------------------
+
+def algbw(size_bytes: float, seconds: float) -> float:
+  """Algorithm bandwidth in bytes/s: ``size_bytes / seconds`` (nccl-tests' algbw)."""
+  return _num("size_bytes", size_bytes) / _num("seconds", seconds, positive=True)
+
+
+def busbw(size_bytes: float, seconds: float, devices: int, collective: str = "allreduce") -> float:
+  """Bus bandwidth in bytes/s (nccl-tests): ``algbw * factor(D)``, factor ``2 (D-1)/D`` for an
+  allreduce (see :data:`BUS_FACTORS`). Comparable with the link rate: a ring allreduce at the link
+  rate has busbw = link bytes/s."""
+  if collective not in BUS_FACTORS:
+    raise ValueError(f"collective must be one of {tuple(BUS_FACTORS)}, got {collective!r}")
+  d = _int("devices", devices, 1)
+  return algbw(size_bytes, seconds) * BUS_FACTORS[collective](d)
+
+
+def eta_table(ts: float, tcs: dict[Any, float], accum: Iterable[int] = (1, 2)) -> dict[tuple, float]:
+  """``{(name, k): eta}`` for every ``tcs[name]`` and accumulation ``k`` (for plots)."""
+  return {(name, k): scaling_efficiency(ts, tc, k) for name, tc in tcs.items() for k in accum}
