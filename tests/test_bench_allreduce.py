@@ -44,9 +44,10 @@ def test_rows_have_positive_finite_numbers(result):
     assert r["size"] == 5000 and r["devices"] == 4 and r["processes"] == 1
     for field in ("median_s", "min_s", "max_s", "wire_bytes_per_device", "payload_bytes",
                   "busbw_gb_per_s", "algbw_gb_per_s", "speedup_vs_fp32", "wire_ratio_vs_fp32",
-                  "link_floor_s"):
+                  "link_floor_s", "time_vs_floor"):
       assert _positive_finite(r[field]), (name, field, r[field])
     assert r["min_s"] <= r["median_s"] <= r["max_s"]
+    assert r["time_vs_floor"] == pytest.approx(r["median_s"] / r["link_floor_s"])
     assert len(r["times_s"]) == 2
 
 
@@ -76,4 +77,4 @@ def test_breakdown_and_metadata(result):
   for key in ("date", "hostname", "cpu_model", "jax_version", "command", "malloc"):
     assert meta[key], key
   assert "allreduce" in meta["command"]
-  assert "qsgd4" in stdout and "busbw" in stdout
+  assert "qsgd4" in stdout and "busbw" in stdout and "time/floor" in stdout

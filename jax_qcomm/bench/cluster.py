@@ -479,7 +479,7 @@ def cleanup(ip: str, prefix: str = DEFAULT_PREFIX, force: bool = False,
   for kind, names in found.items():
     for name in names:
       pid = int(pat.fullmatch(name).group(1))
-      if not force and pid != os.getpid() and _pid_alive(pid):
+      if not force and _pid_alive(pid):
         kept.append(name)
         continue
       (ns_rm if kind == "namespaces" else link_rm).append(name)
