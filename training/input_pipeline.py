@@ -168,9 +168,19 @@ def dataset_info(config: Any) -> DatasetInfo:
                        config.synthetic_examples, config.synthetic_examples)
   builder = _tfds_builder(config)
   train_split, eval_split = _split_names(config)
-  info = builder.info
-  return DatasetInfo(info.features["label"].num_classes, (config.image_size, config.image_size, 3),
-                     info.splits[train_split].num_examples, info.splits[eval_split].num_examples)
+  return DatasetInfo(builder.info.features["label"].num_classes,
+                     (config.image_size, config.image_size, 3),
+                     _num_examples(builder, train_split), _num_examples(builder, eval_split))
+
+
+def _num_examples(builder, split: str) -> int:
+  """The split's size from the dataset's metadata, else (mock data, custom builders) by counting."""
+  try:
+    return int(builder.info.splits[split].num_examples)
+  except KeyError:
+    ds = builder.as_dataset(split=split, decoders={"image": tfds.decode.SkipDecoding()})
+    n = int(ds.cardinality())
+    return n if n >= 0 else int(ds.reduce(0, lambda count, _: count + 1))
 
 
 def _records(config: Any, split: str, process_index: int, process_count: int,

@@ -361,10 +361,12 @@ def evaluate(eval_step, state, config, mesh: Mesh, local_batch: int) -> dict[str
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None,
-                       *, quiet: bool = False) -> dict[str, Any]:
+                       *, quiet: bool = False, stop_after: int | None = None) -> dict[str, Any]:
   """Trains per ``config``, evaluating every ``eval_every_steps`` and at the end.
 
-  Resumes from the latest checkpoint in ``workdir`` if there is one. Returns the final metrics:
+  Resumes from the latest checkpoint in ``workdir`` if there is one. ``stop_after`` ends the run
+  after that optimizer step as a preemption would, after writing a checkpoint (tests use it to
+  check that a resumed run equals an uninterrupted one). Returns the final metrics:
   ``eval_accuracy``, ``eval_loss``, ``train_loss``, ``steps`` (optimizer steps), timing
   (``step_time_sync``, ``step_time_nosync``, ``scaling_efficiency`` when measured, ``train_seconds``)
   and ``params_checksum`` (float64 sum of every parameter, identical on every process).
@@ -451,6 +453,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None,
     if mngr is not None and config.checkpoint_every_steps and \
         done % config.checkpoint_every_steps == 0:
       _save(mngr, done * k, state)
+    if stop_after is not None and done >= stop_after:
+      if mngr is not None:
+        _save(mngr, done * k, state)
+        mngr.wait_until_finished()
+      if bar:
+        bar.close()
+      log.close()
+      return {**result, "steps": done, "params_checksum": params_checksum(state.params),
+              "stopped": True}
   result["train_seconds"] = time.perf_counter() - t_start
   if bar:
     bar.close()
@@ -462,7 +473,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None,
   log.close()
   result.update(eval_accuracy=final["accuracy"], eval_loss=final["loss"], train_loss=train_loss,
                 steps=total_steps, bits=config.bits, accum_steps=k,
-                params_checksum=params_checksum(state.params))
+                params_checksum=params_checksum(state.params),
+                replicas_identical=replicas_identical(state.params))
   return result
 
 
@@ -479,14 +491,23 @@ def params_checksum(params: Any) -> float:
   return float(sum(leaf.sum() for leaf in leaves))
 
 
+def replicas_identical(params: Any) -> bool:
+  """Whether every device of this process holds bit-identical copies of every parameter."""
+  for x in jax.tree_util.tree_leaves(params):
+    shards = [np.asarray(s.data) for s in x.addressable_shards]
+    if any(s.tobytes() != shards[0].tobytes() for s in shards[1:]):
+      return False
+  return True
+
+
 def main(argv) -> None:
   del argv
   from absl import flags
   config = flags.FLAGS.config
   initialize_processes(config)
   result = train_and_evaluate(config, flags.FLAGS.workdir or None)
-  if jax.process_index() == 0:
-    print(json.dumps(result))
+  # Every process reports, so that a launcher's log shows the replicas agree.
+  print(json.dumps({"process_index": jax.process_index(), **result}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,256 @@
+"""The example trainer: input pipelines, config validation, checkpoint/resume, multi-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+tfds = pytest.importorskip("tensorflow_datasets")
+
+import jax  # noqa: E402
+
+from configs import default, digits  # noqa: E402
+from training import input_pipeline, models, train  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_digits(**overrides):
+  config = digits.get_config()
+  config.num_filters = 4
+  config.batch_size = 32
+  config.num_train_steps = 6
+  config.warmup_epochs = 0.0
+  config.eval_every_steps = 0
+  config.checkpoint_every_steps = 0
+  config.measure_sync_steps = 0
+  config.progress_bar = False
+  for k, v in overrides.items():
+    config[k] = v
+  return config
+
+
+# ---- input pipelines -----------------------------------------------------------------------------
+
+def _jpeg(seed: int, h: int = 40, w: int = 56) -> bytes:
+  rng = np.random.default_rng(seed)
+  return tf.io.encode_jpeg(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).numpy()
+
+
+def _mock_imagenet(num_examples: int):
+  """A tfds mock whose examples are real JPEGs labelled by index, honouring split slices like
+  ``train[50%:100%]`` (tfds's default mock ignores slicing, which would hide a sharding bug)."""
+  def as_dataset(self, split, decoders=None, **kwargs):
+    if hasattr(split, "index") and hasattr(split, "count"):  # tfds.even_splits's _EvenSplit
+      name = split.split
+      lo = split.index * num_examples // split.count
+      hi = (split.index + 1) * num_examples // split.count
+    else:
+      m = re.fullmatch(r"(\w+)(?:\[(\d+)%:(\d+)%\])?", str(split))
+      assert m, split
+      name = m.group(1)
+      lo = int(m.group(2) or 0) * num_examples // 100
+      hi = int(m.group(3) or 100) * num_examples // 100
+    offset = 0 if name == "train" else 10_000
+    images = [_jpeg(offset + i) for i in range(lo, hi)]
+    labels = np.arange(lo, hi, dtype=np.int64) + offset
+    return tf.data.Dataset.from_tensor_slices({"image": images, "label": labels})
+
+  return tfds.testing.mock_data(num_examples=num_examples, as_dataset_fn=as_dataset)
+
+
+def _imagenet_config(image_size: int = 32):
+  config = default.get_config()
+  config.dataset = "imagenet2012"
+  config.data_dir = "/nonexistent"  # the mock must be what is read
+  config.image_size = image_size
+  config.shuffle_buffer = 64
+  return config
+
+
+def test_imagenet_pipeline_on_mock_data_shapes_normalisation_and_process_shards():
+  config = _imagenet_config()
+  with _mock_imagenet(16):
+    info = input_pipeline.dataset_info(config)
+    assert info.image_shape == (32, 32, 3) and info.num_classes == 1000
+    shards = []
+    for p in range(2):
+      it = input_pipeline.train_iterator(config, 4, process_index=p, process_count=2)
+      batches = [next(it) for _ in range(2)]  # one epoch of this process's 8 examples
+      for b in batches:
+        assert b["image"].shape == (4, 32, 32, 3) and b["image"].dtype == np.float32
+        assert b["label"].shape == (4,) and b["label"].dtype == np.int32
+        assert b["mask"].all()
+      images = np.concatenate([b["image"] for b in batches])
+      # Normalised with ImageNet's mean/std: uniform random pixels give mean ~0.1, std ~1.
+      assert abs(images.mean()) < 0.5 and 0.6 < images.std() < 1.6
+      shards.append(set(np.concatenate([b["label"] for b in batches]).tolist()))
+    assert shards[0] == set(range(8)) and shards[1] == set(range(8, 16))  # distinct, complete
+    # Evaluation: every example once over the two processes, padding masked, same batch count.
+    seen, counts = [], []
+    for p in range(2):
+      ev = list(input_pipeline.eval_iterator(config, 3, process_index=p, process_count=2))
+      counts.append(len(ev))
+      for b in ev:
+        assert b["image"].shape == (3, 32, 32, 3)
+        seen += b["label"][b["mask"]].tolist()
+    assert counts[0] == counts[1] == 3
+    assert sorted(seen) == list(range(10_000, 10_016))
+
+
+def test_train_batches_are_reproducible_from_the_step():
+  config = _imagenet_config()
+  with _mock_imagenet(16):
+    it = input_pipeline.train_iterator(config, 4)
+    run = [next(it) for _ in range(5)]
+    resumed = input_pipeline.train_iterator(config, 4, start_step=3)
+    for want in run[3:]:
+      got = next(resumed)
+      np.testing.assert_array_equal(got["label"], want["label"])
+      np.testing.assert_array_equal(got["image"], want["image"])  # augmentation too
+
+
+def test_image_folder_reads_written_images(tmp_path):
+  for split, per_class in (("train", 3), ("test", 2)):
+    for c, name in enumerate(("cat", "dog")):
+      folder = tmp_path / split / name
+      folder.mkdir(parents=True)
+      for i in range(per_class):
+        (folder / f"{i}.jpg").write_bytes(_jpeg(100 * c + i, 30 + 4 * i, 50))
+  config = default.get_config()
+  config.dataset, config.data_dir = "image_folder", str(tmp_path)
+  config.train_split, config.eval_split = "train", "test"
+  config.image_size = 24
+  info = input_pipeline.dataset_info(config)
+  assert (info.num_classes, info.train_examples, info.eval_examples) == (2, 6, 4)
+  b = next(input_pipeline.train_iterator(config, 4))
+  assert b["image"].shape == (4, 24, 24, 3) and set(b["label"].tolist()) <= {0, 1}
+  ev = list(input_pipeline.eval_iterator(config, 4))
+  labels = np.concatenate([e["label"][e["mask"]] for e in ev])
+  assert sorted(labels.tolist()) == [0, 0, 1, 1]
+
+
+def test_image_folder_needs_a_data_dir():
+  config = default.get_config()
+  config.dataset = "image_folder"
+  with pytest.raises(ValueError, match="data_dir"):
+    input_pipeline.dataset_info(config)
+
+
+def test_digits_split_is_fixed_and_disjoint():
+  x_tr, y_tr, x_ev, y_ev = input_pipeline.load_digits_arrays()
+  assert x_tr.shape[1:] == (8, 8, 1) and len(x_tr) + len(x_ev) == 1797
+  assert abs(float(x_tr.mean())) < 1e-5
+  rows = {r.tobytes() for r in x_tr}
+  assert sum(r.tobytes() in rows for r in x_ev) < 5  # a handful of duplicate digits exist
+  assert set(y_ev.tolist()) == set(range(10))
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,blocks", [("ResNet18", 8), ("ResNet50", 16)])
+def test_resnet_structure(name, blocks):
+  model = models.create_model(name, num_classes=7, num_filters=8)
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 32, 32, 3)),
+                                                train=False))
+  block_names = [k for k in variables["params"] if "Block" in k]
+  assert len(block_names) == blocks
+  assert variables["params"]["Dense_0"]["kernel"].shape[-1] == 7
+
+
+def test_unknown_model():
+  with pytest.raises(ValueError, match="model must be one of"):
+    models.create_model("ResNet9", num_classes=10)
+
+
+# ---- configuration errors, before any compute ----------------------------------------------------
+
+@pytest.mark.parametrize("field,value,match", [
+    ("bits", 9, r"config.bits must be 1..8"),
+    ("batch_size", 12, r"config.batch_size must be divisible by the number of devices \(8\)"),
+    ("bucket_size", 12, r"config.bucket_size must be a positive multiple of 8"),
+    ("dataset", "mnist", r"config.dataset must be one of"),
+    ("accum_steps", 0, r"config.accum_steps must be an integer >= 1"),
+    ("scheme", "norm", r"norm needs bits >= 2"),
+])
+def test_bad_config_fails_before_compute(field, value, match, monkeypatch):
+  config = _tiny_digits()
+  if field == "scheme":
+    config.bits = 1
+  config[field] = value
+  # Nothing may be compiled or read: make both fail loudly if they happen.
+  monkeypatch.setattr(train, "create_train_state", lambda *a, **k: pytest.fail("compute ran"))
+  monkeypatch.setattr(input_pipeline, "dataset_info", lambda *a, **k: pytest.fail("data read"))
+  with pytest.raises(ValueError, match=match):
+    train.train_and_evaluate(config, None, quiet=True)
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+  config = _tiny_digits(bits=4, accum_steps=2, checkpoint_every_steps=0, keep_checkpoints=2)
+  full = train.train_and_evaluate(config, str(tmp_path / "full"), quiet=True)
+  part = train.train_and_evaluate(config, str(tmp_path / "cut"), quiet=True, stop_after=3)
+  assert part["stopped"] and part["steps"] == 3
+  resumed = train.train_and_evaluate(config, str(tmp_path / "cut"), quiet=True)
+  assert resumed["steps"] == full["steps"] == 6
+  assert resumed["params_checksum"] == full["params_checksum"]  # float64 sum of float32: exact
+  assert resumed["eval_accuracy"] == full["eval_accuracy"]
+  assert full["replicas_identical"] and resumed["replicas_identical"]
+  lines = [json.loads(s) for s in open(tmp_path / "full" / "metrics.jsonl")]
+  assert any(r["kind"] == "eval" for r in lines) and any(r["kind"] == "train" for r in lines)
+  assert os.listdir(tmp_path / "full" / "tensorboard")
+
+
+def test_digits_learns_quickly():
+  # 30 optimizer steps of a 4-filter ResNet at 4 bits: far above chance (10%) on held-out digits.
+  config = _tiny_digits(bits=4, num_train_steps=30, num_filters=8, measure_sync_steps=2)
+  result = train.train_and_evaluate(config, None, quiet=True)
+  assert result["eval_accuracy"] > 0.6, result
+  assert result["step_time_sync"] > 0 and result["step_time_nosync"] > 0
+  assert result["replicas_identical"]
+
+
+def test_resnet50_train_step_compiles_and_runs_on_synthetic_data():
+  config = default.get_config()
+  config.dataset = "synthetic"
+  config.image_size = 64  # 224 runs too (see docs/training.md); 64 keeps the suite fast
+  config.num_classes = 10
+  config.synthetic_examples = 64
+  config.batch_size = 8
+  config.num_train_steps = 1
+  config.accum_steps = 1
+  config.eval_every_steps = config.checkpoint_every_steps = config.measure_sync_steps = 0
+  config.progress_bar = False
+  result = train.train_and_evaluate(config, None, quiet=True)
+  assert np.isfinite(result["train_loss"]) and result["replicas_identical"]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_train_and_agree(tmp_path):
+  cmd = [sys.executable, "-m", "jax_qcomm.launch", "-n", "2", "--local-devices", "2",
+         "--timeout", "600", "-m", "training.train", "--config", "configs/digits.py",
+         "--config.num_cpu_devices=0", "--config.num_filters=4", "--config.batch_size=32",
+         "--config.num_train_steps=4", "--config.eval_every_steps=0",
+         "--config.measure_sync_steps=0", "--config.progress_bar=False",
+         f"--workdir={tmp_path}"]
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=700)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  results = {}
+  for line in out.stdout.splitlines():
+    m = re.match(r"\[(\d)\] (\{.*\})$", line)
+    if m:
+      results[int(m.group(1))] = json.loads(m.group(2))
+  assert set(results) == {0, 1}, out.stdout[-3000:]
+  assert results[0]["params_checksum"] == results[1]["params_checksum"]
+  assert results[0]["replicas_identical"] and results[1]["replicas_identical"]
+  assert results[0]["steps"] == 4 and np.isfinite(results[0]["train_loss"])
