@@ -73,3 +73,18 @@ def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
   call = jax.ffi.ffi_call("qcomm_qsgd_decode_sum", jax.ShapeDtypeStruct((n,), jnp.float32),
                           vmap_method="broadcast_all")
   return _vma.make_varying(call(payloads, **_attrs(bits, bucket_size, scheme)), _vma.vma_of(payloads))
+
+
+def qsgd_decode_sum_reencode(payloads: jax.Array, seed: jax.Array, n: int, scale: float, *,
+                             bits: int, bucket_size: int, scheme: str, rounding: str) -> jax.Array:
+  """payloads: uint8[k, P], seed: uint32[2] -> uint8[P] = encode(decode_sum(payloads) * scale).
+
+  One kernel for the middle of the scatter-reduce-allgather allreduce; the bytes are those of
+  ``qsgd_decode_sum`` -> ``* float32(scale)`` (skipped where scale == 1) -> ``qsgd_encode``.
+  """
+  size = wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
+  call = jax.ffi.ffi_call("qcomm_qsgd_decode_sum_reencode", jax.ShapeDtypeStruct((size,), jnp.uint8),
+                          vmap_method="broadcast_all")
+  out = call(payloads, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)), n=np.int64(n),
+             scale=np.float32(scale), **_attrs(bits, bucket_size, scheme))
+  return _vma.make_varying(out, _vma.vma_of(payloads) | _vma.vma_of(seed))

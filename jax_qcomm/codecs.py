@@ -190,12 +190,7 @@ class QSGD(Codec):
 
   def _encode_flat(self, x, key):
     n = x.shape[0]
-    if self.rounding == "stochastic":
-      if key is None:
-        raise ValueError("key is required for rounding='stochastic' (pass a jax.random key)")
-      seed = seed_words(key)
-    else:
-      seed = jnp.zeros((2,), jnp.uint32) if key is None else seed_words(key)
+    seed = self._seed(key)
     if n == 0:
       return jnp.zeros((0,), jnp.uint8)
     kw = dict(rounding=self.rounding, **self._fmt)
@@ -208,6 +203,43 @@ class QSGD(Codec):
     kw = self._fmt
     return self._platform_select(lambda p: _ffi.qsgd_decode_sum(p, n, **kw),
                                  lambda p: _reference.decode_sum(p, n, **kw), payloads)
+
+  def _seed(self, key):
+    if self.rounding == "stochastic":
+      if key is None:
+        raise ValueError("key is required for rounding='stochastic' (pass a jax.random key)")
+      return seed_words(key)
+    return jnp.zeros((2,), jnp.uint32) if key is None else seed_words(key)
+
+  def decode_sum_reencode(self, payloads: jax.Array, shape: Shape, key: jax.Array | None = None,
+                          scale: float = 1.0) -> jax.Array:
+    """``encode(decode_sum(payloads, shape) * float32(scale), key)`` in one kernel.
+
+    The middle of the compressed allreduce: the owner of a chunk sums the k payloads it received
+    and re-encodes the (scaled) sum. The payload bytes are those of the three steps done apart
+    (the multiplication is skipped where ``scale == 1``, as :func:`jax_qcomm.collectives` does);
+    the FFI kernels (CPU and CUDA) fuse them, the pure-JAX reference composes them.
+    """
+    shape = tuple(int(d) for d in shape)
+    n = math.prod(shape)
+    if payloads.ndim != 2 or payloads.shape[0] < 1:
+      raise ValueError(f"payloads must have shape [k >= 1, {self.payload_size(n)}], "
+                       f"got {payloads.shape}")
+    _check_payload(payloads, self.payload_size(n), lead=(payloads.shape[0],))
+    scale = float(scale)
+    seed = self._seed(key)
+    if n == 0:
+      return jnp.zeros((0,), jnp.uint8)
+    kw = dict(rounding=self.rounding, **self._fmt)
+
+    def reference(p, s):
+      reduced = _reference.decode_sum(p, n, **self._fmt)
+      if scale != 1.0:
+        reduced = reduced * jnp.float32(scale)
+      return _reference.encode(reduced, s, **kw)
+
+    return self._platform_select(
+        lambda p, s: _ffi.qsgd_decode_sum_reencode(p, s, n, scale, **kw), reference, payloads, seed)
 
 
 @dataclasses.dataclass(frozen=True)

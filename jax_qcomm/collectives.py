@@ -99,10 +99,13 @@ def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
   payloads = _encode_rows(codec, chunks, _device_key(key, axis_name, 0))
   residual = (chunks - _decode_rows(codec, payloads, c)).reshape(-1)
   received = lax.all_to_all(payloads, axis_name, 0, 0, tiled=True)  # row s: my chunk from s
-  reduced = codec.decode_sum(received, (c,))
-  if scale != 1.0:
-    reduced = reduced * jnp.float32(scale)
-  mine = codec.encode(reduced, _device_key(key, axis_name, 1))
+  if hasattr(codec, "decode_sum_reencode"):  # one fused kernel, the same bytes as below
+    mine = codec.decode_sum_reencode(received, (c,), _device_key(key, axis_name, 1), scale)
+  else:
+    reduced = codec.decode_sum(received, (c,))
+    if scale != 1.0:
+      reduced = reduced * jnp.float32(scale)
+    mine = codec.encode(reduced, _device_key(key, axis_name, 1))
   gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, P], the same everywhere
   return _decode_rows(codec, gathered, c).reshape(-1), residual
 

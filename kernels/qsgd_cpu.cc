@@ -2,6 +2,7 @@
 #include "qsgd_cpu.h"
 
 #include <cstdint>
+#include <memory>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -83,6 +84,18 @@ void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, c
 
 void decode(const uint8_t* payload, int64_t n, const Params& p, float* out) {
   decode_sum(payload, 1, 0, n, p, out);
+}
+
+void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
+                         const uint32_t seed[2], const Params& p, uint8_t* payload) {
+  std::unique_ptr<float[]> reduced(new float[n > 0 ? n : 1]);
+  decode_sum(payloads, k, stride, n, p, reduced.get());
+  if (scale != 1.0f) {
+    FlushDenormals ftz;  // as XLA CPU computes `reduced * scale`
+    float* __restrict r = reduced.get();
+    for (int64_t i = 0; i < n; ++i) r[i] *= scale;
+  }
+  encode(reduced.get(), n, seed, p, payload);
 }
 
 }  // namespace qcomm::cpu

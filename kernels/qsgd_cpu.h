@@ -21,6 +21,11 @@ void decode(const uint8_t* payload, int64_t n, const Params& p, float* out);
 void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
                 float* out);
 
+// payload = encode(decode_sum(payloads) * scale, seed): the middle of a compressed allreduce. The
+// multiplication is skipped where scale == 1; the bytes equal those of the three steps done apart.
+void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
+                         const uint32_t seed[2], const Params& p, uint8_t* payload);
+
 // Name of the instruction set the dispatcher picked ("avx512", "avx2" or "generic").
 const char* isa();
 

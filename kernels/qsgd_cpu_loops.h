@@ -37,27 +37,13 @@ inline BucketScales bucket_scales(const float* __restrict x, int64_t bucket, uin
       hi = k > hi ? k : hi;
       any_nan |= qcomm::nan_flag(x[i]);
     }
-    float mn = qcomm::from_order_key(lo), mx = qcomm::from_order_key(hi);
-    // -0 and +0 compare equal; store +0 so the bytes do not depend on which came first.
-    mn = mn == 0.0f ? 0.0f : mn;
-    mx = mx == 0.0f ? 0.0f : mx;
-    if (any_nan) {
-      s.min = s.step = qcomm::canonical_nan();
-    } else {
-      s.min = mn;
-      s.step = qcomm::step_from(mx - mn, levels);
-    }
+    qcomm::maxmin_scales(lo, hi, any_nan, levels, &s.min, &s.step);
   } else {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t g = 0; g < bucket; g += 8) {
-      for (int j = 0; j < 8; ++j) {
-        const float h = qcomm::truncate12(x[g + j]);
-        acc[j] += h * h;
-      }
+      for (int j = 0; j < 8; ++j) acc[j] += qcomm::norm_square(x[g + j]);
     }
-    const float a0 = acc[0] + acc[4], a1 = acc[1] + acc[5], a2 = acc[2] + acc[6], a3 = acc[3] + acc[7];
-    const float total = (a0 + a2) + (a1 + a3);
-    s.step = qcomm::step_from(sqrtf(total), levels);
+    s.step = qcomm::norm_step(qcomm::norm_tree(acc), levels);
   }
   return s;
 }
@@ -67,15 +53,10 @@ template <int BITS, int SCHEME>
 inline void bucket_codes(const float* __restrict x, int64_t bucket, BucketScales s, bool stochastic,
                          uint32_t seed0, uint32_t seed1, uint32_t base,
                          uint8_t* __restrict codes) {
-  constexpr uint32_t levels = SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
   const float inv = qcomm::inverse_step(s.step);
   for (int64_t i = 0; i < bucket; ++i) {
-    const float v = SCHEME == qcomm::kMaxMin ? x[i] - s.min : fabsf(x[i]);
-    const float u = qcomm::uniform01(qcomm::random_bits(seed0, seed1, base + static_cast<uint32_t>(i)));
-    const float r = stochastic ? u : 0.5f;
-    uint32_t q = qcomm::quantize(v * inv, r, levels);
-    if constexpr (SCHEME == qcomm::kNorm) q |= static_cast<uint32_t>(x[i] < 0.0f) << (BITS - 1);
-    codes[i] = static_cast<uint8_t>(q);
+    const float r = qcomm::rounding_threshold(stochastic, seed0, seed1, base + static_cast<uint32_t>(i));
+    codes[i] = static_cast<uint8_t>(qcomm::encode_value<BITS, SCHEME>(x[i], s.min, inv, r));
   }
 }
 
@@ -160,8 +141,7 @@ inline void decode_bucket(const float* scales, const uint8_t* __restrict codes, 
   const float mn = SCHEME == qcomm::kMaxMin ? scales[0] : 0.0f;
   const float step = SCHEME == qcomm::kMaxMin ? scales[1] : scales[0];
   for (int64_t i = 0; i < bucket; ++i) {
-    const float v = SCHEME == qcomm::kMaxMin ? qcomm::dequantize_maxmin(codes[i], mn, step)
-                                             : qcomm::dequantize_norm(codes[i], BITS, step);
+    const float v = qcomm::decode_value<BITS, SCHEME>(codes[i], mn, step);
     if constexpr (ACCUM) {
       out[i] += v;
     } else {

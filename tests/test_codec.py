@@ -932,3 +932,98 @@ def test_decode_sum_is_in_order_float32_sum(config):
   for i, d in enumerate(parts):
     assert_jax_decode(d, as_np(ps[i]), DS_SHAPE, bits, bucket, scheme)
   np.testing.assert_array_equal(s, ((parts[0] + parts[1]) + parts[2]) + parts[3])
+
+
+# ---- fused decode-sum-reencode (the middle of the allreduce) --------------------------------------
+
+REENCODE_CONFIGS = [(4, 128, "maxmin", "stochastic"), (3, 24, "norm", "stochastic"),
+                    (1, 8, "maxmin", "nearest"), (8, 512, "norm", "nearest"),
+                    (5, 4104, "maxmin", "stochastic"), (2, 16, "norm", "stochastic")]
+
+
+def _reencode_payloads(codec, n, k, seed):
+  """k ffi payloads of n values: normal data, one bucket with a NaN, one with tiny values whose
+  sums and scaled sums underflow (denormals are flushed by both paths)."""
+  r = np.random.default_rng(seed)
+  xs = (r.standard_normal((k, n)) * 3.0).astype(np.float32)
+  b = codec.bucket_size
+  if n > 2 * b:
+    xs[0, b + 1] = np.nan
+    xs[:, 2 * b:3 * b] = (r.standard_normal((k, min(b, n - 2 * b))) * 1e-37).astype(np.float32)
+  keys = jax.random.split(jax.random.key(seed), k)
+  enc = jax.jit(jax.vmap(qcomm.QSGD(codec.bits, b, codec.scheme, codec.rounding, impl="ffi").encode))
+  return enc(jnp.asarray(xs), keys)
+
+
+@pytest.mark.parametrize("config", REENCODE_CONFIGS, ids=codec_id)
+@pytest.mark.parametrize("k,scale", [(1, 1.0), (3, 1.0 / 3.0), (4, 0.25), (2, 1e-30)])
+def test_decode_sum_reencode_bytes_equal_unfused(config, k, scale):
+  """decode_sum_reencode gives the bytes of decode_sum -> * float32(scale) -> encode, for the FFI
+  kernel (fused) and the pure-JAX reference (composed), under jit and vmap."""
+  bits, bucket, scheme, rounding = config
+  n = 3 * bucket + 5
+  key = jax.random.key(11)
+  for impl in ("ffi", "jax"):
+    c = qcomm.QSGD(bits, bucket, scheme, rounding, impl=impl)
+    payloads = _reencode_payloads(c, n, k, seed=bits * 100 + k)
+
+    @jax.jit
+    def both(p, key):
+      fused = c.decode_sum_reencode(p, (n,), key, scale)
+      reduced = c.decode_sum(p, (n,))
+      if scale != 1.0:
+        reduced = reduced * jnp.float32(scale)
+      return fused, c.encode(reduced, key)
+
+    fused, unfused = both(payloads, key)
+    assert fused.dtype == np.uint8 and fused.shape == (c.payload_size(n),)
+    np.testing.assert_array_equal(as_np(fused), as_np(unfused), err_msg=f"impl={impl}")
+    # vmapped over rows (as inside collectives), each row with its own key.
+    rows = jnp.stack([payloads, payloads[::-1]])
+    keys = jax.random.split(key, 2)
+    batched = jax.jit(jax.vmap(lambda p, kk: c.decode_sum_reencode(p, (n,), kk, scale)))(rows, keys)
+    for i in range(2):
+      np.testing.assert_array_equal(as_np(batched[i]), as_np(both(rows[i], keys[i])[1]),
+                                    err_msg=f"impl={impl} vmap row {i}")
+
+
+def test_decode_sum_reencode_checks_arguments():
+  c = qcomm.QSGD(4, 16)
+  p = jnp.zeros((2, c.payload_size(40)), jnp.uint8)
+  with pytest.raises(ValueError, match="key is required"):
+    c.decode_sum_reencode(p, (40,), None)
+  with pytest.raises(ValueError, match="payload"):
+    c.decode_sum_reencode(p, (41 + 16,), jax.random.key(0))
+  with pytest.raises(ValueError, match="payloads must have shape"):
+    c.decode_sum_reencode(p[0], (40,), jax.random.key(0))
+  assert c.decode_sum_reencode(jnp.zeros((2, 0), jnp.uint8), (0,), jax.random.key(0)).shape == (0,)
+
+
+class _UnfusedQSGD(qcomm.QSGD):
+  """QSGD without decode_sum_reencode: collectives fall back to decode_sum -> scale -> encode."""
+
+  @property
+  def decode_sum_reencode(self):
+    raise AttributeError("decode_sum_reencode")
+
+
+@pytest.mark.parametrize("config", [(4, 128, "maxmin", "stochastic"), (3, 24, "norm", "nearest")],
+                         ids=codec_id)
+def test_allreduce_fused_reencode_matches_unfused(config, cpu_devices):
+  """The allreduce (which uses the fused kernel) gives the same bits as the unfused path."""
+  mesh = Mesh(np.array(cpu_devices), ("d",))
+  n = 8 * config[1] * 3 + 7
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((D, n)).astype(np.float32))
+  key = jax.random.key(3)
+  outs = []
+  for cls in (qcomm.QSGD, _UnfusedQSGD):
+    codec = cls(*config, impl="ffi")
+    assert hasattr(codec, "decode_sum_reencode") == (cls is qcomm.QSGD)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+    def f(xs, key):
+      return qcomm.allreduce(xs[0], "d", codec=codec, key=key)[None]
+
+    outs.append(np.asarray(f(x, key)))
+  np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))

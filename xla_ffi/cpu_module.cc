@@ -2,6 +2,8 @@
 //
 // The handlers only check shapes and attributes and loop over leading (vmap) batch rows; the
 // codec math is in kernels/. Attribute types must match exactly what jax_qcomm/_ffi.py passes.
+// xla_ffi/cuda_module.cc registers the same targets, with the same operands and attributes, for
+// CUDA; the checks shared by both are in xla_ffi/qsgd_ffi_common.h.
 #include <cstdint>
 #include <string>
 
@@ -10,66 +12,67 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/qsgd_ffi_common.h"
 
 namespace nb = nanobind;
 namespace ffi = xla::ffi;
+namespace common = qcomm::ffi_common;
 
 namespace {
 
-ffi::Error CheckParams(const qcomm::cpu::Params& p) {
-  if (p.scheme != qcomm::kMaxMin && p.scheme != qcomm::kNorm)
-    return ffi::Error::InvalidArgument("scheme must be 0 (maxmin) or 1 (norm)");
-  const int32_t min_bits = p.scheme == qcomm::kNorm ? 2 : 1;
-  if (p.bits < min_bits || p.bits > 8)
-    return ffi::Error::InvalidArgument("bits must be in 1..8 (2..8 for the norm scheme), got " +
-                                       std::to_string(p.bits));
-  if (p.bucket <= 0 || p.bucket % 8 != 0)
-    return ffi::Error::InvalidArgument("bucket_size must be a positive multiple of 8, got " +
-                                       std::to_string(p.bucket));
-  if (p.rounding != qcomm::kStochastic && p.rounding != qcomm::kNearest)
-    return ffi::Error::InvalidArgument("rounding must be 0 (stochastic) or 1 (nearest)");
-  return ffi::Error::Success();
+qcomm::cpu::Params CpuParams(const common::Params& p) {
+  return qcomm::cpu::Params{p.bits, p.bucket, p.scheme, p.rounding};
 }
-
-int64_t LastDim(ffi::Span<const int64_t> dims) { return dims.size() == 0 ? 1 : dims.back(); }
 
 // x[rows, n] f32, seed[rows, 2] u32 -> payload[rows, P] u8.
 ffi::Error EncodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> seed,
                       ffi::ResultBuffer<ffi::U8> payload, int32_t bits, int32_t bucket_size,
                       int32_t scheme, int32_t rounding) {
-  const qcomm::cpu::Params p{bits, bucket_size, scheme, rounding};
-  if (ffi::Error e = CheckParams(p); e.failure()) return e;
-  const int64_t n = LastDim(x.dimensions());
-  const int64_t rows = n == 0 ? 0 : x.element_count() / n;
-  const int64_t bytes = qcomm::payload_bytes(n, bucket_size, bits, scheme);
-  if (LastDim(payload->dimensions()) != bytes || payload->element_count() != rows * bytes)
-    return ffi::Error::InvalidArgument("payload shape does not match the input size");
-  if (seed.element_count() != 2 * rows)
-    return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per row");
-  for (int64_t r = 0; r < rows; ++r)
-    qcomm::cpu::encode(x.typed_data() + r * n, n, seed.typed_data() + 2 * r, p,
-                       payload->typed_data() + r * bytes);
+  const common::Params p{bits, bucket_size, scheme, rounding};
+  common::Sizes s;
+  if (ffi::Error e = common::EncodeSizes(p, x.dimensions(), x.element_count(), seed.element_count(),
+                                         payload->dimensions(), payload->element_count(), &s);
+      e.failure())
+    return e;
+  for (int64_t r = 0; r < s.rows; ++r)
+    qcomm::cpu::encode(x.typed_data() + r * s.n, s.n, seed.typed_data() + 2 * r, CpuParams(p),
+                       payload->typed_data() + r * s.bytes);
   return ffi::Error::Success();
 }
 
 // payloads[rows, k, P] u8 -> out[rows, n] f32: the sum of the k decoded payloads.
 ffi::Error DecodeSumImpl(ffi::Buffer<ffi::U8> payloads, ffi::ResultBuffer<ffi::F32> out,
                          int32_t bits, int32_t bucket_size, int32_t scheme) {
-  const qcomm::cpu::Params p{bits, bucket_size, scheme, qcomm::kNearest};
-  if (ffi::Error e = CheckParams(p); e.failure()) return e;
-  const auto dims = payloads.dimensions();
-  if (dims.size() < 2) return ffi::Error::InvalidArgument("payloads must be [..., k, bytes]");
-  const int64_t k = dims[dims.size() - 2];
-  const int64_t bytes = dims.back();
-  const int64_t n = LastDim(out->dimensions());
-  const int64_t rows = n == 0 ? 0 : out->element_count() / n;
-  if (bytes != qcomm::payload_bytes(n, bucket_size, bits, scheme))
-    return ffi::Error::InvalidArgument("payload size does not match the output size");
-  if (k < 1 || payloads.element_count() != rows * k * bytes)
-    return ffi::Error::InvalidArgument("payloads and output disagree on the batch size");
-  for (int64_t r = 0; r < rows; ++r)
-    qcomm::cpu::decode_sum(payloads.typed_data() + r * k * bytes, k, bytes, n, p,
-                           out->typed_data() + r * n);
+  const common::Params p{bits, bucket_size, scheme, qcomm::kNearest};
+  const int64_t n = common::LastDim(out->dimensions());
+  common::Sizes s;
+  if (ffi::Error e = common::DecodeSumSizes(p, payloads.dimensions(), payloads.element_count(), n,
+                                            n == 0 ? 0 : out->element_count() / n, &s);
+      e.failure())
+    return e;
+  for (int64_t r = 0; r < s.rows; ++r)
+    qcomm::cpu::decode_sum(payloads.typed_data() + r * s.k * s.bytes, s.k, s.bytes, s.n,
+                           CpuParams(p), out->typed_data() + r * s.n);
+  return ffi::Error::Success();
+}
+
+// payloads[rows, k, P] u8, seed[rows, 2] u32 -> payload[rows, P] u8:
+// encode(decode_sum(payloads) * scale, seed), the multiplication skipped where scale == 1.
+ffi::Error DecodeSumReencodeImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buffer<ffi::U32> seed,
+                                 ffi::ResultBuffer<ffi::U8> payload, int32_t bits,
+                                 int32_t bucket_size, int32_t scheme, int32_t rounding, int64_t n,
+                                 float scale) {
+  const common::Params p{bits, bucket_size, scheme, rounding};
+  common::Sizes s;
+  if (ffi::Error e = common::ReencodeSizes(p, payloads.dimensions(), payloads.element_count(),
+                                           seed.element_count(), n, payload->dimensions(),
+                                           payload->element_count(), &s);
+      e.failure())
+    return e;
+  for (int64_t r = 0; r < s.rows; ++r)
+    qcomm::cpu::decode_sum_reencode(payloads.typed_data() + r * s.k * s.bytes, s.k, s.bytes, s.n,
+                                    scale, seed.typed_data() + 2 * r, CpuParams(p),
+                                    payload->typed_data() + r * s.bytes);
   return ffi::Error::Success();
 }
 
@@ -93,12 +96,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSum, DecodeSumImpl,
                                   .Attr<int32_t>("bucket_size")
                                   .Attr<int32_t>("scheme"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumReencode, DecodeSumReencodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("scheme")
+                                  .Attr<int32_t>("rounding")
+                                  .Attr<int64_t>("n")
+                                  .Attr<float>("scale"));
+
 NB_MODULE(_qcomm_cpu, m) {
   m.doc() = "QSGD codec CPU kernels as XLA FFI handlers";
   m.def("registrations", []() {
     nb::dict d;
     d["qcomm_qsgd_encode"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncode));
     d["qcomm_qsgd_decode_sum"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSum));
+    d["qcomm_qsgd_decode_sum_reencode"] =
+        nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencode));
     return d;
   });
   m.def("isa", []() { return std::string(qcomm::cpu::isa()); },
