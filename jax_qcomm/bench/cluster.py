@@ -23,7 +23,8 @@ Then it checks the link (a TCP transfer from node 1 to node 0, through both shap
 :func:`jax_qcomm.launch.launch`: ``jax.distributed`` with the coordinator on node 0's address and gloo
 bound to ``eth0`` of each namespace (``QCOMM_GLOO_INTERFACE``). Each process enters its namespace by
 ``ip netns exec`` (which also remounts ``/sys`` so that the namespace's interfaces are the ones seen).
-For ``allreduce``, ``--link-gbps`` is set from the rate unless given. Rank 0's JSON (the benchmark
+For benchmarks that take ``--link-gbps`` (``allreduce``, ``step``), it is set from the rate unless
+given. Rank 0's JSON (the benchmark
 writes it to a temporary file) is copied to ``--out`` with ``metadata.cluster`` added: nodes, rate,
 the tc commands, addresses, the link check.
 
@@ -496,8 +497,14 @@ def cleanup(ip: str, prefix: str = DEFAULT_PREFIX, force: bool = False,
 
 # -- running ------------------------------------------------------------------------------------------
 
-def _bench_name(bench: Sequence[str]) -> str:
-  return bench[0]
+def _takes_option(bench: Sequence[str], option: str) -> bool:
+  """Whether the benchmark subcommand ``bench[0]`` has ``option``."""
+  from jax_qcomm.bench import __main__ as bench_main
+
+  for action in bench_main.build_parser()._actions:
+    if isinstance(action, argparse._SubParsersAction) and bench[0] in action.choices:
+      return any(option in a.option_strings for a in action.choices[bench[0]]._actions)
+  return False
 
 
 def _has_option(argv: Sequence[str], option: str) -> bool:
@@ -510,7 +517,7 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
   from jax_qcomm.bench import _timing
 
   ip, tc = preflight()
-  if _bench_name(bench) == "allreduce" and not _has_option(bench, "--link-gbps"):
+  if _takes_option(bench, "--link-gbps") and not _has_option(bench, "--link-gbps"):
     bench = [*bench, "--link-gbps", f"{args.rate / 1e9:g}"]
   tmpdir = tempfile.mkdtemp(prefix="qcomm-cluster-")
   rank0_json = os.path.join(tmpdir, "rank0.json")
@@ -541,6 +548,7 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
                  f"(coordinator {cluster.addresses[0]}:{args.port}, gloo on {NS_INTERFACE})")
     # launch() handles SIGTERM itself while it runs (kills the processes, returns 143) and
     # Ctrl-C (returns 130); the finally below tears the cluster down in every case.
+    meta["load_average_before"] = list(os.getloadavg())
     start = time.monotonic()
     status = launch.launch(
         ["-c", _NODE_STUB, ip, cluster.tag, "-m", "jax_qcomm.bench", *bench_argv], args.nodes,
@@ -549,7 +557,7 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
     meta["benchmark_wall_s"] = time.monotonic() - start
     meta["benchmark_command"] = shlex.join(["python", "-m", "jax_qcomm.bench", *bench])
     meta["exit_status"] = status
-    meta["load_average"] = list(os.getloadavg())
+    meta["load_average_after"] = list(os.getloadavg())
     if status != 0:
       cluster._log(f"benchmark failed with exit status {status}")
     elif not os.path.exists(rank0_json):
