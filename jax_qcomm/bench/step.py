@@ -8,16 +8,19 @@ accum_steps=k)``::
     python -m jax_qcomm.bench step --devices 4 --codecs fp32,bf16,qsgd4 --accum 1,2
     python -m jax_qcomm.launch -n 4 -m jax_qcomm.bench step --link-gbps 1
 
-Timed per accumulation ``k`` (a full cycle of ``k`` micro-steps, each a jitted call, the state
-threaded through; median over ``--repeats`` cycles; across processes, cycle i takes the slowest
-process's time). All numbers are **per optimizer step** (one cycle):
+Timed per accumulation ``k``: a full cycle of ``k`` micro-steps (each a jitted call, the state
+threaded through), the no-sync step and every codec's step in interleaved rounds (one cycle of each
+per round, so that a change of machine load hits them alike); median over ``--repeats`` rounds;
+across processes, cycle i takes the slowest process's time. All numbers are **per optimizer step**
+(one cycle):
 
 * ``Ts``: the same cycle without any synchronisation: local gradients, local float32 accumulation,
   the inner optimizer on the local mean every ``k`` micro-steps (each device's parameters are its
   own; no collective at all) -- the same compute;
 * ``Tstep``: the cycle with ``qcomm.sync`` (one allreduce, on the k-th micro-step);
-* ``Tc = Tstep - Ts`` and ``eta = Ts / Tstep`` (= ts/(ts + Tc/k) with ts the compute per
-  micro-step, :func:`jax_qcomm.efficiency.scaling_efficiency`).
+* ``Tc = Tstep - Ts`` (of the medians; ``tc_paired_median_s``: the median of the per-round
+  differences) and ``eta = Ts / Tstep`` (= ts/(ts + Tc/k) with ts the compute per micro-step,
+  :func:`jax_qcomm.efficiency.scaling_efficiency`).
 
 Beside the measurement, the cost model (:mod:`jax_qcomm.efficiency`): wire bytes per device of the
 gradient pytree (the library's leaf policy and packing: biases travel exact), transfer at
@@ -248,23 +251,54 @@ def _batch(mesh, batch: int, dim: int, seed: int):
 
 # -- timing -----------------------------------------------------------------------------------------
 
-def time_cycles(step: Callable, params: Any, state: Any, x, y, accum: int, *, repeats: int,
-                warmup: int) -> _timing.Timing:
-  """Times cycles of ``accum`` calls of ``step`` (state threaded through; slowest process)."""
-  from jax_qcomm.bench.allreduce import _collective_timing
+class Cycler:
+  """Runs cycles of ``accum`` calls of a jitted ``step(params, state, x, y)``, threading the
+  state through (the arguments are donated, so the latest outputs are kept here)."""
 
-  holder = [params, state]
+  def __init__(self, step: Callable, params: Any, state: Any, x, y, accum: int):
+    self.step, self.params, self.state, self.x, self.y, self.accum = step, params, state, x, y, accum
 
-  def cycle():
-    p, s = holder
-    for _ in range(accum):
-      p, s = step(p, s, x, y)
-    holder[0], holder[1] = p, s
+  def __call__(self):
+    p, s = self.params, self.state
+    for _ in range(self.accum):
+      p, s = self.step(p, s, self.x, self.y)
+    self.params, self.state = p, s
     return p
 
-  t = _collective_timing(_timing.median_time(cycle, repeats=repeats, warmup=warmup))
-  del holder
-  return t
+
+def time_interleaved(cyclers: dict[str, Cycler], *, repeats: int,
+                     warmup: int) -> dict[str, _timing.Timing]:
+  """Times the cyclers in rounds: every round runs one cycle of each (the order rotating from round
+  to round), so that a change of machine load hits all of them alike and ``Tstep - Ts`` compares
+  neighbouring cycles. Each cycle is waited for; across processes, cycle i of each cycler takes the
+  slowest process's time."""
+  import gc
+  import time
+
+  import jax
+
+  from jax_qcomm.bench.allreduce import _collective_timing
+
+  if repeats < 1 or warmup < 1:
+    raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
+  names = list(cyclers)
+  for name in names:
+    for _ in range(warmup):
+      jax.block_until_ready(cyclers[name]())
+  times: dict[str, list[float]] = {name: [] for name in names}
+  gc_was_enabled = gc.isenabled()
+  gc.collect()
+  gc.disable()
+  try:
+    for r in range(repeats):
+      for name in names[r % len(names):] + names[:r % len(names)]:
+        start = time.perf_counter()
+        jax.block_until_ready(cyclers[name]())
+        times[name].append(time.perf_counter() - start)
+  finally:
+    if gc_was_enabled:
+      gc.enable()
+  return {name: _collective_timing(_timing.Timing(tuple(t))) for name, t in times.items()}
 
 
 def codec_probe(mesh, buffers: Sequence[int], codec, *, repeats: int, warmup: int) -> float:
@@ -343,19 +377,25 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
 
   rows = []
   for k in args.accum:
+    # Ts (no sync) and every codec's Tstep, timed in interleaved rounds.
     lstep, linit = make_local_step(mesh, k, lr)
     p_dev = _per_device(mesh, params_np)
-    ts = time_cycles(lstep, p_dev, linit(p_dev), x, y, k, repeats=args.repeats, warmup=args.warmup)
+    cyclers = {"": Cycler(lstep, p_dev, linit(p_dev), x, y, k)}
     del p_dev
-    _log(f"  k={k} Ts (no sync) {1e3 * ts.median:9.1f} ms per optimizer step")
     for name in args.codecs:
       step, init = make_sync_step(mesh, params_shape, CODECS[name], k, args.bucket, lr)
       params = _replicated(mesh, params_np)
-      tstep = time_cycles(step, params, init(params), x, y, k, repeats=args.repeats,
-                          warmup=args.warmup)
+      cyclers[name] = Cycler(step, params, init(params), x, y, k)
       del params
+    timings = time_interleaved(cyclers, repeats=args.repeats, warmup=args.warmup)
+    del cyclers
+    ts = timings[""]
+    _log(f"  k={k} Ts (no sync) {1e3 * ts.median:9.1f} ms per optimizer step")
+    for name in args.codecs:
+      tstep = timings[name]
       c = comm[name]
       tc = tstep.median - ts.median
+      paired = sorted(a - b for a, b in zip(tstep.times, ts.times))
       _log(f"  k={k} {name:<6} Tstep {1e3 * tstep.median:9.1f} ms  Tc {1e3 * tc:9.1f} ms  "
            f"eta {ts.median / tstep.median:.3f}")
       rows.append(dict(
@@ -366,7 +406,9 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
           coded_elements=c["coded_elements"],
           ts_s=ts.median, ts_micro_s=ts.median / k, ts_timing=ts.as_dict(),
           tstep_s=tstep.median, tstep_timing=tstep.as_dict(),
-          tc_s=tc, eta=ts.median / tstep.median,
+          tc_s=tc, tc_paired_median_s=paired[len(paired) // 2] if len(paired) % 2 else
+          (paired[len(paired) // 2 - 1] + paired[len(paired) // 2]) / 2,
+          eta=ts.median / tstep.median,
           busbw_gb_per_s=(c["bytes"] / tc / 1e9) if tc > 0 and c["bytes"] else None,
           algbw_gb_per_s=(4 * n_params / tc / 1e9) if tc > 0 else None,
           codec_work_s=c["codec_s"], codec_elems_per_s=c["codec_elems_per_s"]))
@@ -426,7 +468,7 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       "",
       _timing.format_table(headers, table, align="l" + "r" * (len(headers) - 1)),
       "",
-      f"per optimizer step (a cycle of k micro-steps), median of {cfg['repeats']} cycles after "
+      f"per optimizer step (a cycle of k micro-steps), median of {cfg['repeats']} interleaved rounds after "
       f"{cfg['warmup']} warmup cycles" + ("; per cycle, the slowest process" if
                                           meta["num_processes"] > 1 else "") + ".",
       "Ts: no synchronisation (same compute); Tstep: with qcomm.sync; Tc = Tstep - Ts; "
