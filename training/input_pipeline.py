@@ -10,7 +10,7 @@ Each process reads its own share of the split (``process_index`` of ``process_co
 assembles the global batch with ``jax.make_array_from_process_local_data``.
 
 Training batches are reproducible from the step number alone: the stream is
-``repeat -> shuffle(seed) -> skip(start_step * local_batch)``, and every random augmentation is a
+``shuffle(seed, per epoch) -> repeat -> skip(start_step * local_batch)``, and every random augmentation is a
 *stateless* TF op seeded by the element's position in that stream. Resuming at step ``s`` therefore
 sees exactly the batches an uninterrupted run sees from step ``s`` on (the checkpoint test checks
 bit-identical parameters). Skipping costs reading, not decoding, the skipped records.
@@ -184,15 +184,24 @@ def _num_examples(builder, split: str) -> int:
 
 
 def _records(config: Any, split: str, process_index: int, process_count: int,
-             ) -> tf.data.Dataset:
-  """(encoded image bytes, label) of this process's share of a tfds split, in a fixed order."""
+             shuffle_seed: int | None = None) -> tf.data.Dataset:
+  """(encoded image bytes, label) of this process's share of a tfds split; the file order is
+  shuffled with ``shuffle_seed`` (deterministically) or kept."""
   builder = _tfds_builder(config)
   if config.dataset == "imagenet2012":
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
         manual_dir=config.manual_dir or None))
-  sub = tfds.even_splits(split, n=process_count, drop_remainder=False)[process_index]
-  ds = builder.as_dataset(split=sub, shuffle_files=False,
-                          decoders={"image": tfds.decode.SkipDecoding()})
+  decoders = {"image": tfds.decode.SkipDecoding()}
+  if config.dataset == "image_folder":
+    # ImageFolder has no sub-splits: every process lists the folder and keeps every n-th image.
+    ds = builder.as_dataset(split=split, shuffle_files=False, decoders=decoders)
+    ds = ds.shard(process_count, process_index)
+  else:
+    # Each process reads only its own files (tfds.even_splits, as flax's example does).
+    sub = tfds.even_splits(split, n=process_count, drop_remainder=False)[process_index]
+    ds = builder.as_dataset(split=sub, shuffle_files=shuffle_seed is not None,
+                            read_config=tfds.ReadConfig(shuffle_seed=shuffle_seed),
+                            decoders=decoders)
   return ds.map(lambda ex: (ex["image"], tf.cast(ex["label"], tf.int32)))
 
 
@@ -211,11 +220,13 @@ def train_iterator(config: Any, local_batch: int, *, start_step: int = 0, proces
     x, y, _, _ = load_digits_arrays()
     x, y = _arrays_share(x, y, process_index, process_count)
     ds = tf.data.Dataset.from_tensor_slices((x, y))
-    ds = ds.repeat().shuffle(len(x), seed=seed + process_index)
+    ds = ds.shuffle(len(x), seed=seed + process_index, reshuffle_each_iteration=True).repeat()
     ds = ds.skip(start_step * local_batch)
   else:
-    ds = _records(config, config.train_split, process_index, process_count)
-    ds = ds.repeat().shuffle(config.shuffle_buffer, seed=seed + process_index)
+    ds = _records(config, config.train_split, process_index, process_count,
+                  shuffle_seed=seed + process_index)
+    ds = ds.shuffle(config.shuffle_buffer, seed=seed + process_index,
+                    reshuffle_each_iteration=True).repeat()
     ds = ds.skip(start_step * local_batch)
     size = config.image_size
     ds = ds.enumerate(start=start_step * local_batch).map(
