@@ -183,8 +183,10 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(Src src, EncodeArgs a)
   constexpr int kTeamsPerWarp = 32 / TEAM;
   constexpr int kLanesPerThread = TEAM >= 8 ? 1 : 8 / TEAM;  // norm lanes summed by one thread
   constexpr int64_t S = SCHEME == kMaxMin ? 2 : 1;
-  // Squares of a warp's current groups, [lane][8], for the norm's in-order lane sums.
-  __shared__ float squares[SCHEME == kNorm ? kThreads * 8 : 1];
+  // Squares of the threads' current groups, [thread][8] padded to 9 floats per thread so that
+  // neither the writes (8 per thread) nor the lane sums' reads hit the same bank twice.
+  constexpr int kSq = 9;
+  __shared__ float squares[SCHEME == kNorm ? kThreads * kSq : 1];
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(Src src, EncodeArgs a)
             }
           } else {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) squares[threadIdx.x * 8 + i] = norm_square(v[i]);
+            for (int i = 0; i < 8; ++i) squares[threadIdx.x * kSq + i] = norm_square(v[i]);
           }
         }
         if constexpr (SCHEME == kNorm) {
@@ -246,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(Src src, EncodeArgs a)
           const int groups = min(TEAM, G - c0);
           if (t < 8) {
             for (int q = 0; q < groups; ++q) {
-              const float* sq = squares + (warp * 32 + team_lane0 + q) * 8;
+              const float* sq = squares + (warp * 32 + team_lane0 + q) * kSq;
 #pragma unroll
               for (int m = 0; m < kLanesPerThread; ++m)
                 lane_sum[m] = add_rn(lane_sum[m], sq[t + TEAM * m]);

@@ -11,6 +11,16 @@ three jitted functions on the default backend:
 GB/s is of the float32 side: 4n bytes of input for encode, of output for the decodes. Both
 implementations decode the same payloads (the format is shared). ``ffi/jax`` is the speedup of the
 FFI kernel over the reference, median against median, measured in the same process.
+
+On a GPU backend (the CUDA kernels) the default sizes are 25M and 256M, a fourth op is timed,
+
+* ``decode_sum_reencode``  payloads[4, P] + key -> payload: the middle of the allreduce
+  (decode-and-sum, scale by 1/4, re-encode; one fused kernel for ``ffi``),
+
+and the device-to-device copy bandwidth is measured in the same run (a jitted ``x + 1`` of 256M
+float32: 8 bytes moved per element / time). Each op's bytes moved (input read + output written:
+4n + P for encode, P + 4n for decode, 4P + 4n for decode_sum, 4P + P for decode_sum_reencode) /
+time is reported as a fraction of that copy bandwidth, the physical limit.
 """
 
 from __future__ import annotations
@@ -23,9 +33,12 @@ from typing import Any, Sequence
 from jax_qcomm.bench import _timing
 
 OPS = ("encode", "decode", "decode_sum")
+GPU_OPS = OPS + ("decode_sum_reencode",)
 IMPLS = ("ffi", "jax")
 NUM_PAYLOADS = 4  # decode_sum sums this many payloads, as a 4-worker allreduce would
 DEFAULT_SIZES = (1_000_000, 25_000_000)
+DEFAULT_GPU_SIZES = (25_000_000, 256_000_000)
+COPY_BW_SIZE = 256_000_000  # float32 elements of the device-to-device copy measurement
 DEFAULT_OUT = "bench-results/codec.json"
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
@@ -47,8 +60,8 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the codec benchmark's options to its subcommand parser."""
-  parser.add_argument("--sizes", type=parse_size, nargs="+", default=list(DEFAULT_SIZES),
-                      metavar="N", help="element counts (default: 1M 25M)")
+  parser.add_argument("--sizes", type=parse_size, nargs="+", default=None,
+                      metavar="N", help="element counts (default: 1M 25M; on a GPU 25M 256M)")
   parser.add_argument("--bits", type=int, default=4, help="bits per value (default: 4)")
   parser.add_argument("--bucket", type=int, default=128, help="bucket size (default: 128)")
   parser.add_argument("--scheme", choices=("maxmin", "norm"), default="maxmin",
@@ -72,12 +85,39 @@ def _jitted_op(codec: Any, op: str, shape: tuple[int, ...]) -> Any:
     return jax.jit(codec.encode)
   if op == "decode":
     return jax.jit(lambda payload: codec.decode(payload, shape))
+  if op == "decode_sum_reencode":
+    return jax.jit(lambda payloads, key: codec.decode_sum_reencode(payloads, shape, key,
+                                                                   1.0 / NUM_PAYLOADS))
   return jax.jit(lambda payloads: codec.decode_sum(payloads, shape))
 
 
+def bytes_moved(op: str, n: int, payload_bytes: int) -> int:
+  """Bytes an op must read and write at least: its inputs plus its output."""
+  return {"encode": 4 * n + payload_bytes,
+          "decode": payload_bytes + 4 * n,
+          "decode_sum": NUM_PAYLOADS * payload_bytes + 4 * n,
+          "decode_sum_reencode": NUM_PAYLOADS * payload_bytes + payload_bytes}[op]
+
+
+def copy_bandwidth(n: int = COPY_BW_SIZE, *, repeats: int, warmup: int) -> dict[str, Any]:
+  """Device-to-device copy bandwidth of the default backend: a jitted ``x + 1`` of n float32
+  (read 4n bytes, write 4n bytes) -- the memory-bound elementwise op every kernel is held to."""
+  import jax
+  import jax.numpy as jnp
+
+  x = jax.block_until_ready(jnp.zeros((n,), jnp.float32))
+  t = _timing.median_time(jax.jit(lambda a: a + jnp.float32(1)), x, repeats=repeats, warmup=warmup)
+  del x
+  return dict(op="x + 1", size=n, bytes_moved=8 * n, **t.as_dict(), gb_per_s=8 * n / t.median / 1e9)
+
+
 def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
-               impls: Sequence[str], repeats: int, warmup: int) -> list[dict[str, Any]]:
-  """Times every op of every impl at n elements; returns one row per (op, impl)."""
+               impls: Sequence[str], repeats: int, warmup: int,
+               ops: Sequence[str] = OPS, copy_gb_per_s: float | None = None) -> list[dict[str, Any]]:
+  """Times every op of every impl at n elements; returns one row per (op, impl).
+
+  With ``copy_gb_per_s`` (GPU runs) each row also gets its bytes moved / time as a fraction of it.
+  """
   import jax
   import jax.numpy as jnp
 
@@ -90,12 +130,14 @@ def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
   make = jax.jit(QSGD(bits, bucket, scheme, rounding).encode)
   payloads = jnp.stack([make(jax.random.normal(jax.random.key(2 + i), shape, jnp.float32),
                              jax.random.key(100 + i)) for i in range(NUM_PAYLOADS)])
-  inputs = {"encode": (x, jax.random.key(0)), "decode": (payloads[0],), "decode_sum": (payloads,)}
-  num_payloads = {"encode": None, "decode": 1, "decode_sum": NUM_PAYLOADS}
+  inputs = {"encode": (x, jax.random.key(0)), "decode": (payloads[0],), "decode_sum": (payloads,),
+            "decode_sum_reencode": (payloads, jax.random.key(0))}
+  num_payloads = {"encode": None, "decode": 1, "decode_sum": NUM_PAYLOADS,
+                  "decode_sum_reencode": NUM_PAYLOADS}
   jax.block_until_ready(inputs)
 
   rows = []
-  for op in OPS:
+  for op in ops:
     timings = {}
     for impl, codec in codecs.items():
       t = _timing.median_time(_jitted_op(codec, op, shape), *inputs[op], repeats=repeats,
@@ -103,6 +145,11 @@ def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
       timings[impl] = t
       print(f"  {_row_label(n):>13} {op:<10} {impl:<3}  {1e3 * t.median:9.3f} ms",
             file=sys.stderr, flush=True)
+      moved = bytes_moved(op, n, int(payloads.shape[1]))
+      extra = {}
+      if copy_gb_per_s is not None:
+        extra = dict(bytes_moved=moved, moved_gb_per_s=moved / t.median / 1e9,
+                     fraction_of_copy_bw=moved / t.median / 1e9 / copy_gb_per_s)
       rows.append(dict(
           op=op, impl=impl, size=n, bits=bits, bucket_size=bucket, scheme=scheme,
           rounding=rounding, payload_bytes=int(payloads.shape[1]), num_payloads=num_payloads[op],
@@ -110,6 +157,7 @@ def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
           elements_per_s=n / t.median,
           gb_per_s=4 * n / t.median / 1e9,
           speedup_ffi_over_jax=None,
+          **extra,
       ))
     if "ffi" in timings and "jax" in timings:
       speedup = timings["jax"].median / timings["ffi"].median
@@ -131,12 +179,17 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
            for r in rows]
   cfg = meta["config"]
   nproc = meta["nproc"]
+  gpu = meta.get("copy_bandwidth") is not None
+  if gpu:
+    headers += ("moved GB/s", "% copy")
+    table = [row + (f"{r['moved_gb_per_s']:.1f}", f"{100 * r['fraction_of_copy_bw']:.0f}%")
+             for row, r in zip(table, rows)]
   lines = [
       f"QSGD bits={cfg['bits']} bucket={cfg['bucket_size']} scheme={cfg['scheme']} "
       f"rounding={cfg['rounding']}  |  {meta['backend']}  {meta['cpu_model']}  nproc={nproc}  "
       f"isa={meta['cpu_isa']}  jax {meta['jax_version']}",
       "",
-      _timing.format_table(headers, table, align="rllrrrrrrr"),
+      _timing.format_table(headers, table, align="rll" + "r" * (len(headers) - 3)),
       "",
       f"times: median (min, max) of {cfg['repeats']} runs after {cfg['warmup']} warmup runs; "
       "ffi/jax = jax median / ffi median.",
@@ -144,6 +197,12 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       f"{NUM_PAYLOADS} payloads); GB/s is of those float32 bytes; faults: median minor page "
       "faults per call (4 KiB each).",
   ]
+  if gpu:
+    cb = meta["copy_bandwidth"]
+    lines.append(f"copy bandwidth (jitted x + 1 of {cb['size']:,} float32, 8 bytes/element, median): "
+                 f"{cb['gb_per_s']:.1f} GB/s; moved GB/s = (input read + output written) / time, "
+                 "% copy = moved GB/s / copy bandwidth; decode_sum_reencode scales by "
+                 f"1/{NUM_PAYLOADS} and re-encodes (fused kernel for ffi).")
   if meta["backend"] == "cpu":
     lines.append(f"threads: the C++ FFI kernels run on one thread, while XLA may spread the pure-JAX "
                  f"reference over up to {nproc} threads (os.cpu_count()={nproc}).")
@@ -164,15 +223,24 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     raise SystemExit(f"error: {e}") from None
   meta = _timing.run_metadata(command)
   meta["benchmark"] = "codec"
-  meta["config"] = dict(sizes=args.sizes, bits=args.bits, bucket_size=args.bucket,
+  gpu = meta["backend"] == "gpu"
+  sizes = args.sizes or list(DEFAULT_GPU_SIZES if gpu else DEFAULT_SIZES)
+  ops = GPU_OPS if gpu else OPS
+  meta["config"] = dict(sizes=sizes, ops=list(ops), bits=args.bits, bucket_size=args.bucket,
                         scheme=args.scheme, rounding=args.rounding, impls=args.impls,
                         num_payloads=NUM_PAYLOADS, repeats=args.repeats, warmup=args.warmup)
   print(_timing.malloc_note(meta["malloc"]), file=sys.stderr, flush=True)
+  meta["copy_bandwidth"] = None
+  if gpu:
+    meta["copy_bandwidth"] = copy_bandwidth(repeats=args.repeats, warmup=args.warmup)
+    print(f"  copy bandwidth {meta['copy_bandwidth']['gb_per_s']:.1f} GB/s", file=sys.stderr,
+          flush=True)
   rows = []
-  for n in args.sizes:
+  for n in sizes:
     rows += bench_size(n, bits=args.bits, bucket=args.bucket, scheme=args.scheme,
                        rounding=args.rounding, impls=args.impls, repeats=args.repeats,
-                       warmup=args.warmup)
+                       warmup=args.warmup, ops=ops,
+                       copy_gb_per_s=meta["copy_bandwidth"]["gb_per_s"] if gpu else None)
   print(format_results(rows, meta))
   path = _timing.write_json(args.out, dict(metadata=meta, rows=rows))
   print(f"wrote {path}")
