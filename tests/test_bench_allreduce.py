@@ -71,6 +71,11 @@ def test_breakdown_and_metadata(result):
   assert {r["codec"] for r in data["breakdown"]} == {"cast_bf16", "qsgd8", "qsgd4", "qsgd2"}
   for r in data["breakdown"]:
     assert _positive_finite(r["codec_total_s"]) and _positive_finite(r["transfer_s"])
+    middle = (r["decode_sum_reencode_s"] if r["fused"]
+              else r["decode_sum_s"] + r["encode_reduced_s"])
+    assert r["codec_total_s"] == pytest.approx(r["encode_chunks_s"] + middle + r["decode_chunks_s"])
+  fused = {r["codec"]: r["fused"] for r in data["breakdown"]}
+  assert not fused["cast_bf16"] and fused["qsgd4"]  # QSGD's allreduce runs the fused kernel
   meta = data["metadata"]
   assert meta["benchmark"] == "allreduce" and meta["num_devices"] == 4
   assert meta["num_processes"] == 1 and not meta["launcher"]

@@ -28,8 +28,9 @@ Columns:
   ``time/floor`` the median time over it (1.00x: the link is the only cost).
 
 ``--breakdown`` also times, on one device without any communication, the codec work a device does
-inside one compressed allreduce (encode D chunks, decode-and-sum D payloads, re-encode one chunk,
-decode D payloads), and the transfer alone (the same all_to_all + all_gather of uint8 payloads, no
+inside one compressed allreduce (encode D chunks, decode-and-sum D payloads, re-encode one chunk --
+or, for QSGD, the fused decode-sum-reencode kernel the allreduce runs instead -- decode D payloads),
+and the transfer alone (the same all_to_all + all_gather of uint8 payloads, no
 codec), to separate codec cost from transfer.
 """
 
@@ -254,7 +255,9 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
 
   * codec work of one device, without communication, on this process's first device (all
     processes at once, as in the allreduce): encode the D chunks, decode-and-sum the D received
-    payloads, re-encode the reduced chunk, decode the D gathered payloads;
+    payloads, re-encode the reduced chunk, decode the D gathered payloads; for a codec with a
+    fused ``decode_sum_reencode`` (QSGD), also that kernel, which the allreduce runs instead of the
+    two middle stages (``codec_total_s`` then counts it, not them);
   * transfer alone: the same all_to_all + all_gather of uint8 payload bytes, no codec.
   """
   import jax
@@ -282,13 +285,18 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
         "decode_chunks": (jax.jit(lambda p: jax.vmap(lambda q: codec.decode(q, (c,)))(p)),
                           (payloads,)),
     }
-    row = dict(codec=name, size=n, devices=d, chunk=c)
-    total = 0.0
+    fused = hasattr(codec, "decode_sum_reencode")
+    if fused:  # what the allreduce runs in place of decode_sum + encode_reduced
+      stages["decode_sum_reencode"] = (
+          jax.jit(lambda p, k: codec.decode_sum_reencode(p, (c,), k, 1.0 / d)), (payloads, key))
+    row = dict(codec=name, size=n, devices=d, chunk=c, fused=fused, decode_sum_reencode_s=None)
     for stage, (fn, args) in stages.items():
       t = _collective_timing(_timing.median_time(fn, *args, repeats=repeats, warmup=warmup))
       row[f"{stage}_s"] = t.median
-      total += t.median
-    row["codec_total_s"] = total
+    middle = (row["decode_sum_reencode_s"] if fused
+              else row["decode_sum_s"] + row["encode_reduced_s"])
+    row["codec_total_s"] = row["encode_chunks_s"] + middle + row["decode_chunks_s"]
+    total = row["codec_total_s"]
     if d > 1:
       p = codec.payload_size(c)
       buf = jax.make_array_from_callback(
@@ -341,17 +349,19 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
     lines.append(f"floor = wire bytes / link rate ({cfg['link_gbps']:g} Gbit/s): the time the bytes "
                  "each device sends take on its link alone; time/floor = median / floor.")
   if breakdown:
-    bh = ["size", "codec", "chunk", "encode D ms", "decode_sum ms", "re-encode ms", "decode D ms",
-          "codec total ms", "transfer ms", "allreduce ms"]
+    bh = ["size", "codec", "chunk", "encode D ms", "decode_sum ms", "re-encode ms", "fused ms",
+          "decode D ms", "codec total ms", "transfer ms", "allreduce ms"]
     med = {(r["size"], r["codec"]): r["median_s"] for r in rows}
     bt = [[f"{r['size']:,}", r["codec"], f"{r['chunk']:,}", f"{1e3 * r['encode_chunks_s']:.1f}",
            f"{1e3 * r['decode_sum_s']:.1f}", f"{1e3 * r['encode_reduced_s']:.1f}",
+           "" if r["decode_sum_reencode_s"] is None else f"{1e3 * r['decode_sum_reencode_s']:.1f}",
            f"{1e3 * r['decode_chunks_s']:.1f}", f"{1e3 * r['codec_total_s']:.1f}",
            "" if r["transfer_s"] is None else f"{1e3 * r['transfer_s']:.1f}",
            f"{1e3 * med.get((r['size'], r['codec']), float('nan')):.1f}"] for r in breakdown]
     lines += ["", "breakdown: codec work per allreduce of one device of each process, without "
               "communication (processes at once), and the transfer alone (the same uint8 "
-              "all_to_all + all_gather, no codec):",
+              "all_to_all + all_gather, no codec); fused = decode_sum_reencode, which the "
+              "allreduce runs instead of decode_sum + re-encode (codec total counts it then):",
               _timing.format_table(bh, bt, align="rl" + "r" * (len(bh) - 2))]
   lines.append(_timing.malloc_note(meta["malloc"]))
   return "\n".join(lines)
