@@ -23,8 +23,10 @@ where ``messages = 2 (D-1)`` per flat buffer (ring: D-1 reduce-scatter + D-1 all
 SRA: all_to_all to D-1 peers + all_gather from D-1 peers) and the codec term is a device's whole
 codec work in one SRA allreduce (encode its D chunks, decode-and-sum the D received payloads,
 re-encode its reduced chunk, decode the D gathered payloads), expressed as *elements of the
-allreduced buffer per second* (what ``python -m jax_qcomm.bench step`` measures). The model assumes
-no overlap of communication with computation (an upper bound on the step time when XLA overlaps).
+allreduced buffer per second* (what ``python -m jax_qcomm.bench step`` measures). By default the
+codec work and the transfer add up (``overlap_codec=True``: ``max`` of the two, when several buffers
+pipeline). The model assumes no overlap of communication with the compute of the step (an upper
+bound on the step time when XLA overlaps).
 
 Step time and scaling efficiency with gradient accumulation (``k = accum_steps``: one allreduce
 every ``k`` micro-steps). **Ts is the compute time of one micro-step** (forward + backward + the
@@ -263,20 +265,25 @@ def codec_time(coded_elements: float, codec_elems_per_s: float | None) -> float:
 
 
 def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: float = 0.0,
-              codec_elems_per_s: float | None = None) -> float:
+              codec_elems_per_s: float | None = None, overlap_codec: bool = False) -> float:
   """Tc, seconds of one allreduce of ``n`` float32 values as one flat buffer: transfer of
   :func:`allreduce_bytes` at ``link_gbps`` + ``2 (D-1)`` messages x ``latency_s`` + codec work
-  ``n / codec_elems_per_s`` (lossy codecs only). 0 on one device."""
+  ``n / codec_elems_per_s`` (lossy codecs only). 0 on one device.
+
+  ``overlap_codec=True``: the codec work fully overlaps the transfer (several buffers pipelined:
+  one is encoded while another travels), ``Tc = max(transfer, codec)`` -- the lower bound to the
+  default (serial) upper bound."""
   codec = codec_of(codec)
   d = _int("devices", devices, 1)
   n = _int("n", n, 0)
+  if not isinstance(overlap_codec, bool):
+    raise ValueError(f"overlap_codec must be True or False, got {overlap_codec!r}")
   if d == 1:
     return 0.0
   t = transfer_time(allreduce_bytes(n, d, codec), link_gbps, latency_s=latency_s,
                     messages=messages_per_allreduce(d) if n else 0)
-  if not _is_exact(codec):
-    t += codec_time(n, codec_elems_per_s)
-  return t
+  c = 0.0 if _is_exact(codec) else codec_time(n, codec_elems_per_s)
+  return max(t, c) if overlap_codec else t + c
 
 
 def optimizer_step_time(ts: float, tc: float, accum_steps: int = 1) -> float:

@@ -69,6 +69,8 @@ def test_step_rows(step_result):
     assert r["model_tstep_s"] == pytest.approx(k * r["ts_micro_s"] + r["model_tc_s"])
     assert r["model_eta"] == pytest.approx(
         efficiency.scaling_efficiency(r["ts_micro_s"], r["model_tc_s"], k))
+    assert r["model_tc_overlap_s"] <= r["model_tc_s"] + 1e-12
+    assert r["model_eta_overlap"] >= r["model_eta"] - 1e-12
   # wire bytes: the library's leaf policy (1-D biases exact; the 32x64 and 64x16 kernels, >= 1024
   # elements, compressed) -> exactly efficiency.tree_allreduce_bytes
   assert rows[("fp32", 1)]["wire_bytes_per_device"] == pytest.approx(

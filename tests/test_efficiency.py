@@ -90,6 +90,12 @@ def test_transfer_and_comm_time():
   assert eff.comm_time(1024, 4, 32, 1.0, codec_elems_per_s=1.0) == pytest.approx(
       eff.allreduce_bytes(1024, 4, 32) * 8 / 1e9)
   assert eff.comm_time(1024, 1, 4, 1.0) == 0.0
+  # overlapped codec work: max(transfer, codec) instead of the sum
+  transfer = eff.allreduce_bytes(1024, 4, 4) * 8 / 1e9
+  assert eff.comm_time(1024, 4, 4, 1.0, codec_elems_per_s=1024 * 100, overlap_codec=True) == \
+      pytest.approx(max(transfer, 0.01))
+  assert eff.comm_time(1024, 4, 4, 1.0, codec_elems_per_s=1e12, overlap_codec=True) == \
+      pytest.approx(transfer)
   assert eff.codec_time(100, None) == 0.0 and eff.codec_time(100, 50) == pytest.approx(2.0)
 
 
@@ -160,6 +166,7 @@ def test_eta_table():
     (lambda: eff.busbw(1e6, 1.0, 4, "scatter"), "collective must be"),
     (lambda: eff.algbw(1e6, 0.0), "seconds must be"),
     (lambda: eff.hierarchical_allreduce_bytes(100, 0, 2), "inner must be"),
+    (lambda: eff.comm_time(100, 4, 4, 1.0, overlap_codec="yes"), "overlap_codec must be"),
 ])
 def test_argument_errors(call, match):
   with pytest.raises(ValueError, match=match):

@@ -28,7 +28,9 @@ gradient pytree (the library's leaf policy and packing: biases travel exact), tr
 "calibrated"), ``2 (D-1)`` messages x ``--latency-us`` per buffer, plus the codec work measured
 here: every device runs, at once and without communication, the codec work of one SRA allreduce of
 the gradient's compressed buffers (encode D chunks, decode-and-sum, re-encode, decode D), which
-gives the codec throughput in elements per second. Model: ``Tstep = Ts + Tc_model``.
+gives the codec throughput in elements per second. Model: ``Tstep = Ts + Tc_model`` with
+``Tc_model = transfer + codec`` (``model_tc_s``, serial) and ``max(transfer, codec)``
+(``model_tc_overlap_s``, codec work hidden behind the transfer of other buffers).
 """
 
 from __future__ import annotations
@@ -424,7 +426,7 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
       source = None
   for r in rows:
     model = dict(model_transfer_s=None, model_codec_s=None, model_tc_s=None, model_tstep_s=None,
-                 model_eta=None)
+                 model_eta=None, model_tc_overlap_s=None, model_eta_overlap=None)
     if link_gbps is not None and d > 1:
       transfer = efficiency.transfer_time(r["wire_bytes_per_device"], link_gbps,
                                           latency_s=args.latency_us * 1e-6,
@@ -432,6 +434,9 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
       codec_t = efficiency.codec_time(r["coded_elements"], r["codec_elems_per_s"])
       tc_model = transfer + codec_t
       model = dict(model_transfer_s=transfer, model_codec_s=codec_t, model_tc_s=tc_model,
+                   model_tc_overlap_s=max(transfer, codec_t),
+                   model_eta_overlap=efficiency.scaling_efficiency(
+                       r["ts_micro_s"], max(transfer, codec_t), r["accum_steps"]),
                    model_tstep_s=efficiency.optimizer_step_time(r["ts_micro_s"], tc_model,
                                                                 r["accum_steps"]),
                    model_eta=efficiency.scaling_efficiency(r["ts_micro_s"], tc_model,
