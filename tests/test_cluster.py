@@ -186,6 +186,19 @@ def test_real_run_json_rate_and_teardown(tmp_path):
   assert c["tag"] == f"{PREFIX}{proc.pid}" and c["addresses"] == ["10.77.0.1", "10.77.0.2"]
   assert len(c["qdiscs"]) == 4 and all("tbf" in q and "100Mbit" in q for q in c["qdiscs"])
   assert 0.7 < c["link_check"]["ratio_to_rate"] < 1.15, c["link_check"]
+  # Every command touched only what the run made: host-side devices and namespaces named <tag>...
+  tag = c["tag"]
+  for cmd in c["setup_commands"]:
+    argv = cmd.split()[1:]
+    if argv[0] == "-n":
+      assert argv[1].startswith(tag), cmd
+      continue
+    if argv[:2] == ["netns", "add"]:
+      assert argv[2].startswith(tag), cmd
+      continue
+    device = argv[argv.index("dev") + 1] if "dev" in argv else argv[2]
+    assert device.startswith(tag), cmd
+  assert any("addrgenmode none" in cmd and c["bridge"] in cmd for cmd in c["setup_commands"])
   assert meta["num_processes"] == 2 and meta["gloo_interface"] == "eth0"
   assert meta["config"]["link_gbps"] == pytest.approx(0.1)  # set from --rate
   (row,) = data["rows"]

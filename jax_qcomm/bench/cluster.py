@@ -9,7 +9,8 @@ Usage (as root, with iproute2's ``ip`` and ``tc``)::
 What it builds (all names start with ``<prefix><pid>``, default prefix ``qcl``, so it never touches
 anything it did not create and two runs never collide):
 
-* a Linux bridge ``<tag>br`` with no address (the host neither routes to it nor from it);
+* a Linux bridge ``<tag>br`` with no address, IPv6 link-local included (``addrgenmode none``), like
+  the host ends of the veths: the host neither routes to the nodes nor from them;
 * per node i a network namespace ``<tag>n<i>`` and a veth pair: the host end ``<tag>v<i>`` enslaved to
   the bridge, the other end moved into the namespace and renamed ``eth0``, with address
   ``<subnet>.(i+1)`` (default subnet 10.77.0.0/24); the namespace has only ``lo`` and that link, and
@@ -309,6 +310,9 @@ class Cluster:
     self._log(f"building {self.nodes} namespaces {self.namespaces[0]}..{self.namespaces[-1]} on "
               f"bridge {self.bridge}, links {self.tbf['rate']} each way")
     self._run(ip, "link", "add", self.bridge, "type", "bridge")
+    # No address at all on the host side, not even an IPv6 link-local one: the host cannot talk to
+    # the nodes and the nodes cannot reach the host.
+    self._run(ip, "link", "set", "dev", self.bridge, "addrgenmode", "none")
     self._run(ip, "link", "set", self.bridge, "up")
     for i, (ns, veth, addr) in enumerate(zip(self.namespaces, self.host_veths, self.addresses)):
       peer = f"{self.tag}p{i}"
@@ -317,6 +321,7 @@ class Cluster:
       self._run(ip, "link", "set", peer, "netns", ns)
       self._run(ip, "-n", ns, "link", "set", peer, "name", NS_INTERFACE)
       self._run(ip, "link", "set", veth, "master", self.bridge)
+      self._run(ip, "link", "set", "dev", veth, "addrgenmode", "none")
       self._run(ip, "link", "set", veth, "up")
       self._run(ip, "-n", ns, "addr", "add", f"{addr}/{self.prefixlen}", "dev", NS_INTERFACE)
       self._run(ip, "-n", ns, "link", "set", "lo", "up")
@@ -327,6 +332,10 @@ class Cluster:
       routes = self._run(ip, "-n", ns, "route", "show", record=False).stdout
       if "default" in routes:
         raise RuntimeError(f"namespace {ns} has a default route: {routes!r}")
+    for dev in (self.bridge, *self.host_veths):           # and the host no way in
+      addrs = self._run(ip, "-o", "addr", "show", "dev", dev, record=False).stdout.strip()
+      if addrs:
+        raise RuntimeError(f"host-side device {dev} has an address: {addrs!r}")
     self._wait_reachable()
 
   def _wait_reachable(self, timeout: float = 10.0) -> None:
