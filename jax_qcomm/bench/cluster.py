@@ -19,8 +19,8 @@ anything it did not create and two runs never collide):
   end (what node i sends) and on the host end (what node i receives), like a full-duplex NIC port
   of rate R on a switch.
 
-Then it checks the link (a TCP transfer from node 1 to node 0, through both shapers, unless
-``--no-link-check``) and runs ``python -m jax_qcomm.bench <benchmark ...>`` in every namespace through
+Then it checks the links (unless ``--no-link-check``): TCP transfers on every link at once, node i
+to node i+1 (through both shapers of every veth), each flow timed from first to last byte, and runs ``python -m jax_qcomm.bench <benchmark ...>`` in every namespace through
 :func:`jax_qcomm.launch.launch`: ``jax.distributed`` with the coordinator on node 0's address and gloo
 bound to ``eth0`` of each namespace (``QCOMM_GLOO_INTERFACE``). Each process enters its namespace by
 ``ip netns exec`` (which also remounts ``/sys`` so that the namespace's interfaces are the ones seen).
@@ -167,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                       help=f"kill the benchmark after this many seconds (default: {DEFAULT_TIMEOUT:g})")
   parser.add_argument("--no-link-check", action="store_true",
-                      help="skip the TCP transfer that measures the shaped link before the benchmark")
+                      help="skip the TCP transfers that measure the shaped links before the benchmark")
   parser.add_argument("--cleanup", action="store_true",
                       help="only remove leftovers (namespaces, bridge, veths) of runs with --prefix "
                            "whose process is gone, then exit")
@@ -367,32 +367,54 @@ class Cluster:
     return lines
 
   def link_check(self, seconds: float = 0.5) -> dict[str, Any]:
-    """TCP transfer of ~``seconds`` at the rate from node 1 to node 0 (through both shapers)."""
+    """TCP transfers of ~``seconds`` at the rate on every link at once: node i sends to node
+    (i+1) mod N, so every node's uplink and downlink (both shapers of every veth) carry one flow.
+
+    Each receiver times its first to its last byte; ``ratio_to_rate`` is the slowest flow's rate
+    over the link rate.
+    """
     nbytes = int(min(max(self.rate_bits / 8 * seconds, 1 << 20), 256 << 20))
     port = DEFAULT_PORT + 1
-    sink = subprocess.Popen([self.ip, "netns", "exec", self.namespaces[0], sys.executable, "-c",
-                             _SINK, self.addresses[0], str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    n = self.nodes
+    sinks: list[subprocess.Popen] = []
+    sources: list[subprocess.Popen] = []
     try:
-      ready = sink.stdout.readline().strip()
-      if ready != "ready":
-        raise RuntimeError(f"link check: receiver did not start: {sink.stderr.read()}")
-      subprocess.run([self.ip, "netns", "exec", self.namespaces[1], sys.executable, "-c", _SOURCE,
-                      self.addresses[0], str(port), str(nbytes)],
-                     check=True, capture_output=True, text=True, timeout=120)
-      out, err = sink.communicate(timeout=60)
-      got, secs = out.split()
-      got, secs = int(got), float(secs)
+      for i in range(n):
+        sink = subprocess.Popen([self.ip, "netns", "exec", self.namespaces[i], sys.executable, "-c",
+                                 _SINK, self.addresses[i], str(port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sinks.append(sink)
+        if sink.stdout.readline().strip() != "ready":
+          raise RuntimeError(f"link check: receiver on node {i} did not start: "
+                             f"{sink.stderr.read()}")
+      for i in range(n):
+        sources.append(subprocess.Popen(
+            [self.ip, "netns", "exec", self.namespaces[i], sys.executable, "-c", _SOURCE,
+             self.addresses[(i + 1) % n], str(port), str(nbytes)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+      for i, src in enumerate(sources):
+        _, err = src.communicate(timeout=120)
+        if src.returncode != 0:
+          raise RuntimeError(f"link check: sender on node {i} failed: {err.strip()}")
+      flows = []
+      for i, sink in enumerate(sinks):
+        out, err = sink.communicate(timeout=60)
+        got, secs = out.split()
+        got, secs = int(got), float(secs)
+        if got != nbytes:
+          raise RuntimeError(f"link check: node {(i - 1) % n} sent {nbytes} bytes to node {i}, "
+                             f"which received {got}")
+        flows.append(dict(src=(i - 1) % n, dst=i, bytes=got, seconds=secs,
+                          measured_bits_per_s=got * 8 / secs))
     finally:
-      if sink.poll() is None:
-        sink.kill()
-        sink.wait()
-    if got != nbytes:
-      raise RuntimeError(f"link check: sent {nbytes} bytes, received {got}")
-    measured = got * 8 / secs
-    return dict(direction=f"node 1 -> node 0 ({self.addresses[1]} -> {self.addresses[0]})",
-                bytes=got, seconds=secs, measured_bits_per_s=measured,
-                ratio_to_rate=measured / self.rate_bits)
+      for proc in sinks + sources:
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait()
+    rates = [f["measured_bits_per_s"] for f in flows]
+    return dict(pattern=f"ring: node i -> node (i+1) mod {n}, all at once", bytes_per_flow=nbytes,
+                flows=flows, min_bits_per_s=min(rates), max_bits_per_s=max(rates),
+                ratio_to_rate=min(rates) / self.rate_bits)
 
   def metadata(self) -> dict[str, Any]:
     return dict(nodes=self.nodes, rate=self.tbf["rate"], rate_bits_per_s=self.rate_bits,
@@ -550,9 +572,10 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
     if not args.no_link_check:
       check = cluster.link_check()
       meta["link_check"] = check
-      cluster._log(f"link check: {check['bytes'] / 1e6:.1f} MB in {check['seconds']:.3f} s = "
-                   f"{check['measured_bits_per_s'] / 1e6:.0f} Mbit/s "
-                   f"({100 * check['ratio_to_rate']:.0f}% of {cluster.tbf['rate']})")
+      cluster._log(f"link check, {args.nodes} flows at once (ring), "
+                   f"{check['bytes_per_flow'] / 1e6:.1f} MB each: "
+                   f"{check['min_bits_per_s'] / 1e6:.0f}-{check['max_bits_per_s'] / 1e6:.0f} Mbit/s "
+                   f"per flow (slowest {100 * check['ratio_to_rate']:.0f}% of {cluster.tbf['rate']})")
     cluster._log(f"running `python -m jax_qcomm.bench {shlex.join(bench)}` on {args.nodes} nodes "
                  f"(coordinator {cluster.addresses[0]}:{args.port}, gloo on {NS_INTERFACE})")
     # launch() handles SIGTERM itself while it runs (kills the processes, returns 143) and
