@@ -1,8 +1,11 @@
 """The notebooks execute (fast mode, QCOMM_NOTEBOOK_FAST=1) and produce their key outputs.
 
-Run with nbclient on the ``python3`` kernel: jupyter_client runs a kernel spec whose command is
-``python`` with this interpreter (``sys.executable``), so the kernel sees the same environment
-(jax, jax_qcomm, ipykernel) as the tests.
+Run with nbclient on the ``python3`` kernel: with ipykernel installed, jupyter_client always finds
+that native kernel spec (the environment's own ``share/jupyter/kernels/python3`` or ipykernel's
+built-in one) and runs its ``python`` command with this interpreter (``sys.executable``), so the
+kernel sees the same environment (jax, jax_qcomm) as the tests. A kernel spec of the same name in
+the user's Jupyter data directory would take precedence, so that directory is pointed at an empty
+temporary one.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 
 
-def _execute(name: str, monkeypatch) -> str:
+def _execute(name: str, monkeypatch, tmp_path) -> str:
   """Executes notebooks/<name> in fast mode; returns all its text outputs joined."""
   monkeypatch.setenv("QCOMM_NOTEBOOK_FAST", "1")
+  monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter-data"))
+  monkeypatch.delenv("JUPYTER_PATH", raising=False)
   for var in ("XLA_FLAGS", "QCOMM_NUM_PROCESSES", "QCOMM_COORDINATOR", "QCOMM_PROCESS_ID"):
     monkeypatch.delenv(var, raising=False)
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -44,8 +49,8 @@ def _execute(name: str, monkeypatch) -> str:
   return "\n".join(texts)
 
 
-def test_efficiency_notebook(monkeypatch):
-  text = _execute("efficiency.ipynb", monkeypatch)
+def test_efficiency_notebook(monkeypatch, tmp_path):
+  text = _execute("efficiency.ipynb", monkeypatch, tmp_path)
   assert "FAST=True" in text
   # the model reproduces the published 4-node 10 GbE recipe (68.8 -> 81.5 -> 89.8 -> 94.5 %)
   for label, published in (("bf16 wire", 0.815), ("bf16 + accum 2 ", 0.898)):
@@ -59,8 +64,9 @@ def test_efficiency_notebook(monkeypatch):
   assert re.search(r"(cluster|sample)_allreduce", text)
 
 
-def test_compression_notebook(monkeypatch):
-  text = _execute("compression.ipynb", monkeypatch)
+def test_compression_notebook(monkeypatch, tmp_path):
+  pytest.importorskip("sklearn")
+  text = _execute("compression.ipynb", monkeypatch, tmp_path)
   assert "FAST=True" in text and "devices=8" in text
   assert "relative L2 error of one QSGD roundtrip" in text
   m = re.search(r"ACCURACY_BY_BITS (\{.*\})", text)
