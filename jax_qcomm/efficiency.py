@@ -107,10 +107,10 @@ def codec_of(codec: Any) -> Any:
 
   if isinstance(codec, Codec):
     return codec
-  if isinstance(codec, bool) or not isinstance(codec, int):
+  if isinstance(codec, bool) or not isinstance(codec, (int, np.integer)):
     raise ValueError(f"codec must be a jax_qcomm codec (QSGD, Cast, NoCompression) or bits "
                      f"(32, 16 or 1..8), got {codec!r}")
-  return codec_for_bits(codec)
+  return codec_for_bits(int(codec))
 
 
 def _is_exact(codec: Any) -> bool:

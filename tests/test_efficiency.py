@@ -175,4 +175,5 @@ def test_argument_errors(call, match):
 
 def test_numpy_scalars_accepted():
   assert eff.allreduce_bytes(np.int64(1000), np.int32(4), 32) == pytest.approx(6000)
+  assert eff.allreduce_bytes(1000, 4, np.int64(16)) == pytest.approx(3000)
   assert eff.scaling_efficiency(np.float32(0.1), np.float64(0.3), np.int64(2)) == pytest.approx(0.4)
