@@ -164,8 +164,9 @@ def dataset_info(config: Any) -> DatasetInfo:
     x_tr, _, x_ev, _ = load_digits_arrays()
     return DatasetInfo(10, (8, 8, 1), len(x_tr), len(x_ev))
   if config.dataset == "synthetic":
+    # Evaluation on random data means nothing: one global batch, as a smoke test of the eval step.
     return DatasetInfo(config.num_classes, (config.image_size, config.image_size, 3),
-                       config.synthetic_examples, config.synthetic_examples)
+                       config.synthetic_examples, config.batch_size)
   builder = _tfds_builder(config)
   train_split, eval_split = _split_names(config)
   return DatasetInfo(builder.info.features["label"].num_classes,
