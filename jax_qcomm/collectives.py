@@ -121,7 +121,10 @@ def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
     reduced = _decode_sum_rows(codec, received, c)
     if scale != 1.0:
       reduced = reduced * jnp.float32(scale)
-    mine = _encode_rows(codec, reduced[None], _device_key(key, axis_name, 1))[0]
+    if isinstance(codec, Cast):
+      mine = _encode_rows(codec, reduced[None], None)[0]
+    else:
+      mine = codec.encode(reduced, _device_key(key, axis_name, 1))
   gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, P], the same everywhere
   return _decode_rows(codec, gathered, c).reshape(-1), residual
 
