@@ -8,7 +8,6 @@ constants instead of divisions). All arrays here are flat: x is float32[n], payl
 
 from __future__ import annotations
 
-import numpy as np
 
 import jax
 import jax.numpy as jnp

@@ -15,7 +15,6 @@ parameters directly would make autodiff psum the gradient itself, uncompressed.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys

@@ -191,6 +191,38 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def int_list(text: str) -> list[int]:
+  """argparse type: ``"1,2,4"`` (or space-separated) -> [1, 2, 4], each >= 1."""
+  try:
+    values = [int(v) for v in text.replace(",", " ").split()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+  if not values or any(v < 1 for v in values):
+    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+  return values
+
+
+def _mesh_and_metadata(benchmark: str, command: Sequence[str]):
+  """The one-axis ``data`` mesh over every device of every process, and the run's metadata
+  (:func:`_timing.run_metadata` plus the process layout; the launcher's command line when started
+  by :mod:`jax_qcomm.launch`). Shared by the benchmarks that run over processes."""
+  import jax
+
+  from jax_qcomm import distributed
+  from jax_qcomm.launch import ENV_LAUNCH_COMMAND
+
+  mesh = distributed.global_mesh(("data",))
+  meta = _timing.run_metadata(command)
+  if distributed.under_launcher() and os.environ.get(ENV_LAUNCH_COMMAND):
+    meta["command"] = os.environ[ENV_LAUNCH_COMMAND]
+  meta.update(benchmark=benchmark, num_devices=mesh.devices.size,
+              num_processes=jax.process_count(), local_devices=jax.local_device_count(),
+              launcher=distributed.under_launcher(),
+              gloo_interface=os.environ.get(distributed.ENV_GLOO_INTERFACE))
+  meta["devices"] = [str(dev) for dev in distributed.global_devices()]
+  return mesh, meta
+
+
 # -- the benchmark ----------------------------------------------------------------------------------
 
 def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: int,
@@ -376,19 +408,8 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   _init_devices(args.devices)
   import jax
 
-  from jax_qcomm import distributed
-
-  mesh = distributed.global_mesh(("data",))
+  mesh, meta = _mesh_and_metadata("allreduce", command)
   d = mesh.devices.size
-  launch_command = os.environ.get("QCOMM_LAUNCH_COMMAND") if distributed.under_launcher() else None
-  meta = _timing.run_metadata(command)
-  if launch_command:
-    meta["command"] = launch_command
-  meta.update(benchmark="allreduce", num_devices=d, num_processes=jax.process_count(),
-              local_devices=jax.local_device_count(),
-              launcher=distributed.under_launcher(),
-              gloo_interface=os.environ.get(distributed.ENV_GLOO_INTERFACE))
-  meta["devices"] = [str(dev) for dev in distributed.global_devices()]
   meta["config"] = dict(sizes=args.sizes, codecs=args.codecs, bucket_size=args.bucket,
                         impl=args.impl, repeats=args.repeats, warmup=args.warmup,
                         link_gbps=args.link_gbps, breakdown=args.breakdown, op="mean")

@@ -43,7 +43,6 @@ veth/bridge path is CPU-bound at ~3 Gbit/s), and the benchmark processes share t
 from __future__ import annotations
 
 import argparse
-import datetime
 import ipaddress
 import json
 import os

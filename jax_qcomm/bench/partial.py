@@ -22,10 +22,10 @@ times faster: the compression ratio beyond which the link stops being the bottle
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, Sequence
 
 from jax_qcomm.bench import _timing
+from jax_qcomm.bench.allreduce import int_list
 from jax_qcomm.bench.codec import parse_size
 
 DEFAULT_OUT = "bench-results/partial.json"
@@ -33,21 +33,11 @@ DEFAULT_SIZE = 25_600_000
 DEFAULT_GAMMAS = (1, 2, 4, 8, 16, 32)
 
 
-def _int_list(text: str) -> list[int]:
-  try:
-    values = [int(v) for v in text.replace(",", " ").split()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-  if not values or any(v < 1 for v in values):
-    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-  return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the partial benchmark's options to its subcommand parser."""
   parser.add_argument("--size", type=parse_size, default=DEFAULT_SIZE, metavar="N",
                       help="full gradient size in float32 elements (default: 25.6M)")
-  parser.add_argument("--gammas", type=_int_list, default=list(DEFAULT_GAMMAS),
+  parser.add_argument("--gammas", type=int_list, default=list(DEFAULT_GAMMAS),
                       help="comma-separated reduction factors (default: 1,2,4,8,16,32)")
   parser.add_argument("--devices", type=int, default=None,
                       help="host devices per process (default: 4 in a single process; under the "
@@ -155,23 +145,12 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     raise SystemExit(f"--link-gbps must be > 0, got {args.link_gbps}")
   if not args.knee > 1:
     raise SystemExit(f"--knee must be > 1, got {args.knee}")
-  from jax_qcomm.bench.allreduce import _init_devices, _log
+  from jax_qcomm.bench.allreduce import _init_devices, _log, _mesh_and_metadata
 
   _init_devices(args.devices)
   import jax
 
-  from jax_qcomm import distributed
-
-  mesh = distributed.global_mesh(("data",))
-  launch_command = os.environ.get("QCOMM_LAUNCH_COMMAND") if distributed.under_launcher() else None
-  meta = _timing.run_metadata(command)
-  if launch_command:
-    meta["command"] = launch_command
-  meta.update(benchmark="partial", num_devices=mesh.devices.size,
-              num_processes=jax.process_count(), local_devices=jax.local_device_count(),
-              launcher=distributed.under_launcher(),
-              gloo_interface=os.environ.get(distributed.ENV_GLOO_INTERFACE))
-  meta["devices"] = [str(dev) for dev in distributed.global_devices()]
+  mesh, meta = _mesh_and_metadata("partial", command)
   meta["config"] = dict(size=args.size, gammas=sorted(set(args.gammas)), repeats=args.repeats,
                         warmup=args.warmup, link_gbps=args.link_gbps, knee=args.knee, op="mean")
   _log(_timing.malloc_note(meta["malloc"]))

@@ -36,27 +36,16 @@ gives the codec throughput in elements per second. Model: ``Tstep = Ts + Tc_mode
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any, Callable, Sequence
 
 from jax_qcomm.bench import _timing
+from jax_qcomm.bench.allreduce import int_list
 
 DEFAULT_OUT = "bench-results/step.json"
 DEFAULT_DEVICES = 4
 #: codec name -> bits of qcomm.sync
 CODECS = {"fp32": 32, "bf16": 16, "qsgd8": 8, "qsgd4": 4, "qsgd2": 2}
 DEFAULT_CODECS = ("fp32", "bf16", "qsgd4")
-
-
-def _int_list(text: str) -> list[int]:
-  try:
-    values = [int(v) for v in text.replace(",", " ").split()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-  if not values or any(v < 1 for v in values):
-    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-  return values
 
 
 def _codec_list(text: str) -> list[str]:
@@ -72,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--codecs", type=_codec_list, default=list(DEFAULT_CODECS),
                       help=f"comma-separated, among {','.join(CODECS)} (default: "
                            f"{','.join(DEFAULT_CODECS)})")
-  parser.add_argument("--accum", type=_int_list, default=[1, 2],
+  parser.add_argument("--accum", type=int_list, default=[1, 2],
                       help="comma-separated accumulation steps (default: 1,2)")
-  parser.add_argument("--hidden", type=_int_list, default=[4096, 4096],
+  parser.add_argument("--hidden", type=int_list, default=[4096, 4096],
                       help="hidden layer widths of the MLP (default: 4096,4096)")
   parser.add_argument("--in-dim", type=int, default=1024, help="input features (default: 1024)")
   parser.add_argument("--out-dim", type=int, default=1024, help="outputs (default: 1024)")
@@ -498,23 +487,13 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     raise SystemExit(f"--link-gbps must be > 0, got {args.link_gbps}")
   if args.latency_us < 0:
     raise SystemExit(f"--latency-us must be >= 0, got {args.latency_us}")
-  from jax_qcomm.bench.allreduce import _init_devices, _log
+  from jax_qcomm.bench.allreduce import _init_devices, _log, _mesh_and_metadata
 
   _init_devices(args.devices)
   import jax
 
-  from jax_qcomm import distributed
-
-  mesh = distributed.global_mesh(("data",))
+  mesh, meta = _mesh_and_metadata("step", command)
   d = mesh.devices.size
-  launch_command = os.environ.get("QCOMM_LAUNCH_COMMAND") if distributed.under_launcher() else None
-  meta = _timing.run_metadata(command)
-  if launch_command:
-    meta["command"] = launch_command
-  meta.update(benchmark="step", num_devices=d, num_processes=jax.process_count(),
-              local_devices=jax.local_device_count(), launcher=distributed.under_launcher(),
-              gloo_interface=os.environ.get(distributed.ENV_GLOO_INTERFACE))
-  meta["devices"] = [str(dev) for dev in distributed.global_devices()]
   meta["config"] = dict(codecs=args.codecs, accum=args.accum, hidden=args.hidden,
                         in_dim=args.in_dim, out_dim=args.out_dim, batch=args.batch,
                         bucket_size=args.bucket, repeats=args.repeats, warmup=args.warmup,
