@@ -125,6 +125,17 @@ class Codec:
   def _decode_sum_flat(self, payloads: jax.Array, n: int) -> jax.Array:
     raise NotImplementedError
 
+  # -- the collectives' wire: the payload in the words it travels as -------------------------------
+  # The collectives send rows of these; by default they are the uint8 payload itself. A codec may
+  # send the same bytes as wider words when XLA handles those faster (Cast: uint16).
+  def _to_wire(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+    """float32[n] -> wire[W]: the payload of x."""
+    return self._encode_flat(x, key)
+
+  def _wire_decode_sum(self, wires: jax.Array, n: int) -> jax.Array:
+    """wire[k, W] -> float32[n]: the in-order sum of the k decodes."""
+    return self._decode_sum_flat(wires, n)
+
 
 @dataclasses.dataclass(frozen=True)
 class QSGD(Codec):
@@ -271,6 +282,14 @@ class Cast(Codec):
     k = payloads.shape[0]
     return _sum_in_order(
         lax.bitcast_convert_type(payloads.reshape(k, n, 2), self.dtype).astype(jnp.float32))
+
+  # The collectives send uint16 words: the same bytes, but XLA CPU converts float32 -> bf16 ->
+  # uint16 about 4x faster than into a uint8 view (a relayout of every value into two bytes).
+  def _to_wire(self, x, key):
+    return lax.bitcast_convert_type(x.astype(self.dtype), jnp.uint16)
+
+  def _wire_decode_sum(self, wires, n):
+    return _sum_in_order(lax.bitcast_convert_type(wires, self.dtype).astype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from jax import lax
 
 from jax_qcomm import packing
 from jax_qcomm._checks import check_int
-from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression, _sum_in_order
+from jax_qcomm.codecs import QSGD, Codec, NoCompression
 
 AxisName = Union[Hashable, tuple]
 OPS = ("mean", "sum")
@@ -73,31 +73,15 @@ def _device_key(key: jax.Array | None, axis_name: AxisName, salt: int) -> jax.Ar
 
 
 def _encode_rows(codec: Codec, rows: jax.Array, key: jax.Array | None) -> jax.Array:
-  """float32[k, c] -> wire[k, W], each row with its own key.
-
-  The wire rows are the codec's uint8 payloads, except for :class:`Cast`, whose 16-bit values
-  travel as uint16 words: the same bytes, but XLA CPU converts float32 -> bf16 -> uint16 about 4x
-  faster than into a uint8 view (which needs a relayout of every value into two bytes).
-  """
-  if isinstance(codec, Cast):
-    return lax.bitcast_convert_type(rows.astype(codec.dtype), jnp.uint16)
+  """float32[k, c] -> wire[k, W] (the codec's payloads as it sends them), a key per row."""
   if key is None:
-    return jax.vmap(lambda r: codec.encode(r, None))(rows)
-  return jax.vmap(codec.encode)(rows, jax.random.split(key, rows.shape[0]))
+    return jax.vmap(lambda r: codec._to_wire(r, None))(rows)
+  return jax.vmap(codec._to_wire)(rows, jax.random.split(key, rows.shape[0]))
 
 
-def _decode_rows(codec: Codec, payloads: jax.Array, c: int) -> jax.Array:
-  """wire[k, W] (see :func:`_encode_rows`) -> float32[k, c]."""
-  if isinstance(codec, Cast):
-    return lax.bitcast_convert_type(payloads, codec.dtype).astype(jnp.float32)
-  return jax.vmap(lambda p: codec.decode(p, (c,)))(payloads)
-
-
-def _decode_sum_rows(codec: Codec, payloads: jax.Array, c: int) -> jax.Array:
-  """wire[k, W] -> float32[c]: the in-order float32 sum of the k decoded rows."""
-  if isinstance(codec, Cast):
-    return _sum_in_order(_decode_rows(codec, payloads, c))
-  return codec.decode_sum(payloads, (c,))
+def _decode_rows(codec: Codec, wires: jax.Array, c: int) -> jax.Array:
+  """wire[k, W] -> float32[k, c], each row decoded on its own."""
+  return jax.vmap(lambda w: codec._wire_decode_sum(w[None], c))(wires)
 
 
 # ---- flat float32 buffers ----------------------------------------------------------------------
@@ -118,13 +102,10 @@ def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
   if hasattr(codec, "decode_sum_reencode"):  # one fused kernel, the same bytes as below
     mine = codec.decode_sum_reencode(received, (c,), _device_key(key, axis_name, 1), scale)
   else:
-    reduced = _decode_sum_rows(codec, received, c)
+    reduced = codec._wire_decode_sum(received, c)
     if scale != 1.0:
       reduced = reduced * jnp.float32(scale)
-    if isinstance(codec, Cast):
-      mine = _encode_rows(codec, reduced[None], None)[0]
-    else:
-      mine = codec.encode(reduced, _device_key(key, axis_name, 1))
+    mine = codec._to_wire(reduced, _device_key(key, axis_name, 1))
   gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, P], the same everywhere
   return _decode_rows(codec, gathered, c).reshape(-1), residual
 
@@ -246,7 +227,7 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
   block = (x.shape[0] // d,) + x.shape[1:]
   m = math.prod(block)
   payloads = _encode_rows(codec, x.reshape(d, m).astype(jnp.float32), _device_key(key, axis_name, 0))
-  reduced = _decode_sum_rows(codec, lax.all_to_all(payloads, axis_name, 0, 0, tiled=True), m)
+  reduced = codec._wire_decode_sum(lax.all_to_all(payloads, axis_name, 0, 0, tiled=True), m)
   if op == "mean":
     reduced = reduced * jnp.float32(1.0 / d)
   return reduced.reshape(block).astype(x.dtype)
@@ -271,10 +252,7 @@ def all_gather(x: jax.Array, axis_name: AxisName,
     raise ValueError("x must have at least one dimension for tiled=True")
   if isinstance(codec, NoCompression):
     return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
-  if isinstance(codec, Cast):
-    payload = _encode_rows(codec, x.reshape(1, -1).astype(jnp.float32), None)[0]
-  else:
-    payload = codec.encode(x, _device_key(key, axis_name, 0))
+  payload = codec._to_wire(x.reshape(-1).astype(jnp.float32), _device_key(key, axis_name, 0))
   gathered = lax.all_gather(payload, axis_name, to="invarying")
   out = _decode_rows(codec, gathered, x.size).astype(x.dtype)
   out = out.reshape((d,) + x.shape)
