@@ -25,6 +25,7 @@ per-channel normalisation) follows flax's ``examples/imagenet/input_pipeline.py`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Iterator
 
@@ -52,13 +53,9 @@ class DatasetInfo:
 
 # ---- ImageNet-style preprocessing (encoded JPEG/PNG bytes -> float32 image) ------------------------
 
-def _is_jpeg(image_bytes: tf.Tensor) -> tf.Tensor:
-  return tf.io.is_jpeg(image_bytes)
-
-
 def _decode_and_random_crop(image_bytes: tf.Tensor, image_size: int, seed: tf.Tensor) -> tf.Tensor:
   image = tf.cond(
-      _is_jpeg(image_bytes),
+      tf.io.is_jpeg(image_bytes),
       lambda: _jpeg_random_crop(image_bytes, seed),
       lambda: _generic_random_crop(image_bytes, seed))
   return tf.image.resize([image], [image_size, image_size], method="bicubic")[0]
@@ -135,15 +132,13 @@ def _tfds_builder(config: Any):
   raise AssertionError(config.dataset)
 
 
-def _split_names(config: Any) -> tuple[str, str]:
-  return config.train_split, config.eval_split
-
-
+@functools.lru_cache(maxsize=1)
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """scikit-learn's digits (1797 8x8 grey images, 10 classes): a stratified 80/20 split, fixed.
 
   Returns train images, train labels, eval images, eval labels; images float32[N, 8, 8, 1]
-  normalised with the training set's mean and standard deviation.
+  normalised with the training set's mean and standard deviation. Loaded once per process (every
+  evaluation asks again); the arrays are read-only.
   """
   from sklearn.datasets import load_digits
   from sklearn.model_selection import train_test_split
@@ -153,7 +148,10 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
   y = digits.target.astype(np.int32)
   x_tr, x_ev, y_tr, y_ev = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
   mean, std = x_tr.mean(), x_tr.std()
-  return (x_tr - mean) / std, y_tr, (x_ev - mean) / std, y_ev
+  arrays = ((x_tr - mean) / std, y_tr, (x_ev - mean) / std, y_ev)
+  for a in arrays:
+    a.setflags(write=False)
+  return arrays
 
 
 def dataset_info(config: Any) -> DatasetInfo:
@@ -168,7 +166,7 @@ def dataset_info(config: Any) -> DatasetInfo:
     return DatasetInfo(config.num_classes, (config.image_size, config.image_size, 3),
                        config.synthetic_examples, config.batch_size)
   builder = _tfds_builder(config)
-  train_split, eval_split = _split_names(config)
+  train_split, eval_split = config.train_split, config.eval_split
   return DatasetInfo(builder.info.features["label"].num_classes,
                      (config.image_size, config.image_size, 3),
                      _num_examples(builder, train_split), _num_examples(builder, eval_split))
