@@ -1,9 +1,10 @@
 """Compressed collectives, called inside ``jax.shard_map`` or ``jax.pmap``.
 
 The compressed allreduce is scatter-reduce-allgather (SRA, as in CGX): the buffer is cut into one
-chunk per device; each chunk is encoded and sent to its owner (``lax.all_to_all``); the owner decodes
-and sums the chunks it received (float32), encodes the reduced chunk once more and every device
-receives every reduced chunk (``lax.all_gather``) and decodes it. Every value is therefore quantised
+chunk per device; each chunk is encoded and sent to its owner (an all-to-all: ``lax.all_to_all``,
+or on CPU ``lax.ppermute`` rounds that gloo runs faster, see ``_exchange``); the owner decodes and
+sums the chunks it received (float32), encodes the reduced chunk once more and every device receives
+every reduced chunk (``lax.all_gather``) and decodes it. Every value is therefore quantised
 exactly twice whatever the number of devices, each device sends 2 (D-1)/D of the compressed bytes,
 and all devices end bit-identical (they decode the same payloads, their own chunk included).
 
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import packing
+from jax_qcomm import _exchange, packing
 from jax_qcomm._checks import check_int
 from jax_qcomm.codecs import QSGD, Codec, NoCompression
 
@@ -98,7 +99,7 @@ def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
   chunks = x.reshape(d, c)
   payloads = _encode_rows(codec, chunks, _device_key(key, axis_name, 0))
   residual = (chunks - _decode_rows(codec, payloads, c)).reshape(-1)
-  received = lax.all_to_all(payloads, axis_name, 0, 0, tiled=True)  # row s: my chunk from s
+  received = _exchange.exchange(payloads, axis_name)  # row s: my chunk from s
   if hasattr(codec, "decode_sum_reencode"):  # one fused kernel, the same bytes as below
     mine = codec.decode_sum_reencode(received, (c,), _device_key(key, axis_name, 1), scale)
   else:
@@ -227,7 +228,7 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
   block = (x.shape[0] // d,) + x.shape[1:]
   m = math.prod(block)
   payloads = _encode_rows(codec, x.reshape(d, m).astype(jnp.float32), _device_key(key, axis_name, 0))
-  reduced = codec._wire_decode_sum(lax.all_to_all(payloads, axis_name, 0, 0, tiled=True), m)
+  reduced = codec._wire_decode_sum(_exchange.exchange(payloads, axis_name), m)
   if op == "mean":
     reduced = reduced * jnp.float32(1.0 / d)
   return reduced.reshape(block).astype(x.dtype)
