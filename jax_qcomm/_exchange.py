@@ -28,8 +28,9 @@ and every replica's result are unchanged by the choice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Hashable, Sequence, Union
+from typing import Hashable, Iterator, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -114,16 +115,39 @@ def exchange_rounds(rows: jax.Array, axis_name: AxisName) -> jax.Array:
   return _rounds_4(rows, axis_name) if d == 4 else _rounds_shift(rows, axis_name)
 
 
-def exchange(rows: jax.Array, axis_name: AxisName, method: str = "auto") -> jax.Array:
+METHODS = ("auto", "rounds", "all_to_all")
+_method = "auto"
+
+
+@contextlib.contextmanager
+def using(method: str) -> Iterator[None]:
+  """Within the block, collectives traced with ``method=None`` use ``method`` (for benchmarks that
+  compare the schedules; the choice is made when a function is traced, not when it runs)."""
+  global _method
+  _check_method(method)
+  previous, _method = _method, method
+  try:
+    yield
+  finally:
+    _method = previous
+
+
+def _check_method(method: str) -> None:
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def exchange(rows: jax.Array, axis_name: AxisName, method: str | None = None) -> jax.Array:
   """rows[d, W] -> [d, W]: row j to device j, as ``lax.all_to_all(rows, axis_name, 0, 0,
   tiled=True)``. ``method``: ``"auto"`` (ppermute rounds on CPU, all-to-all elsewhere),
-  ``"rounds"`` or ``"all_to_all"``. d must be the size of ``axis_name``."""
+  ``"rounds"`` or ``"all_to_all"``; None: the one set by :func:`using` (default ``"auto"``).
+  d must be the size of ``axis_name``."""
+  method = _method if method is None else method
+  _check_method(method)
   if method == "all_to_all":
     return lax.all_to_all(rows, axis_name, 0, 0, tiled=True)
   if method == "rounds":
     return exchange_rounds(rows, axis_name)
-  if method != "auto":
-    raise ValueError(f"method must be 'auto', 'rounds' or 'all_to_all', got {method!r}")
   return lax.platform_dependent(
       rows, cpu=lambda r: exchange_rounds(r, axis_name),
       default=lambda r: lax.all_to_all(r, axis_name, 0, 0, tiled=True))

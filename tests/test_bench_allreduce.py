@@ -83,3 +83,24 @@ def test_breakdown_and_metadata(result):
     assert meta[key], key
   assert "allreduce" in meta["command"]
   assert "qsgd4" in stdout and "busbw" in stdout and "time/floor" in stdout
+
+
+def test_exchange_variants_are_timed_side_by_side(tmp_path):
+  """--exchange rounds all_to_all: one row per SRA codec and schedule, psum codecs once; the
+  compiled programs really differ (the rows record the method)."""
+  out = tmp_path / "x.json"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_qcomm.bench", "allreduce", "--devices", "4", "--sizes", "4096",
+       "--codecs", "fp32", "qsgd4", "--exchange", "rounds", "all_to_all", "--repeats", "1",
+       "--warmup", "1", "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+  rows = {r["codec"]: r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == {"fp32", "qsgd4/rounds", "qsgd4/all_to_all"}
+  assert rows["fp32"]["exchange"] is None
+  assert rows["qsgd4/rounds"]["exchange"] == "rounds"
+  assert rows["qsgd4/all_to_all"]["exchange"] == "all_to_all"
+  assert rows["qsgd4/rounds"]["wire_bytes_per_device"] == rows["qsgd4/all_to_all"]["wire_bytes_per_device"]
+  assert _positive_finite(rows["qsgd4/rounds"]["speedup_vs_fp32"])

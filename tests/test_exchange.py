@@ -80,5 +80,21 @@ def test_cpu_auto_lowers_to_ppermutes():
 
 def test_bad_method_raises():
   mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("x",))
-  with pytest.raises(ValueError, match="method must be"):
+  with pytest.raises(ValueError, match="method must be one of"):
     _run(mesh, "x", P("x"), _rows(4, 8, np.uint8), "ring")
+  with pytest.raises(ValueError, match="method must be one of"):
+    with _exchange.using("ring"):
+      pass
+
+
+def test_using_sets_the_method_at_trace_time():
+  mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("x",))
+
+  def hlo():
+    fn = jax.jit(jax.shard_map(lambda r: _exchange.exchange(r[0], "x")[None], mesh=mesh,
+                               in_specs=P("x"), out_specs=P("x")))
+    return fn.lower(_rows(4, 16, np.uint8)).as_text()
+
+  with _exchange.using("all_to_all"):
+    assert "all_to_all" in hlo()
+  assert "all_to_all" not in hlo()  # back to "auto": rounds on CPU

@@ -30,8 +30,11 @@ Columns:
 ``--breakdown`` also times, on one device without any communication, the codec work a device does
 inside one compressed allreduce (encode D chunks, decode-and-sum D payloads, re-encode one chunk --
 or, for QSGD, the fused decode-sum-reencode kernel the allreduce runs instead -- decode D payloads),
-and the transfer alone (the same all_to_all + all_gather of uint8 payloads, no
-codec), to separate codec cost from transfer.
+and the transfer alone (the same exchange + all_gather of uint8 payloads, no codec), to
+separate codec cost from transfer.
+
+``--exchange rounds all_to_all`` times each SRA codec with both all-to-all schedules of
+:mod:`jax_qcomm._exchange` in the same run (rows ``qsgd4/rounds``, ``qsgd4/all_to_all``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from jax_qcomm.bench.codec import parse_size
 DEFAULT_SIZES = (1_000_000, 25_600_000)
 DEFAULT_OUT = "bench-results/allreduce.json"
 DEFAULT_DEVICES = 4
+EXCHANGES = ("auto", "rounds", "all_to_all")  # jax_qcomm._exchange.METHODS (not imported: no jax here)
 #: codec name -> (description, kind, arguments); kind "psum", "cast_pmean" or "sra".
 CODECS = {
     "fp32": ("NoCompression: lax.pmean of float32", "psum", {}),
@@ -73,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="QSGD implementation (default: auto)")
   parser.add_argument("--link-gbps", type=float, default=None,
                       help="link rate in Gbit/s, for a 'floor' column (wire bytes / rate)")
+  parser.add_argument("--exchange", nargs="+", choices=EXCHANGES, default=["auto"],
+                      help="the all-to-all of the SRA codecs (jax_qcomm._exchange): auto (ppermute "
+                           "rounds on CPU), rounds or all_to_all; several: each is timed, the codec "
+                           "named codec/method (default: auto)")
   parser.add_argument("--breakdown", action="store_true",
                       help="also time the codec work of one device without communication")
   parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
@@ -225,26 +233,45 @@ def _mesh_and_metadata(benchmark: str, command: Sequence[str]):
 
 # -- the benchmark ----------------------------------------------------------------------------------
 
+def _variants(names: Sequence[str], exchanges: Sequence[str]) -> list[tuple[str, str, str | None]]:
+  """(codec name, row label, exchange method or None) for every codec x exchange to time; psum
+  codecs once (they have no all-to-all), SRA codecs once per method, labelled codec/method when
+  there are several."""
+  out = []
+  for name in names:
+    if CODECS[name][1] != "sra":
+      out.append((name, name, None))
+    else:
+      out += [(name, name if len(exchanges) == 1 else f"{name}/{m}", m) for m in exchanges]
+  return out
+
+
 def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: int,
-               warmup: int, link_gbps: float | None) -> list[dict[str, Any]]:
-  """Times every codec's allreduce of n values per device; one row per codec."""
+               warmup: int, link_gbps: float | None,
+               exchanges: Sequence[str] = ("auto",)) -> list[dict[str, Any]]:
+  """Times every codec's allreduce of n values per device; one row per codec (and exchange)."""
+  import contextlib
+
   import jax
+
+  from jax_qcomm import _exchange
 
   d = mesh.devices.size
   x = _global_input(mesh, n)
   jax.block_until_ready(x)
   rows = []
-  for name in names:
+  for name, label, method in _variants(names, exchanges):
     codec = _make_codec(name, bucket, impl)
     fn = _allreduce_fn(name, codec, mesh)
-    compiled = fn.lower(x).compile()
+    with _exchange.using(method) if method else contextlib.nullcontext():
+      compiled = fn.lower(x).compile()
     itemsizes = collective_itemsizes(compiled.as_text())
     psum_itemsize = max(itemsizes) if itemsizes else 4
     payload, sent = wire_bytes(name, codec, n, d, psum_itemsize)
     t = _collective_timing(_timing.median_time(compiled, x, repeats=repeats, warmup=warmup))
-    _log(f"  {n:>13,} {name:<16} {1e3 * t.median:10.2f} ms")
+    _log(f"  {n:>13,} {label:<16} {1e3 * t.median:10.2f} ms")
     rows.append(dict(
-        codec=name, description=CODECS[name][0], size=n, devices=d,
+        codec=label, description=CODECS[name][0], exchange=method, size=n, devices=d,
         processes=jax.process_count(), bucket_size=bucket if name.startswith("qsgd") else None,
         psum_wire_itemsize=psum_itemsize if CODECS[name][1] != "sra" else None,
         payload_bytes=payload, wire_bytes_per_device=sent,
@@ -266,14 +293,17 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
 
 
 def _transfer_fn(mesh, payload_row: int) -> Callable:
-  """The SRA's communication alone: all_to_all of uint8[D, p] and all_gather of uint8[p]."""
+  """The SRA's communication alone: the exchange (all-to-all) of uint8[D, p] and all_gather of
+  uint8[p]."""
   import jax
   from jax import lax
   from jax.sharding import PartitionSpec as P
 
+  from jax_qcomm import _exchange
+
   def per_device(a):
     rows = a[0]  # [D, p]
-    received = lax.all_to_all(rows, "data", 0, 0, tiled=True)
+    received = _exchange.exchange(rows, "data")
     gathered = lax.all_gather(received[0], "data")
     return received[None], gathered[None]
 
@@ -282,7 +312,7 @@ def _transfer_fn(mesh, payload_row: int) -> Callable:
 
 
 def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: int,
-                    warmup: int) -> list[dict[str, Any]]:
+                    warmup: int, exchange: str = "auto") -> list[dict[str, Any]]:
   """Where an SRA allreduce of n values over the mesh's D devices spends its time.
 
   * codec work of one device, without communication, on this process's first device (all
@@ -290,8 +320,11 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
     payloads, re-encode the reduced chunk, decode the D gathered payloads; for a codec with a
     fused ``decode_sum_reencode`` (QSGD), also that kernel, which the allreduce runs instead of the
     two middle stages (``codec_total_s`` then counts it, not them);
-  * transfer alone: the same all_to_all + all_gather of uint8 payload bytes, no codec.
+  * transfer alone: the same exchange (``exchange`` method) + all_gather of uint8 payload bytes,
+    no codec.
   """
+  from jax_qcomm import _exchange
+
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -321,7 +354,8 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
     if fused:  # what the allreduce runs in place of decode_sum + encode_reduced
       stages["decode_sum_reencode"] = (
           jax.jit(lambda p, k: codec.decode_sum_reencode(p, (c,), k, 1.0 / d)), (payloads, key))
-    row = dict(codec=name, size=n, devices=d, chunk=c, fused=fused, decode_sum_reencode_s=None)
+    row = dict(codec=name, exchange=exchange, size=n, devices=d, chunk=c, fused=fused,
+               decode_sum_reencode_s=None)
     for stage, (fn, args) in stages.items():
       t = _collective_timing(_timing.median_time(fn, *args, repeats=repeats, warmup=warmup))
       row[f"{stage}_s"] = t.median
@@ -334,8 +368,9 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
       buf = jax.make_array_from_callback(
           (d, d, p), NamedSharding(mesh, P("data")),
           lambda idx: np.full((len(range(*idx[0].indices(d))), d, p), 7, np.uint8))
-      t = _collective_timing(_timing.median_time(_transfer_fn(mesh, p), buf, repeats=repeats,
-                                                 warmup=warmup))
+      with _exchange.using(exchange):
+        transfer = _transfer_fn(mesh, p).lower(buf).compile()
+      t = _collective_timing(_timing.median_time(transfer, buf, repeats=repeats, warmup=warmup))
       row["transfer_s"] = t.median
     else:
       row["transfer_s"] = None
@@ -383,7 +418,8 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
   if breakdown:
     bh = ["size", "codec", "chunk", "encode D ms", "decode_sum ms", "re-encode ms", "fused ms",
           "decode D ms", "codec total ms", "transfer ms", "allreduce ms"]
-    med = {(r["size"], r["codec"]): r["median_s"] for r in rows}
+    med = {(r["size"], r["codec"].split("/")[0]): r["median_s"] for r in rows
+           if r["exchange"] in (None, breakdown[0]["exchange"])}
     bt = [[f"{r['size']:,}", r["codec"], f"{r['chunk']:,}", f"{1e3 * r['encode_chunks_s']:.1f}",
            f"{1e3 * r['decode_sum_s']:.1f}", f"{1e3 * r['encode_reduced_s']:.1f}",
            "" if r["decode_sum_reencode_s"] is None else f"{1e3 * r['decode_sum_reencode_s']:.1f}",
@@ -391,8 +427,8 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
            "" if r["transfer_s"] is None else f"{1e3 * r['transfer_s']:.1f}",
            f"{1e3 * med.get((r['size'], r['codec']), float('nan')):.1f}"] for r in breakdown]
     lines += ["", "breakdown: codec work per allreduce of one device of each process, without "
-              "communication (processes at once), and the transfer alone (the same uint8 "
-              "all_to_all + all_gather, no codec); fused = decode_sum_reencode, which the "
+              "communication (processes at once), and the transfer alone (the same exchange, "
+              f"method {breakdown[0]['exchange']}, + all_gather of uint8 payloads, no codec); fused = decode_sum_reencode, which the "
               "allreduce runs instead of decode_sum + re-encode (codec total counts it then):",
               _timing.format_table(bh, bt, align="rl" + "r" * (len(bh) - 2))]
   lines.append(_timing.malloc_note(meta["malloc"]))
@@ -412,17 +448,20 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   d = mesh.devices.size
   meta["config"] = dict(sizes=args.sizes, codecs=args.codecs, bucket_size=args.bucket,
                         impl=args.impl, repeats=args.repeats, warmup=args.warmup,
-                        link_gbps=args.link_gbps, breakdown=args.breakdown, op="mean")
+                        link_gbps=args.link_gbps, breakdown=args.breakdown, op="mean",
+                        exchange=args.exchange)
   _log(_timing.malloc_note(meta["malloc"]))
   if d == 1:
     _log("warning: one device only: nothing is communicated")
   rows, breakdown = [], []
   for n in args.sizes:
     rows += bench_size(n, mesh, args.codecs, bucket=args.bucket, impl=args.impl,
-                       repeats=args.repeats, warmup=args.warmup, link_gbps=args.link_gbps)
+                       repeats=args.repeats, warmup=args.warmup, link_gbps=args.link_gbps,
+                       exchanges=args.exchange)
     if args.breakdown:
       breakdown += bench_breakdown(n, mesh, args.codecs, bucket=args.bucket, impl=args.impl,
-                                   repeats=args.repeats, warmup=args.warmup)
+                                   repeats=args.repeats, warmup=args.warmup,
+                                   exchange=args.exchange[0])
   if jax.process_index() == 0:
     print(format_results(rows, breakdown, meta))
     path = _timing.write_json(args.out, dict(metadata=meta, rows=rows, breakdown=breakdown))
