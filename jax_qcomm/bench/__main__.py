@@ -64,7 +64,8 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> in
   args = build_parser().parse_args(argv)
   if allow_reexec:
     # cluster: no re-exec of its own; each node's benchmark process re-executes itself.
-    _timing.ensure_malloc_env(raw=getattr(args, "raw_malloc", True))
+    _timing.ensure_malloc_env(raw=getattr(args, "raw_malloc", True),
+                              extra=_timing.ONE_ARENA if args.command == "allreduce" else None)
   command = ["python", "-m", "jax_qcomm.bench", *argv]
   if args.command == "codec":
     return codec.main(args, command)
