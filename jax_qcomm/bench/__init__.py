@@ -11,6 +11,8 @@ Subcommands:
   beside the cost model (:mod:`jax_qcomm.bench.step`).
 * ``partial`` -- fp32 psum of N/gamma values: where bandwidth stops being the bottleneck
   (:mod:`jax_qcomm.bench.partial`).
+* ``patterns`` -- the same uint8 rows moved by all_to_all, ppermute rounds, all_gather and single
+  ppermute shifts, against the link floor (:mod:`jax_qcomm.bench.patterns`).
 * ``cluster`` -- runs any of the above on a simulated bandwidth-limited cluster of network
   namespaces (:mod:`jax_qcomm.bench.cluster`).
 

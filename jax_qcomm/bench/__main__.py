@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from jax_qcomm.bench import _timing, allreduce, cluster, codec, partial, step
+from jax_qcomm.bench import _timing, allreduce, cluster, codec, partial, patterns, step
 
 
 def _common_options() -> argparse.ArgumentParser:
@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
       "partial", parents=[common],
       help="fp32 psum of N/gamma elements: where time stops falling with gamma",
       description=partial.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+  patterns.add_arguments(sub.add_parser(
+      "patterns", parents=[common],
+      help="uint8 rows moved by all_to_all, ppermute rounds, all_gather, single shifts: vs floor",
+      description=patterns.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
   cluster.add_arguments(sub.add_parser(
       "cluster", help="run a benchmark on a simulated cluster: network namespaces, tc-shaped links",
       usage="%(prog)s --nodes N --rate RATE [options] -- BENCHMARK [args ...]",
@@ -64,8 +68,9 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> in
   args = build_parser().parse_args(argv)
   if allow_reexec:
     # cluster: no re-exec of its own; each node's benchmark process re-executes itself.
+    one_arena = args.command in ("allreduce", "patterns")  # no multi-threaded compute
     _timing.ensure_malloc_env(raw=getattr(args, "raw_malloc", True),
-                              extra=_timing.ONE_ARENA if args.command == "allreduce" else None)
+                              extra=_timing.ONE_ARENA if one_arena else None)
   command = ["python", "-m", "jax_qcomm.bench", *argv]
   if args.command == "codec":
     return codec.main(args, command)
@@ -75,6 +80,8 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> in
     return step.main(args, command)
   if args.command == "partial":
     return partial.main(args, command)
+  if args.command == "patterns":
+    return patterns.main(args, command)
   if args.command == "cluster":
     return cluster.main(args, command)
   raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown subcommands

@@ -24,7 +24,7 @@ to node i+1 (through both shapers of every veth), each flow timed from first to 
 :func:`jax_qcomm.launch.launch`: ``jax.distributed`` with the coordinator on node 0's address and gloo
 bound to ``eth0`` of each namespace (``QCOMM_GLOO_INTERFACE``). Each process enters its namespace by
 ``ip netns exec`` (which also remounts ``/sys`` so that the namespace's interfaces are the ones seen).
-For benchmarks that take ``--link-gbps`` (``allreduce``, ``step``), it is set from the rate unless
+For benchmarks that take ``--link-gbps`` (``allreduce``, ``step``, ``patterns``), it is set from the rate unless
 given. Rank 0's JSON (the benchmark
 writes it to a temporary file) is copied to ``--out`` with ``metadata.cluster`` added: nodes, rate,
 the tc commands, addresses, the link check.
