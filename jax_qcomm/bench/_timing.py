@@ -6,8 +6,8 @@
   XLA CPU allocates a fresh output buffer per call, and glibc serves allocations above its mmap
   threshold (at most 32 MB by default) with fresh mmap pages, so without tuning every call on a
   large array pays for page faults on its whole output. The variables below keep such buffers on
-  the heap; glibc reads them once at process start, hence the re-exec. The allreduce benchmark
-  also asks for :data:`ONE_ARENA`.
+  the heap; glibc reads them once at process start, hence the re-exec. The allreduce and
+  patterns benchmarks also ask for :data:`ONE_ARENA`.
 * :func:`run_metadata`, :func:`format_table`, :func:`write_json` -- reporting.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 #: glibc malloc tuning applied by re-exec: no mmap below 4 GiB, no trimming of the heap below 16 GiB.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
-#: Added for the allreduce benchmark: one arena. Threads other than the main one allocate from
+#: Added for the allreduce and patterns benchmarks: one arena. Threads other than the main one allocate from
 #: secondary arenas whose heaps hold at most 64 MiB, so larger buffers allocated there (25.6M
 #: float32 is 100 MB) are fresh mmaps whatever the threshold: a Cast(bf16) allreduce over gloo took
 #: 50k page faults per call (~0.2 s of kernel time) without it. Not for benchmarks with

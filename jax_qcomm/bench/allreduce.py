@@ -323,12 +323,12 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
   * transfer alone: the same exchange (``exchange`` method) + all_gather of uint8 payload bytes,
     no codec.
   """
-  from jax_qcomm import _exchange
-
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from jax_qcomm import _exchange
 
   d = mesh.devices.size
   dev = jax.local_devices()[0]
