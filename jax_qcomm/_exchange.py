@@ -3,24 +3,28 @@
 ``exchange(rows, axis)`` has the semantics of ``lax.all_to_all(rows, axis, 0, 0, tiled=True)``
 for rows[d, W]: the result's row s is the row this device received from device s.
 
-On GPUs that is what it runs (NCCL's all-to-all). On CPUs, where XLA's collectives go over gloo,
-it runs a schedule of ``lax.ppermute`` rounds instead, because gloo moves data between two
-processes at about half speed when they send to each other at once over their one connection, and
-its all-to-all does exactly that between every pair. Measured on the simulated 1 Gbit/s cluster
-(4 nodes, 3.6 MB rows, docs/benchmarks.md): one ppermute round in which every node sends to one
-peer and receives from another takes 1.15x the link floor; a round of swaps (0<->2, 1<->3) 1.9x;
-gloo's all-to-all 1.8-2.1x.
+On GPUs that is what it runs (NCCL's all-to-all), and within one process. Across processes on
+CPUs, where XLA's collectives go over gloo, it runs a schedule of ``lax.ppermute`` rounds instead:
+gloo moves data between two processes at about half speed when they send to each other at once
+over their one connection, and its all-to-all does exactly that between every pair. Measured on the
+simulated 1 Gbit/s cluster (4 nodes, 3.6 MB rows, ``python -m jax_qcomm.bench patterns``,
+docs/benchmarks.md): a ppermute round in which every node sends to one peer and receives from
+another takes 1.2-1.4x the link floor; a round of swaps (0<->2, 1<->3) 1.9x; gloo's all-to-all 2.0x.
 
 The schedules keep every round free of swaps where that is possible:
 
 * 4 devices: the six directed Hamiltonian cycles of K4 cover every ordered pair exactly twice, so
   every row travels as two halves, one per cycle containing its arc: six rounds of half a row,
-  each a 4-cycle (no swap), the floor of an all-to-all (1.27x measured vs 1.8-2.1x). A schedule of
+  each a 4-cycle (no swap): 1.27-1.34x the floor of the all-to-all (gloo's: 1.8-2.1x). A schedule of
   whole rows cannot avoid a swap at 4 (no decomposition of K4* into 3 Hamiltonian cycles exists:
   Tillson 1980).
 * other sizes: D-1 rounds, device i sends to i+s in round s; only the round s = D/2 of an even D is
   made of swaps.
 * 1 or 2 devices: ``lax.all_to_all`` (2 devices can only swap).
+
+Within a single process (``jax_num_cpu_devices``) collectives are memory copies and one all-to-all
+beats D-1 rounds (the embedded digits job, 8 devices: 4-bit scaling efficiency 0.83 with 7 rounds
+against 0.87 with the all-to-all), so ``"auto"`` keeps ``lax.all_to_all`` there.
 
 All schedules give the same bytes as ``lax.all_to_all``; collectives.py's allreduce, reduce-scatter
 and every replica's result are unchanged by the choice.
@@ -139,7 +143,8 @@ def _check_method(method: str) -> None:
 
 def exchange(rows: jax.Array, axis_name: AxisName, method: str | None = None) -> jax.Array:
   """rows[d, W] -> [d, W]: row j to device j, as ``lax.all_to_all(rows, axis_name, 0, 0,
-  tiled=True)``. ``method``: ``"auto"`` (ppermute rounds on CPU, all-to-all elsewhere),
+  tiled=True)``. ``method``: ``"auto"`` (ppermute rounds on CPU across processes, all-to-all
+  elsewhere: GPUs, and the devices of a single process, where collectives are memory copies),
   ``"rounds"`` or ``"all_to_all"``; None: the one set by :func:`using` (default ``"auto"``).
   d must be the size of ``axis_name``."""
   method = _method if method is None else method
@@ -148,6 +153,8 @@ def exchange(rows: jax.Array, axis_name: AxisName, method: str | None = None) ->
     return lax.all_to_all(rows, axis_name, 0, 0, tiled=True)
   if method == "rounds":
     return exchange_rounds(rows, axis_name)
+  if jax.process_count() == 1:  # in-process collectives: memory copies, one all-to-all is cheaper
+    return lax.all_to_all(rows, axis_name, 0, 0, tiled=True)
   return lax.platform_dependent(
       rows, cpu=lambda r: exchange_rounds(r, axis_name),
       default=lambda r: lax.all_to_all(r, axis_name, 0, 0, tiled=True))

@@ -2,11 +2,12 @@
 
 The compressed allreduce is scatter-reduce-allgather (SRA, as in CGX): the buffer is cut into one
 chunk per device; each chunk is encoded and sent to its owner (an all-to-all: ``lax.all_to_all``,
-or on CPU ``lax.ppermute`` rounds that gloo runs faster, see ``_exchange``); the owner decodes and
-sums the chunks it received (float32), encodes the reduced chunk once more and every device receives
-every reduced chunk (``lax.all_gather``) and decodes it. Every value is therefore quantised
-exactly twice whatever the number of devices, each device sends 2 (D-1)/D of the compressed bytes,
-and all devices end bit-identical (they decode the same payloads, their own chunk included).
+or across processes on CPU ``lax.ppermute`` rounds that gloo runs faster, see ``_exchange``); the
+owner decodes and sums the chunks it received (float32), encodes the reduced chunk once more and
+every device receives every reduced chunk (``lax.all_gather``) and decodes it. Every value is
+therefore quantised exactly twice whatever the number of devices, each device sends 2 (D-1)/D of
+the compressed bytes, and all devices end bit-identical (they decode the same payloads, their own
+chunk included).
 
 The transport is XLA's own (NCCL on GPU, gloo or in-process on CPU); only uint8 payloads travel, so
 XLA cannot promote them (it turns a bf16 all-reduce into f32 on CPU).

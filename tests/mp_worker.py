@@ -11,6 +11,7 @@ does, for :func:`inputs` and the case table) starts nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -150,6 +151,11 @@ def main(out_dir: str) -> None:
           lambda idx, leaf=leaf: np.stack([inputs(case, g, d)[leaf]
                                            for g in range(*idx[0].indices(d))]))
     out = fn(tree)
+    if case == "qsgd4_maxmin":  # which exchange "auto" chose across processes (test_multiprocess)
+      text = fn.lower(tree).compile().as_text()
+      counts = {op: text.count(f"{op}(") for op in ("collective-permute", "all-to-all")}
+      with open(os.path.join(out_dir, f"proc{pid}_hlo.json"), "w") as f:
+        json.dump(counts, f)
     for leaf, arr in out.items():
       for shard in arr.addressable_shards:
         for row, g in enumerate(range(*shard.index[0].indices(d))):

@@ -68,14 +68,22 @@ def test_hamiltonian_schedule_sends_every_half_once_without_swaps():
   assert sorted(sent) == sorted(want)
 
 
-def test_cpu_auto_lowers_to_ppermutes():
-  """On CPU "auto" is the rounds (collective-permutes, no all-to-all) for 4 devices."""
+def test_rounds_lower_to_ppermutes_and_auto_keeps_all_to_all_in_one_process():
+  """4 devices: "rounds" is six collective-permutes and no all-to-all; "auto" in a single process
+  (in-process collectives) is the all-to-all. Across processes "auto" is the rounds:
+  tests/test_multiprocess.py checks that."""
   mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("x",))
-  fn = jax.jit(jax.shard_map(lambda r: _exchange.exchange(r[0], "x")[None], mesh=mesh,
-                             in_specs=P("x"), out_specs=P("x")))
-  text = fn.lower(_rows(4, 16, np.uint8)).compile().as_text()
-  assert text.count("collective-permute(") == 6, text
-  assert "all-to-all" not in text
+
+  def compiled(method):
+    fn = jax.jit(jax.shard_map(lambda r: _exchange.exchange(r[0], "x", method)[None], mesh=mesh,
+                               in_specs=P("x"), out_specs=P("x")))
+    return fn.lower(_rows(4, 16, np.uint8)).compile().as_text()
+
+  rounds = compiled("rounds")
+  assert rounds.count("collective-permute(") == 6, rounds
+  assert "all-to-all" not in rounds
+  auto = compiled("auto")
+  assert "all-to-all" in auto and "collective-permute" not in auto
 
 
 def test_bad_method_raises():
@@ -95,6 +103,37 @@ def test_using_sets_the_method_at_trace_time():
                                in_specs=P("x"), out_specs=P("x")))
     return fn.lower(_rows(4, 16, np.uint8)).as_text()
 
-  with _exchange.using("all_to_all"):
-    assert "all_to_all" in hlo()
-  assert "all_to_all" not in hlo()  # back to "auto": rounds on CPU
+  with _exchange.using("rounds"):
+    assert "all_to_all" not in hlo()
+  assert "all_to_all" in hlo()  # back to "auto": all-to-all within one process
+
+
+@pytest.mark.parametrize("d", [4, 8])
+def test_allreduce_and_reduce_scatter_bytes_do_not_depend_on_the_schedule(d):
+  """qcomm.allreduce / reduce_scatter (QSGD 4 stochastic, Cast bf16) give bit-identical results with
+  the rounds and with lax.all_to_all."""
+  import jax_qcomm as qcomm
+
+  mesh = Mesh(np.array(jax.devices("cpu")[:d]), ("x",))
+  x = np.random.default_rng(d).standard_normal((d, 8 * d * 128 + 5)).astype(np.float32)
+  key = jax.random.key(7)
+  codecs = (qcomm.QSGD(bits=4), qcomm.Cast(jnp.bfloat16))
+
+  def per_device(v):
+    v = v[0]
+    outs = [qcomm.allreduce(v, "x", codec=c, key=key) for c in codecs]
+    outs += [qcomm.reduce_scatter(v[: 8 * d * 128], "x", codec=c, key=key) for c in codecs]
+    return tuple(o[None] for o in outs)
+
+  def run(method):
+    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4))
+    with _exchange.using(method):
+      hlo = fn.lower(x).as_text()
+      out = [np.asarray(o) for o in fn(x)]
+    return out, hlo
+
+  (got, hlo_rounds), (want, hlo_a2a) = run("rounds"), run("all_to_all")
+  assert "collective_permute" in hlo_rounds and "all_to_all" not in hlo_rounds  # really different
+  assert "all_to_all" in hlo_a2a and "collective_permute" not in hlo_a2a
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)

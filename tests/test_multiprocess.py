@@ -15,6 +15,7 @@ outer="proc") -- with one device per process its inner axis has size 1, a degene
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -66,7 +67,7 @@ def run(request, tmp_path_factory):
     with np.load(out / f"proc{p}.npz") as f:
       per_proc.append({k: f[k] for k in f.files})
   return dict(name=request.param, nproc=nproc, local=local, devices=nproc * local,
-              per_proc=per_proc, log=log)
+              per_proc=per_proc, log=log, out=out)
 
 
 def rows(run, case, leaf="x"):
@@ -182,6 +183,14 @@ def test_all_gather(run, case):
     tol = 2 * qsgd_step(xs[g:g + 1], bits, scheme) + 1e-6
     err = np.abs(out[0, g] - xs[g])
     assert np.all(err <= tol), f"{case} row {g}: max err/tol {np.max(err / tol):.3f}"
+
+
+def test_cpu_exchange_across_processes_is_ppermute_rounds(run):
+  """Across processes on CPU the SRA's all-to-all runs as ppermute rounds (jax_qcomm._exchange):
+  4 devices, six Hamiltonian half-row rounds; the results above are those of lax.all_to_all."""
+  for p in range(run["nproc"]):
+    counts = json.loads((run["out"] / f"proc{p}_hlo.json").read_text())
+    assert counts == {"collective-permute": 6, "all-to-all": 0}, (p, counts)
 
 
 def test_all_processes_wrote_their_devices(run):
