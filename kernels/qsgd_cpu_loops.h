@@ -93,10 +93,16 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
     pad = pad_heap.get();
   }
 
+  // Each bucket is read twice: the min/max scan brings it from memory, the code loop finds it in
+  // L1. Alone, the scan waits on memory while the code loop leaves the bus idle; prefetching the
+  // bucket kPrefetchFloats ahead overlaps the two. (Results do not change.)
+  constexpr int64_t kPrefetchFloats = 1024;  // 4 KiB
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, n - start);
     const float* xb = x + start;
+    const int64_t ahead_end = std::min<int64_t>(start + kPrefetchFloats + B, n);
+    for (int64_t e = start + kPrefetchFloats; e < ahead_end; e += 16) __builtin_prefetch(x + e, 0, 3);
     if (valid < B) {
       // Padding that leaves the scales unchanged: the bucket's first value (maxmin), 0 (norm).
       const float fill = SCHEME == qcomm::kMaxMin ? xb[0] : 0.0f;
