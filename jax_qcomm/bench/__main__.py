@@ -68,9 +68,7 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> in
   args = build_parser().parse_args(argv)
   if allow_reexec:
     # cluster: no re-exec of its own; each node's benchmark process re-executes itself.
-    one_arena = args.command in ("allreduce", "patterns")  # no multi-threaded compute
-    _timing.ensure_malloc_env(raw=getattr(args, "raw_malloc", True),
-                              extra=_timing.ONE_ARENA if one_arena else None)
+    _timing.ensure_malloc_env(raw=getattr(args, "raw_malloc", True))
   command = ["python", "-m", "jax_qcomm.bench", *argv]
   if args.command == "codec":
     return codec.main(args, command)

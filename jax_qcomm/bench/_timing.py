@@ -6,8 +6,8 @@
   XLA CPU allocates a fresh output buffer per call, and glibc serves allocations above its mmap
   threshold (at most 32 MB by default) with fresh mmap pages, so without tuning every call on a
   large array pays for page faults on its whole output. The variables below keep such buffers on
-  the heap; glibc reads them once at process start, hence the re-exec. The allreduce and
-  patterns benchmarks also ask for :data:`ONE_ARENA`.
+  the heap; glibc reads them once at process start, hence the re-exec. (Why not also one
+  arena: see the note below :data:`MALLOC_ENV`.)
 * :func:`run_metadata`, :func:`format_table`, :func:`write_json` -- reporting.
 """
 
@@ -29,12 +29,12 @@ from typing import Any, Callable, Sequence
 
 #: glibc malloc tuning applied by re-exec: no mmap below 4 GiB, no trimming of the heap below 16 GiB.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
-#: Added for the allreduce and patterns benchmarks: one arena. Threads other than the main one allocate from
-#: secondary arenas whose heaps hold at most 64 MiB, so larger buffers allocated there (25.6M
-#: float32 is 100 MB) are fresh mmaps whatever the threshold: a Cast(bf16) allreduce over gloo took
-#: 50k page faults per call (~0.2 s of kernel time) without it. Not for benchmarks with
-#: multi-threaded compute: one arena made the step benchmark's matmuls ~10% slower (lock contention).
-ONE_ARENA = {"MALLOC_ARENA_MAX": "1"}
+# Not set: MALLOC_ARENA_MAX=1. Threads other than the main one allocate from secondary arenas whose
+# heaps hold at most 64 MiB, so larger buffers allocated there (25.6M float32 is 100 MB) are fresh
+# mmaps whatever the threshold: a Cast(bf16) allreduce over gloo page-faults 50k times per call
+# (one arena: 1083 -> 858 ms on the simulated cluster). But one arena slows fp32's psum ~10%
+# (1457-1474 -> 1600-1615 ms, same cluster, alternating runs) and the step benchmark's matmuls
+# ~10% (lock contention), so the benchmarks keep glibc's arenas: no baseline handicapped.
 #: Set in the environment of the re-executed process, so that it can tell how the variables came.
 _REEXEC_MARKER = "JAX_QCOMM_BENCH_MALLOC_REEXEC"
 
@@ -110,18 +110,17 @@ def median_time(fn: Callable[..., Any], *args: Any, repeats: int = 7, warmup: in
 
 # -- glibc malloc settings --------------------------------------------------------------------------
 
-def ensure_malloc_env(raw: bool, extra: dict[str, str] | None = None) -> None:
-  """Re-executes this interpreter with :data:`MALLOC_ENV` (and ``extra``) set, unless all those
-  variables are already set or ``raw`` is true. Does not return when it re-executes.
+def ensure_malloc_env(raw: bool) -> None:
+  """Re-executes this interpreter with :data:`MALLOC_ENV` set, unless both variables are already
+  set or ``raw`` is true. Does not return when it re-executes.
 
   Only for a process started as a program (``python -m jax_qcomm.bench``): the new process runs
   ``sys.orig_argv``, the original command line.
   """
-  wanted = {**MALLOC_ENV, **(extra or {})}
-  if raw or all(name in os.environ for name in wanted):
+  if raw or all(name in os.environ for name in MALLOC_ENV):
     return
   env = dict(os.environ)
-  for name, value in wanted.items():
+  for name, value in MALLOC_ENV.items():
     env.setdefault(name, value)
   env[_REEXEC_MARKER] = "1"
   sys.stdout.flush()
