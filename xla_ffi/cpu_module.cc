@@ -79,34 +79,11 @@ ffi::Error DecodeSumReencodeImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buffer<ffi:
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("scheme")
-                                  .Attr<int32_t>("rounding"));
-
+                              common::BindEncode(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSum, DecodeSumImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("scheme"));
-
+                              common::BindDecodeSum(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumReencode, DecodeSumReencodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("scheme")
-                                  .Attr<int32_t>("rounding")
-                                  .Attr<int64_t>("n")
-                                  .Attr<float>("scale"));
+                              common::BindDecodeSumReencode(ffi::Ffi::Bind()));
 
 NB_MODULE(_qcomm_cpu, m) {
   m.doc() = "QSGD codec CPU kernels as XLA FFI handlers";

@@ -80,40 +80,17 @@ ffi::Error DecodeSumReencodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> paylo
       "qcomm_qsgd_decode_sum_reencode");
 }
 
+// Every handler runs on the stream XLA gives it.
+auto StreamBinding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeCuda, EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("scheme")
-                                  .Attr<int32_t>("rounding"));
-
+                              common::BindEncode(StreamBinding()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumCuda, DecodeSumImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("scheme"));
-
+                              common::BindDecodeSum(StreamBinding()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumReencodeCuda, DecodeSumReencodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("scheme")
-                                  .Attr<int32_t>("rounding")
-                                  .Attr<int64_t>("n")
-                                  .Attr<float>("scale"));
+                              common::BindDecodeSumReencode(StreamBinding()));
 
 NB_MODULE(_qcomm_cuda, m) {
   m.doc() = "QSGD codec CUDA kernels as XLA FFI handlers";

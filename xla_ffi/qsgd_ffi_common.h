@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "kernels/qsgd_math.h"
 #include "xla/ffi/api/ffi.h"
@@ -87,6 +88,45 @@ inline ffi::Error ReencodeSizes(const Params& p, ffi::Span<const int64_t> in_dim
   if (seed_count != 2 * rows)
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per row");
   return ffi::Error::Success();
+}
+
+// The operands, results and attributes of the three targets, appended to a platform's binding (the
+// CUDA module first adds its stream context): one declaration for both modules, with the attribute
+// names jax_qcomm/_ffi.py passes.
+template <typename B>
+auto BindEncode(B binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::U32>>()
+      .template Ret<ffi::Buffer<ffi::U8>>()
+      .template Attr<int32_t>("bits")
+      .template Attr<int32_t>("bucket_size")
+      .template Attr<int32_t>("scheme")
+      .template Attr<int32_t>("rounding");
+}
+
+template <typename B>
+auto BindDecodeSum(B binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::U8>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int32_t>("bits")
+      .template Attr<int32_t>("bucket_size")
+      .template Attr<int32_t>("scheme");
+}
+
+template <typename B>
+auto BindDecodeSumReencode(B binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::U8>>()
+      .template Arg<ffi::Buffer<ffi::U32>>()
+      .template Ret<ffi::Buffer<ffi::U8>>()
+      .template Attr<int32_t>("bits")
+      .template Attr<int32_t>("bucket_size")
+      .template Attr<int32_t>("scheme")
+      .template Attr<int32_t>("rounding")
+      .template Attr<int64_t>("n")
+      .template Attr<float>("scale");
 }
 
 }  // namespace qcomm::ffi_common
