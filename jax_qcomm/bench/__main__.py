@@ -26,36 +26,45 @@ def _common_options() -> argparse.ArgumentParser:
   return common
 
 
+#: The benchmarks that run JAX work (they take the common options): subcommand -> (module, help).
+#: Each module has ``add_arguments(parser)`` and ``main(args, command)``, which :func:`main` calls
+#: after :func:`check_shared_options`.
+BENCHMARKS = {
+    "codec": (codec, "QSGD encode / decode / decode-sum throughput, ffi vs jax"),
+    "allreduce": (allreduce, "allreduce time of fp32 psum, cast_pmean, Cast(bf16), QSGD 8/4/2 "
+                             "(devices or processes)"),
+    "step": (step, "data-parallel training step with qcomm.sync: Ts, Tstep, Tc, eta, and the cost "
+                   "model"),
+    "partial": (partial, "fp32 psum of N/gamma elements: where time stops falling with gamma"),
+    "patterns": (patterns, "uint8 rows moved by all_to_all, ppermute rounds, all_gather, single "
+                           "shifts: vs floor"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The parser of all subcommands."""
   parser = argparse.ArgumentParser(prog="python -m jax_qcomm.bench",
                                    description="Benchmarks of jax_qcomm.")
   sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
   common = _common_options()
-  codec.add_arguments(sub.add_parser(
-      "codec", parents=[common], help="QSGD encode / decode / decode-sum throughput, ffi vs jax",
-      description=codec.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-  allreduce.add_arguments(sub.add_parser(
-      "allreduce", parents=[common],
-      help="allreduce time of fp32 psum, cast_pmean, Cast(bf16), QSGD 8/4/2 (devices or processes)",
-      description=allreduce.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-  step.add_arguments(sub.add_parser(
-      "step", parents=[common],
-      help="data-parallel training step with qcomm.sync: Ts, Tstep, Tc, eta, and the cost model",
-      description=step.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-  partial.add_arguments(sub.add_parser(
-      "partial", parents=[common],
-      help="fp32 psum of N/gamma elements: where time stops falling with gamma",
-      description=partial.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-  patterns.add_arguments(sub.add_parser(
-      "patterns", parents=[common],
-      help="uint8 rows moved by all_to_all, ppermute rounds, all_gather, single shifts: vs floor",
-      description=patterns.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+  for name, (module, help_text) in BENCHMARKS.items():
+    module.add_arguments(sub.add_parser(
+        name, parents=[common], help=help_text, description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
   cluster.add_arguments(sub.add_parser(
       "cluster", help="run a benchmark on a simulated cluster: network namespaces, tc-shaped links",
       usage="%(prog)s --nodes N --rate RATE [options] -- BENCHMARK [args ...]",
       description=cluster.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
   return parser
+
+
+def check_shared_options(args: argparse.Namespace) -> None:
+  """The checks of options several benchmarks take, once for all (SystemExit naming the option)."""
+  if hasattr(args, "repeats") and (args.repeats < 1 or args.warmup < 1):
+    raise SystemExit("--repeats and --warmup must be >= 1")
+  link_gbps = getattr(args, "link_gbps", None)
+  if link_gbps is not None and not link_gbps > 0:
+    raise SystemExit(f"--link-gbps must be > 0, got {link_gbps}")
 
 
 def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> int:
@@ -66,23 +75,14 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> in
   """
   argv = list(sys.argv[1:] if argv is None else argv)
   args = build_parser().parse_args(argv)
+  check_shared_options(args)
   if allow_reexec:
     # cluster: no re-exec of its own; each node's benchmark process re-executes itself.
     _timing.ensure_malloc_env(raw=getattr(args, "raw_malloc", True))
   command = ["python", "-m", "jax_qcomm.bench", *argv]
-  if args.command == "codec":
-    return codec.main(args, command)
-  if args.command == "allreduce":
-    return allreduce.main(args, command)
-  if args.command == "step":
-    return step.main(args, command)
-  if args.command == "partial":
-    return partial.main(args, command)
-  if args.command == "patterns":
-    return patterns.main(args, command)
   if args.command == "cluster":
     return cluster.main(args, command)
-  raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown subcommands
+  return BENCHMARKS[args.command][0].main(args, command)
 
 
 if __name__ == "__main__":
