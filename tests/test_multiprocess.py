@@ -190,7 +190,7 @@ def test_cpu_exchange_across_processes_is_ppermute_rounds(run):
   4 devices, six Hamiltonian half-row rounds; the results above are those of lax.all_to_all."""
   for p in range(run["nproc"]):
     counts = json.loads((run["out"] / f"proc{p}_hlo.json").read_text())
-    assert counts == {"collective-permute": 6, "all-to-all": 0}, (p, counts)
+    assert counts == {"collective_permute": 6, "all_to_all": 0}, (p, counts)
 
 
 def test_all_processes_wrote_their_devices(run):
