@@ -5,6 +5,7 @@ same wire format, and the collectives built from them (inside ``jax.shard_map`` 
 """
 
 from jax_qcomm import _ffi
+from jax_qcomm._ffi import implementation
 from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
 from jax_qcomm.collectives import Hierarchical, all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
@@ -18,5 +19,6 @@ __all__ = [
     "QSGD", "Cast", "Codec", "NoCompression",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
     "accumulate_gradients", "sync", "SyncState", "codec_for_bits", "state_partition_spec",
+    "implementation",
 ]
 __version__ = "0.1.0"

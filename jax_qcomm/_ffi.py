@@ -51,6 +51,15 @@ def cpu_isa() -> str | None:
   return None if _qcomm_cpu is None else _qcomm_cpu.isa()
 
 
+def implementation() -> dict[str, str]:
+  """What ``impl="auto"`` codecs run on each platform: ``"ffi (C++, <isa>)"`` / ``"ffi (CUDA)"``
+  where a compiled module was built into this install, else ``"jax (pure-JAX reference)"``.
+  Public as ``jax_qcomm.implementation()``."""
+  ref = "jax (pure-JAX reference)"
+  return {"cpu": f"ffi (C++, {cpu_isa()})" if has_cpu_kernels() else ref,
+          "cuda": "ffi (CUDA)" if has_cuda_kernels() else ref}
+
+
 def _attrs(bits: int, bucket_size: int, scheme: str) -> dict:
   return dict(bits=np.int32(bits), bucket_size=np.int32(bucket_size),
               scheme=np.int32(wire.SCHEMES.index(scheme)))

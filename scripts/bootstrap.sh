@@ -8,24 +8,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-find_python() {
-  local candidates=("${PYTHON:-}")
-  if [ -z "${PYTHON:-}" ]; then
-    candidates+=(python3.13 python3.12 python3)
-    # pyenv installs that are not on PATH (no shim activated); newest first.
-    local root="${PYENV_ROOT:-$HOME/.pyenv}"
-    candidates+=($(ls -d "$root"/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -rV))
-  fi
-  for py in "${candidates[@]}"; do
-    [ -n "$py" ] || continue
-    command -v "$py" >/dev/null 2>&1 || [ -x "$py" ] || continue
-    if "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then
-      echo "$py"; return 0
-    fi
-  done
-  echo "error: no Python >= 3.12 found${PYTHON:+ (PYTHON=$PYTHON is not one)}; set PYTHON=/path/to/python3.12" >&2
-  return 1
-}
+source scripts/_python.sh  # find_python
 
 if [ ! -x .venv/bin/python ]; then
   PY=$(find_python)
