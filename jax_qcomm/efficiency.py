@@ -23,7 +23,7 @@ where ``messages = 2 (D-1)`` per flat buffer (ring: D-1 reduce-scatter + D-1 all
 SRA: all_to_all to D-1 peers + all_gather from D-1 peers) and the codec term is a device's whole
 codec work in one SRA allreduce (encode its D chunks, decode-and-sum the D received payloads,
 re-encode its reduced chunk, decode the D gathered payloads), expressed as *elements of the
-allreduced buffer per second* (what ``python -m jax_qcomm.bench step`` measures). By default the
+allreduced buffer per second* (what ``python -m benchmarks step`` measures). By default the
 codec work and the transfer add up (``overlap_codec=True``: ``max`` of the two, when several buffers
 pipeline). The model assumes no overlap of communication with the compute of the step (an upper
 bound on the step time when XLA overlaps).

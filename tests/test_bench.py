@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from jax_qcomm import _ffi, wire
-from jax_qcomm.bench import _timing, codec
+from benchmarks import _common, codec
 
 _NUMBERS = ("median_s", "min_s", "max_s", "elements_per_s", "gb_per_s")
 
@@ -25,7 +25,7 @@ def _run_codec_bench(tmp_path, *extra: str) -> dict:
   env = {k: v for k, v in os.environ.items()
          if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
   proc = subprocess.run(
-      [sys.executable, "-m", "jax_qcomm.bench", "codec", "--sizes", "4096", "1000",
+      [sys.executable, "-m", "benchmarks", "codec", "--sizes", "4096", "1000",
        "--repeats", "2", "--warmup", "1", "--out", str(out), *extra],
       env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -42,14 +42,14 @@ def test_codec_bench_json(tmp_path, raw):
   assert meta["benchmark"] == "codec"
   assert meta["nproc"] == os.cpu_count()
   assert meta["cpu_isa"] == _ffi.cpu_isa()
-  assert meta["command"].startswith("python -m jax_qcomm.bench codec --sizes 4096 1000")
+  assert meta["command"].startswith("python -m benchmarks codec --sizes 4096 1000")
   for key in ("date", "hostname", "cpu_model", "jax_version", "backend"):
     assert meta[key], key
   if raw:
     assert meta["malloc"] == dict(mode="raw", source=None, env={})
   else:
     assert meta["malloc"]["mode"] == "tuned" and meta["malloc"]["source"] == "re-exec"
-    assert meta["malloc"]["env"] == _timing.MALLOC_ENV
+    assert meta["malloc"]["env"] == _common.MALLOC_ENV
 
   assert [(r["size"], r["op"], r["impl"]) for r in rows] == [
       (n, op, impl) for n in (4096, 1000) for op in codec.OPS for impl in codec.IMPLS]
@@ -69,18 +69,18 @@ def test_codec_bench_json(tmp_path, raw):
 
 
 def test_parse_size():
-  assert [codec.parse_size(s) for s in ("4096", "25_000_000", "2.5e7", "25M", "10k", "1G")] == [
+  assert [_common.parse_size(s) for s in ("4096", "25_000_000", "2.5e7", "25M", "10k", "1G")] == [
       4096, 25_000_000, 25_000_000, 25_000_000, 10_000, 10**9]
   for bad in ("0", "-5", "1.5", "abc", "3x"):
     with pytest.raises(argparse.ArgumentTypeError):
-      codec.parse_size(bad)
+      _common.parse_size(bad)
 
 
 def test_median_time_and_table():
-  t = _timing.median_time(lambda: 1, repeats=3, warmup=1)
+  t = _common.median_time(lambda: 1, repeats=3, warmup=1)
   assert len(t.times) == 3 and len(t.faults) == 3
   assert t.min <= t.median <= t.max
   with pytest.raises(ValueError):
-    _timing.median_time(lambda: 1, repeats=0)
-  table = _timing.format_table(("a", "bb"), [("x", 1), ("yyy", 22)], align="lr")
+    _common.median_time(lambda: 1, repeats=0)
+  table = _common.format_table(("a", "bb"), [("x", 1), ("yyy", 22)], align="lr")
   assert table.splitlines() == ["a    bb", "---  --", "x     1", "yyy  22"]

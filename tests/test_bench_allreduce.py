@@ -25,7 +25,7 @@ def result(tmp_path_factory):
   env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}  # not under a launcher
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, "-m", "jax_qcomm.bench", "allreduce", "--devices", "4", "--sizes", "5000",
+      [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "4", "--sizes", "5000",
        "--repeats", "2", "--warmup", "1", "--breakdown", "--link-gbps", "1", "--out", str(out)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -92,7 +92,7 @@ def test_exchange_variants_are_timed_side_by_side(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, "-m", "jax_qcomm.bench", "allreduce", "--devices", "4", "--sizes", "4096",
+      [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "4", "--sizes", "4096",
        "--codecs", "fp32", "qsgd4", "--exchange", "rounds", "all_to_all", "--repeats", "1",
        "--warmup", "1", "--out", str(out)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

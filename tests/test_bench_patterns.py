@@ -20,7 +20,7 @@ def _bench(*argv: str, tmp_path: pathlib.Path) -> tuple[subprocess.CompletedProc
   out = tmp_path / "patterns.json"
   env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.bench", "patterns", *argv, "--out", str(out)],
+  proc = subprocess.run([sys.executable, "-m", "benchmarks", "patterns", *argv, "--out", str(out)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   return proc, out
 

@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from jax_qcomm import efficiency
-from jax_qcomm.bench import __main__ as bench_main
-from jax_qcomm.bench import partial
+from benchmarks import __main__ as bench_main
+from benchmarks import partial
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def _run(args, out):
   env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}  # not under a launcher
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.bench", *args, "--out", str(out)],
+  proc = subprocess.run([sys.executable, "-m", "benchmarks", *args, "--out", str(out)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
   return json.loads(out.read_text()), proc.stdout

@@ -1,4 +1,4 @@
-"""The simulated cluster (``python -m jax_qcomm.bench cluster``): arguments, the no-root / no-``ip``
+"""The simulated cluster (``python -m benchmarks cluster``): arguments, the no-root / no-``ip``
 path, and -- as root with iproute2 -- real runs on 2 namespaces joined by 100 Mbit/s links:
 
 * the benchmark's JSON comes back with the cluster metadata, the link check measures ~the rate, and
@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from jax_qcomm.bench import cluster
+from benchmarks import cluster
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,7 +49,7 @@ def _env():
 
 
 def _cli(args, env=None, timeout=120):
-  return subprocess.run([sys.executable, "-m", "jax_qcomm.bench", "cluster", *args], cwd=ROOT,
+  return subprocess.run([sys.executable, "-m", "benchmarks", "cluster", *args], cwd=ROOT,
                         env=env or _env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -153,7 +153,7 @@ def _left(pid: int) -> list[str]:
 
 def _start(args, out=None):
   extra = ["--out", str(out)] if out else []
-  return subprocess.Popen([sys.executable, "-m", "jax_qcomm.bench", "cluster", "--prefix", PREFIX,
+  return subprocess.Popen([sys.executable, "-m", "benchmarks", "cluster", "--prefix", PREFIX,
                            *extra, *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True)
 

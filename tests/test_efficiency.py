@@ -40,7 +40,7 @@ def test_sra_qsgd_bytes_with_scales_and_padding():
 
 
 def test_sra_bytes_match_the_allreduce_benchmark_convention():
-  from jax_qcomm.bench.allreduce import wire_bytes
+  from benchmarks.allreduce import wire_bytes
   for name, codec in (("qsgd4", qcomm.QSGD(4)), ("qsgd2", qcomm.QSGD(2)),
                       ("cast_bf16", qcomm.Cast(jnp.bfloat16))):
     for n, d in ((5000, 4), (25_600_000, 4), (12345, 8)):

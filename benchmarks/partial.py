@@ -4,8 +4,8 @@ The synthetic "send only 1/gamma of the gradient" experiment: if the allreduce i
 its time falls like 1/gamma; where it stops falling, bytes are no longer the bottleneck (latency,
 per-call overheads, compute) and compressing further buys nothing::
 
-    python -m jax_qcomm.bench partial --devices 4 --size 25600000 --gammas 1,2,4,8,16,32
-    python -m jax_qcomm.launch -n 4 -m jax_qcomm.bench partial --link-gbps 1
+    python -m benchmarks partial --devices 4 --size 25600000 --gammas 1,2,4,8,16,32
+    python -m jax_qcomm.launch -n 4 -m benchmarks partial --link-gbps 1
 
 For each gamma, ``lax.psum`` (op mean) of a float32[N // gamma] buffer per device under
 ``jax.shard_map`` over all devices (all processes under the launcher), timed as in the allreduce
@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-from jax_qcomm.bench import _timing
-from jax_qcomm.bench.allreduce import int_list
-from jax_qcomm.bench.codec import parse_size
+from benchmarks import _common
 
 DEFAULT_OUT = "bench-results/partial.json"
 DEFAULT_SIZE = 25_600_000
@@ -35,9 +33,9 @@ DEFAULT_GAMMAS = (1, 2, 4, 8, 16, 32)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the partial benchmark's options to its subcommand parser."""
-  parser.add_argument("--size", type=parse_size, default=DEFAULT_SIZE, metavar="N",
+  parser.add_argument("--size", type=_common.parse_size, default=DEFAULT_SIZE, metavar="N",
                       help="full gradient size in float32 elements (default: 25.6M)")
-  parser.add_argument("--gammas", type=int_list, default=list(DEFAULT_GAMMAS),
+  parser.add_argument("--gammas", type=_common.int_list, default=list(DEFAULT_GAMMAS),
                       help="comma-separated reduction factors (default: 1,2,4,8,16,32)")
   parser.add_argument("--devices", type=int, default=None,
                       help="host devices per process (default: 4 in a single process; under the "
@@ -76,18 +74,17 @@ def run(args: argparse.Namespace, mesh) -> list[dict[str, Any]]:
   import jax
 
   from jax_qcomm import efficiency
-  from jax_qcomm.bench.allreduce import _collective_timing, _global_input, _log
 
   d = mesh.devices.size
   fn = _psum_fn(mesh)
   rows = []
   for gamma in sorted(set(args.gammas)):
     n = max(1, args.size // gamma)
-    x = _global_input(mesh, n)
+    x = _common.global_input(mesh, n)
     jax.block_until_ready(x)
-    t = _collective_timing(_timing.median_time(fn, x, repeats=args.repeats, warmup=args.warmup))
+    t = _common.collective_timing(_common.median_time(fn, x, repeats=args.repeats, warmup=args.warmup))
     sent = efficiency.ring_allreduce_bytes(n, d, 4)
-    _log(f"  gamma {gamma:>4} n {n:>12,} {1e3 * t.median:10.2f} ms")
+    _common.log(f"  gamma {gamma:>4} n {n:>12,} {1e3 * t.median:10.2f} ms")
     rows.append(dict(
         gamma=gamma, elements=n, size=args.size, devices=d, processes=jax.process_count(),
         wire_bytes_per_device=sent, **t.as_dict(),
@@ -124,14 +121,14 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       f"{meta['num_processes']} process(es)  |  {meta['backend']}  {meta['cpu_model']}  "
       f"nproc={meta['nproc']}  jax {meta['jax_version']}",
       "",
-      _timing.format_table(headers, table),
+      _common.format_table(headers, table),
       "",
       f"median of {cfg['repeats']} runs after {cfg['warmup']} warmup runs. efficiency = speedup / "
       "gamma (1 while bandwidth-bound); marginal = previous time / time.",
       ("knee: none (bandwidth-bound over the whole range)" if knee is None else
        f"knee: gamma = {knee} (no larger gamma is {cfg['knee']}x faster: beyond {knee}x fewer "
        "bytes the link is no longer the bottleneck)"),
-      _timing.malloc_note(meta["malloc"]),
+      _common.malloc_note(meta["malloc"]),
   ])
 
 
@@ -141,21 +138,20 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     raise SystemExit(f"--size must be >= 1, got {args.size}")
   if not args.knee > 1:
     raise SystemExit(f"--knee must be > 1, got {args.knee}")
-  from jax_qcomm.bench.allreduce import _init_devices, _log, _mesh_and_metadata
 
-  _init_devices(args.devices)
+  _common.init_devices(args.devices)
   import jax
 
-  mesh, meta = _mesh_and_metadata("partial", command)
+  mesh, meta = _common.mesh_and_metadata("partial", command)
   meta["config"] = dict(size=args.size, gammas=sorted(set(args.gammas)), repeats=args.repeats,
                         warmup=args.warmup, link_gbps=args.link_gbps, knee=args.knee, op="mean")
-  _log(_timing.malloc_note(meta["malloc"]))
+  _common.log(_common.malloc_note(meta["malloc"]))
   if mesh.devices.size == 1:
-    _log("warning: one device only: nothing is communicated")
+    _common.log("warning: one device only: nothing is communicated")
   rows = run(args, mesh)
   meta["knee_gamma"] = find_knee(rows, args.knee)
   if jax.process_index() == 0:
     print(format_results(rows, meta))
-    path = _timing.write_json(args.out, dict(metadata=meta, rows=rows))
+    path = _common.write_json(args.out, dict(metadata=meta, rows=rows))
     print(f"wrote {path}")
   return 0

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import gc
@@ -20,6 +21,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import socket
 import statistics
@@ -114,7 +116,7 @@ def ensure_malloc_env(raw: bool) -> None:
   """Re-executes this interpreter with :data:`MALLOC_ENV` set, unless both variables are already
   set or ``raw`` is true. Does not return when it re-executes.
 
-  Only for a process started as a program (``python -m jax_qcomm.bench``): the new process runs
+  Only for a process started as a program (``python -m benchmarks``): the new process runs
   ``sys.orig_argv``, the original command line.
   """
   if raw or all(name in os.environ for name in MALLOC_ENV):
@@ -223,3 +225,105 @@ def write_json(path: str | os.PathLike, data: Any) -> pathlib.Path:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
   return path
+
+
+# -- shared by the JAX benchmarks -----------------------------------------------------------------
+
+#: Host devices of a single-process run when ``--devices`` is not given.
+DEFAULT_DEVICES = 4
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_size(text: str) -> int:
+  """An element count: ``25000000``, ``25_000_000``, ``2.5e7`` or ``25M`` (k, M, G: powers of 10)."""
+  match = re.fullmatch(r"([0-9._eE+]+)([kKmMgG]?)", text.strip())
+  try:
+    if match is None:
+      raise ValueError
+    value = float(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2).lower()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not an element count: {text!r}") from None
+  if value < 1 or value != int(value):
+    raise argparse.ArgumentTypeError(f"size must be a positive integer, got {text!r}")
+  return int(value)
+
+
+def int_list(text: str) -> list[int]:
+  """argparse type: ``"1,2,4"`` (or space-separated) -> [1, 2, 4], each >= 1."""
+  try:
+    values = [int(v) for v in text.replace(",", " ").split()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+  if not values or any(v < 1 for v in values):
+    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+  return values
+
+
+def init_devices(devices: int | None) -> None:
+  """Multi-process (under the launcher) or single-process device setup; before any backend."""
+  import jax
+
+  from jax_qcomm import distributed
+
+  if devices is not None and devices < 1:
+    raise SystemExit(f"--devices must be >= 1, got {devices}")
+  if distributed.under_launcher():
+    distributed.initialize(local_device_count=devices)
+  else:
+    jax.config.update("jax_num_cpu_devices", DEFAULT_DEVICES if devices is None else devices)
+
+
+def mesh_and_metadata(benchmark: str, command: Sequence[str]):
+  """The one-axis ``data`` mesh over every device of every process, and the run's metadata
+  (:func:`run_metadata` plus the process layout; the launcher's command line when started
+  by :mod:`jax_qcomm.launch`). Shared by the benchmarks that run over processes."""
+  import jax
+
+  from jax_qcomm import distributed
+  from jax_qcomm.launch import ENV_LAUNCH_COMMAND
+
+  mesh = distributed.global_mesh(("data",))
+  meta = run_metadata(command)
+  if distributed.under_launcher() and os.environ.get(ENV_LAUNCH_COMMAND):
+    meta["command"] = os.environ[ENV_LAUNCH_COMMAND]
+  meta.update(benchmark=benchmark, num_devices=mesh.devices.size,
+              num_processes=jax.process_count(), local_devices=jax.local_device_count(),
+              launcher=distributed.under_launcher(),
+              gloo_interface=os.environ.get(distributed.ENV_GLOO_INTERFACE))
+  meta["devices"] = [str(dev) for dev in distributed.global_devices()]
+  return mesh, meta
+
+
+def global_input(mesh, n: int):
+  """float32[D, n], row g (on device g) normal with a device-dependent seed."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  d = mesh.devices.size
+
+  def rows(idx):
+    return np.stack([np.random.default_rng([7, g]).standard_normal(n, dtype=np.float32)
+                     for g in range(*idx[0].indices(d))])
+
+  return jax.make_array_from_callback((d, n), NamedSharding(mesh, P("data")), rows)
+
+
+def collective_timing(t: Timing) -> Timing:
+  """Across processes: call i takes the slowest process's time of call i."""
+  import jax
+  import numpy as np
+
+  if jax.process_count() == 1:
+    return t
+  from jax_qcomm import distributed
+
+  all_times = np.asarray(distributed.process_allgather(np.asarray(t.times, np.float64)))
+  return Timing(tuple(float(v) for v in all_times.max(axis=0)))
+
+
+def log(msg: str) -> None:
+  import jax
+
+  if jax.process_index() == 0:
+    print(msg, file=sys.stderr, flush=True)

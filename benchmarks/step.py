@@ -5,8 +5,8 @@ float32 parameters) is trained data-parallel under ``jax.shard_map`` over a ``"d
 devices (of all processes under the launcher) with ``qcomm.sync(optax.sgd(momentum=0.9), bits=...,
 accum_steps=k)``::
 
-    python -m jax_qcomm.bench step --devices 4 --codecs fp32,bf16,qsgd4 --accum 1,2
-    python -m jax_qcomm.launch -n 4 -m jax_qcomm.bench step --link-gbps 1
+    python -m benchmarks step --devices 4 --codecs fp32,bf16,qsgd4 --accum 1,2
+    python -m jax_qcomm.launch -n 4 -m benchmarks step --link-gbps 1
 
 Timed per accumulation ``k``: a full cycle of ``k`` micro-steps (each a jitted call, the state
 threaded through), the no-sync step and every codec's step in interleaved rounds (one cycle of each
@@ -38,8 +38,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Sequence
 
-from jax_qcomm.bench import _timing
-from jax_qcomm.bench.allreduce import int_list
+from benchmarks import _common
 
 DEFAULT_OUT = "bench-results/step.json"
 DEFAULT_DEVICES = 4
@@ -61,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--codecs", type=_codec_list, default=list(DEFAULT_CODECS),
                       help=f"comma-separated, among {','.join(CODECS)} (default: "
                            f"{','.join(DEFAULT_CODECS)})")
-  parser.add_argument("--accum", type=int_list, default=[1, 2],
+  parser.add_argument("--accum", type=_common.int_list, default=[1, 2],
                       help="comma-separated accumulation steps (default: 1,2)")
-  parser.add_argument("--hidden", type=int_list, default=[4096, 4096],
+  parser.add_argument("--hidden", type=_common.int_list, default=[4096, 4096],
                       help="hidden layer widths of the MLP (default: 4096,4096)")
   parser.add_argument("--in-dim", type=int, default=1024, help="input features (default: 1024)")
   parser.add_argument("--out-dim", type=int, default=1024, help="outputs (default: 1024)")
@@ -258,7 +257,7 @@ class Cycler:
 
 
 def time_interleaved(cyclers: dict[str, Cycler], *, repeats: int,
-                     warmup: int) -> dict[str, _timing.Timing]:
+                     warmup: int) -> dict[str, _common.Timing]:
   """Times the cyclers in rounds: every round runs one cycle of each (the order rotating from round
   to round), so that a change of machine load hits all of them alike and ``Tstep - Ts`` compares
   neighbouring cycles. Each cycle is waited for; across processes, cycle i of each cycler takes the
@@ -267,8 +266,6 @@ def time_interleaved(cyclers: dict[str, Cycler], *, repeats: int,
   import time
 
   import jax
-
-  from jax_qcomm.bench.allreduce import _collective_timing
 
   if repeats < 1 or warmup < 1:
     raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
@@ -289,7 +286,7 @@ def time_interleaved(cyclers: dict[str, Cycler], *, repeats: int,
   finally:
     if gc_was_enabled:
       gc.enable()
-  return {name: _collective_timing(_timing.Timing(tuple(t))) for name, t in times.items()}
+  return {name: _common.collective_timing(_common.Timing(tuple(t))) for name, t in times.items()}
 
 
 def codec_probe(mesh, buffers: Sequence[int], codec, *, repeats: int, warmup: int) -> float:
@@ -301,7 +298,6 @@ def codec_probe(mesh, buffers: Sequence[int], codec, *, repeats: int, warmup: in
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from jax_qcomm import efficiency
-  from jax_qcomm.bench.allreduce import _collective_timing
 
   d = mesh.devices.size
   sizes = [efficiency.sra_padded_elements(n, d, codec) for n in buffers]
@@ -326,7 +322,7 @@ def codec_probe(mesh, buffers: Sequence[int], codec, *, repeats: int, warmup: in
       (d, n), sharding,
       lambda idx, n=n: np.random.default_rng(5).standard_normal(
           (len(range(*idx[0].indices(d))), n), dtype=np.float32)) for n in sizes]
-  t = _collective_timing(_timing.median_time(fn, *xs, repeats=repeats, warmup=warmup))
+  t = _common.collective_timing(_common.median_time(fn, *xs, repeats=repeats, warmup=warmup))
   return t.median
 
 
@@ -337,7 +333,6 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
   import jax
 
   from jax_qcomm import efficiency
-  from jax_qcomm.bench.allreduce import _log
   from jax_qcomm.sync import codec_for_bits
 
   d = mesh.devices.size
@@ -349,7 +344,7 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
   y = _batch(mesh, args.batch, args.out_dim, 12)
   lr = 1e-3
   flops = 6 * args.batch * sum(a * b for a, b in zip(dims[:-1], dims[1:]))
-  _log(f"MLP {'-'.join(map(str, dims))}: {n_params:,} parameters, batch {args.batch} per device, "
+  _common.log(f"MLP {'-'.join(map(str, dims))}: {n_params:,} parameters, batch {args.batch} per device, "
        f"~{flops / 1e9:.2f} GFLOP per device per micro-step, D={d}")
 
   # codec work, per lossy codec (model input)
@@ -361,7 +356,7 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
     if codec.lossy and not args.no_codec_probe and d > 1:
       lossy = [n for (c, n, _) in info["buffers"] if c == repr(codec)]
       codec_s = codec_probe(mesh, lossy, codec, repeats=args.repeats, warmup=args.warmup)
-      _log(f"  codec work {name:<6} {1e3 * codec_s:9.1f} ms per allreduce "
+      _common.log(f"  codec work {name:<6} {1e3 * codec_s:9.1f} ms per allreduce "
            f"({info['coded_elements'] / codec_s / 1e6:.0f} M elem/s)")
     comm[name] = dict(info, codec_s=codec_s,
                       codec_elems_per_s=(info["coded_elements"] / codec_s) if codec_s else None)
@@ -381,13 +376,13 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
     timings = time_interleaved(cyclers, repeats=args.repeats, warmup=args.warmup)
     del cyclers
     ts = timings[""]
-    _log(f"  k={k} Ts (no sync) {1e3 * ts.median:9.1f} ms per optimizer step")
+    _common.log(f"  k={k} Ts (no sync) {1e3 * ts.median:9.1f} ms per optimizer step")
     for name in args.codecs:
       tstep = timings[name]
       c = comm[name]
       tc = tstep.median - ts.median
       paired = sorted(a - b for a, b in zip(tstep.times, ts.times))
-      _log(f"  k={k} {name:<6} Tstep {1e3 * tstep.median:9.1f} ms  Tc {1e3 * tc:9.1f} ms  "
+      _common.log(f"  k={k} {name:<6} Tstep {1e3 * tstep.median:9.1f} ms  Tc {1e3 * tc:9.1f} ms  "
            f"eta {ts.median / tstep.median:.3f}")
       rows.append(dict(
           codec=name, bits=CODECS[name], accum_steps=k, devices=d,
@@ -460,7 +455,7 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       f"D={meta['num_devices']} devices in {meta['num_processes']} process(es)  |  "
       f"{meta['backend']}  {meta['cpu_model']}  nproc={meta['nproc']}  jax {meta['jax_version']}",
       "",
-      _timing.format_table(headers, table, align="l" + "r" * (len(headers) - 1)),
+      _common.format_table(headers, table, align="l" + "r" * (len(headers) - 1)),
       "",
       f"per optimizer step (a cycle of k micro-steps), median of {cfg['repeats']} interleaved rounds after "
       f"{cfg['warmup']} warmup cycles" + ("; per cycle, the slowest process" if
@@ -469,7 +464,7 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       "eta = Ts / Tstep. wire MB: bytes each device sends per allreduce (biases exact).",
       "model: Tc = wire bytes / link + codec work (measured, all devices at once); link "
       + ("n/a" if link is None else f"{link:.3f} Gbit/s ({src})") + ".",
-      _timing.malloc_note(meta["malloc"]),
+      _common.malloc_note(meta["malloc"]),
   ]
   return "\n".join(lines)
 
@@ -483,12 +478,11 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
       raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if args.latency_us < 0:
     raise SystemExit(f"--latency-us must be >= 0, got {args.latency_us}")
-  from jax_qcomm.bench.allreduce import _init_devices, _log, _mesh_and_metadata
 
-  _init_devices(args.devices)
+  _common.init_devices(args.devices)
   import jax
 
-  mesh, meta = _mesh_and_metadata("step", command)
+  mesh, meta = _common.mesh_and_metadata("step", command)
   d = mesh.devices.size
   meta["config"] = dict(codecs=args.codecs, accum=args.accum, hidden=args.hidden,
                         in_dim=args.in_dim, out_dim=args.out_dim, batch=args.batch,
@@ -496,13 +490,13 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
                         link_gbps=args.link_gbps, latency_us=args.latency_us,
                         codec_probe=not args.no_codec_probe,
                         optimizer="sgd(1e-3, momentum=0.9)", loss="mse")
-  _log(_timing.malloc_note(meta["malloc"]))
+  _common.log(_common.malloc_note(meta["malloc"]))
   if d == 1:
-    _log("warning: one device only: nothing is communicated")
+    _common.log("warning: one device only: nothing is communicated")
   rows, summary = run(args, mesh)
   meta["model"] = summary
   if jax.process_index() == 0:
     print(format_results(rows, meta))
-    path = _timing.write_json(args.out, dict(metadata=meta, rows=rows))
+    path = _common.write_json(args.out, dict(metadata=meta, rows=rows))
     print(f"wrote {path}")
   return 0

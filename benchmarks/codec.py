@@ -26,11 +26,10 @@ time is reported as a fraction of that copy bandwidth, the physical limit.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Any, Sequence
 
-from jax_qcomm.bench import _timing
+from benchmarks import _common
 
 OPS = ("encode", "decode", "decode_sum")
 GPU_OPS = OPS + ("decode_sum_reencode",)
@@ -41,26 +40,11 @@ DEFAULT_GPU_SIZES = (25_000_000, 256_000_000)
 COPY_BW_SIZE = 256_000_000  # float32 elements of the device-to-device copy measurement
 DEFAULT_OUT = "bench-results/codec.json"
 
-_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-
-
-def parse_size(text: str) -> int:
-  """An element count: ``25000000``, ``25_000_000``, ``2.5e7`` or ``25M`` (k, M, G: powers of 10)."""
-  match = re.fullmatch(r"([0-9._eE+]+)([kKmMgG]?)", text.strip())
-  try:
-    if match is None:
-      raise ValueError
-    value = float(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2).lower()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"not an element count: {text!r}") from None
-  if value < 1 or value != int(value):
-    raise argparse.ArgumentTypeError(f"size must be a positive integer, got {text!r}")
-  return int(value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the codec benchmark's options to its subcommand parser."""
-  parser.add_argument("--sizes", type=parse_size, nargs="+", default=None,
+  parser.add_argument("--sizes", type=_common.parse_size, nargs="+", default=None,
                       metavar="N", help="element counts (default: 1M 25M; on a GPU 25M 256M)")
   parser.add_argument("--bits", type=int, default=4, help="bits per value (default: 4)")
   parser.add_argument("--bucket", type=int, default=128, help="bucket size (default: 128)")
@@ -106,7 +90,7 @@ def copy_bandwidth(n: int = COPY_BW_SIZE, *, repeats: int, warmup: int) -> dict[
   import jax.numpy as jnp
 
   x = jax.block_until_ready(jnp.zeros((n,), jnp.float32))
-  t = _timing.median_time(jax.jit(lambda a: a + jnp.float32(1)), x, repeats=repeats, warmup=warmup)
+  t = _common.median_time(jax.jit(lambda a: a + jnp.float32(1)), x, repeats=repeats, warmup=warmup)
   del x
   return dict(op="x + 1", size=n, bytes_moved=8 * n, **t.as_dict(), gb_per_s=8 * n / t.median / 1e9)
 
@@ -140,7 +124,7 @@ def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
   for op in ops:
     timings = {}
     for impl, codec in codecs.items():
-      t = _timing.median_time(_jitted_op(codec, op, shape), *inputs[op], repeats=repeats,
+      t = _common.median_time(_jitted_op(codec, op, shape), *inputs[op], repeats=repeats,
                               warmup=warmup)
       timings[impl] = t
       print(f"  {_row_label(n):>13} {op:<10} {impl:<3}  {1e3 * t.median:9.3f} ms",
@@ -189,7 +173,7 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       f"rounding={cfg['rounding']}  |  {meta['backend']}  {meta['cpu_model']}  nproc={nproc}  "
       f"isa={meta['cpu_isa']}  jax {meta['jax_version']}",
       "",
-      _timing.format_table(headers, table, align="rll" + "r" * (len(headers) - 3)),
+      _common.format_table(headers, table, align="rll" + "r" * (len(headers) - 3)),
       "",
       f"times: median (min, max) of {cfg['repeats']} runs after {cfg['warmup']} warmup runs; "
       "ffi/jax = jax median / ffi median.",
@@ -206,7 +190,7 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
   if meta["backend"] == "cpu":
     lines.append(f"threads: the C++ FFI kernels run on one thread, while XLA may spread the pure-JAX "
                  f"reference over up to {nproc} threads (os.cpu_count()={nproc}).")
-  lines.append(_timing.malloc_note(meta["malloc"]))
+  lines.append(_common.malloc_note(meta["malloc"]))
   return "\n".join(lines)
 
 
@@ -219,7 +203,7 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
       QSGD(args.bits, args.bucket, args.scheme, args.rounding, impl=impl)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
-  meta = _timing.run_metadata(command)
+  meta = _common.run_metadata(command)
   meta["benchmark"] = "codec"
   gpu = meta["backend"] == "gpu"
   sizes = args.sizes or list(DEFAULT_GPU_SIZES if gpu else DEFAULT_SIZES)
@@ -227,7 +211,7 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   meta["config"] = dict(sizes=sizes, ops=list(ops), bits=args.bits, bucket_size=args.bucket,
                         scheme=args.scheme, rounding=args.rounding, impls=args.impls,
                         num_payloads=NUM_PAYLOADS, repeats=args.repeats, warmup=args.warmup)
-  print(_timing.malloc_note(meta["malloc"]), file=sys.stderr, flush=True)
+  print(_common.malloc_note(meta["malloc"]), file=sys.stderr, flush=True)
   meta["copy_bandwidth"] = None
   if gpu:
     meta["copy_bandwidth"] = copy_bandwidth(repeats=args.repeats, warmup=args.warmup)
@@ -240,6 +224,6 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
                        warmup=args.warmup, ops=ops,
                        copy_gb_per_s=meta["copy_bandwidth"]["gb_per_s"] if gpu else None)
   print(format_results(rows, meta))
-  path = _timing.write_json(args.out, dict(metadata=meta, rows=rows))
+  path = _common.write_json(args.out, dict(metadata=meta, rows=rows))
   print(f"wrote {path}")
   return 0

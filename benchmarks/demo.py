@@ -1,11 +1,11 @@
-"""The embedded default job (README command 1), until the ResNet trainer lands.
+"""A tour of jax_qcomm over 8 host CPU devices (tooling: not part of the library).
 
 Over 8 host CPU devices: (1) the QSGD codec's size and error, FFI vs pure JAX; (2) a compressed
 allreduce of a gradient pytree with every codec, its error against the exact mean, the bytes each
 device sends, and its time; (3) a small model trained data-parallel with ``qcomm.sync`` at 32, 16, 4
 and 2 bits, with and without accumulation, reporting the final loss of each.
 
-    python -m jax_qcomm.demo [--elements 2000000] [--steps 200]
+    python -m benchmarks.demo [--elements 2000000] [--steps 200]
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import argparse
 import numpy as np
 
 import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
 
-jax.config.update("jax_num_cpu_devices", 8)
+import jax_qcomm as qcomm
+from jax_qcomm import _ffi
+from benchmarks._common import median_time
 
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
-
-import jax_qcomm as qcomm  # noqa: E402
-from jax_qcomm import _ffi  # noqa: E402
-from jax_qcomm.bench._timing import median_time  # noqa: E402
+#: Host CPU devices of the tour (set in main, before the backend starts: never at import time).
+NUM_DEVICES = 8
 
 
 def codec_section(n: int) -> None:
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--elements", type=int, default=1_000_000, help="gradient size for sections 1-2")
   ap.add_argument("--steps", type=int, default=200, help="optimizer steps in section 3")
   args = ap.parse_args(argv)
+  jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
   mesh = Mesh(np.array(jax.devices()), ("data",))
   print(f"jax {jax.__version__}, {len(jax.devices())} {jax.default_backend()} devices")
   codec_section(args.elements)

@@ -3,8 +3,8 @@
 Runs over the host devices of one process (``--devices N``, via ``jax_num_cpu_devices``), or, when
 started by the launcher, over all devices of all processes (``jax.distributed`` over gloo)::
 
-    python -m jax_qcomm.bench allreduce --devices 4 --sizes 1M
-    python -m jax_qcomm.launch -n 4 -m jax_qcomm.bench allreduce --sizes 25600000
+    python -m benchmarks allreduce --devices 4 --sizes 1M
+    python -m jax_qcomm.launch -n 4 -m benchmarks allreduce --sizes 25600000
 
 Each codec's allreduce of one float32[n] buffer per device (different data on every device, op
 mean) is jitted under ``jax.shard_map`` over a 1-D mesh of the D devices and timed with
@@ -40,17 +40,13 @@ separate codec cost from transfer.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import sys
 from typing import Any, Callable, Sequence
 
-from jax_qcomm.bench import _timing
-from jax_qcomm.bench.codec import parse_size
+from benchmarks import _common
 
 DEFAULT_SIZES = (1_000_000, 25_600_000)
 DEFAULT_OUT = "bench-results/allreduce.json"
-DEFAULT_DEVICES = 4
 EXCHANGES = ("auto", "rounds", "all_to_all")  # jax_qcomm._exchange.METHODS (not imported: no jax here)
 #: codec name -> (description, kind, arguments); kind "psum", "cast_pmean" or "sra".
 CODECS = {
@@ -65,13 +61,13 @@ CODECS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the allreduce benchmark's options to its subcommand parser."""
-  parser.add_argument("--sizes", type=parse_size, nargs="+", default=list(DEFAULT_SIZES),
+  parser.add_argument("--sizes", type=_common.parse_size, nargs="+", default=list(DEFAULT_SIZES),
                       metavar="N", help="float32 elements per device (default: 1M 25.6M)")
   parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS),
                       help="codecs to time (default: all)")
   parser.add_argument("--bucket", type=int, default=128, help="QSGD bucket size (default: 128)")
   parser.add_argument("--devices", type=int, default=None,
-                      help=f"host devices per process (default: {DEFAULT_DEVICES} in a single "
+                      help=f"host devices per process (default: {_common.DEFAULT_DEVICES} in a single "
                            "process; under the launcher QCOMM_LOCAL_DEVICES, else 1)")
   parser.add_argument("--impl", choices=("auto", "ffi", "jax"), default="auto",
                       help="QSGD implementation (default: auto)")
@@ -87,20 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- setup ------------------------------------------------------------------------------------------
-
-def _init_devices(devices: int | None) -> None:
-  """Multi-process (under the launcher) or single-process device setup; before any backend."""
-  import jax
-
-  from jax_qcomm import distributed
-
-  if devices is not None and devices < 1:
-    raise SystemExit(f"--devices must be >= 1, got {devices}")
-  if distributed.under_launcher():
-    distributed.initialize(local_device_count=devices)
-  else:
-    jax.config.update("jax_num_cpu_devices", DEFAULT_DEVICES if devices is None else devices)
-
 
 def _make_codec(name: str, bucket: int, impl: str):
   import jax.numpy as jnp
@@ -164,73 +146,6 @@ def wire_bytes(name: str, codec, n: int, d: int, psum_itemsize: int = 4) -> tupl
   return payload, (2 * (d - 1) * payload) // d
 
 
-def _global_input(mesh, n: int):
-  """float32[D, n], row g (on device g) normal with a device-dependent seed."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  d = mesh.devices.size
-
-  def rows(idx):
-    return np.stack([np.random.default_rng([7, g]).standard_normal(n, dtype=np.float32)
-                     for g in range(*idx[0].indices(d))])
-
-  return jax.make_array_from_callback((d, n), NamedSharding(mesh, P("data")), rows)
-
-
-def _collective_timing(t: _timing.Timing) -> _timing.Timing:
-  """Across processes: call i takes the slowest process's time of call i."""
-  import jax
-  import numpy as np
-
-  if jax.process_count() == 1:
-    return t
-  from jax_qcomm import distributed
-
-  all_times = np.asarray(distributed.process_allgather(np.asarray(t.times, np.float64)))
-  return _timing.Timing(tuple(float(v) for v in all_times.max(axis=0)))
-
-
-def _log(msg: str) -> None:
-  import jax
-
-  if jax.process_index() == 0:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def int_list(text: str) -> list[int]:
-  """argparse type: ``"1,2,4"`` (or space-separated) -> [1, 2, 4], each >= 1."""
-  try:
-    values = [int(v) for v in text.replace(",", " ").split()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-  if not values or any(v < 1 for v in values):
-    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-  return values
-
-
-def _mesh_and_metadata(benchmark: str, command: Sequence[str]):
-  """The one-axis ``data`` mesh over every device of every process, and the run's metadata
-  (:func:`_timing.run_metadata` plus the process layout; the launcher's command line when started
-  by :mod:`jax_qcomm.launch`). Shared by the benchmarks that run over processes."""
-  import jax
-
-  from jax_qcomm import distributed
-  from jax_qcomm.launch import ENV_LAUNCH_COMMAND
-
-  mesh = distributed.global_mesh(("data",))
-  meta = _timing.run_metadata(command)
-  if distributed.under_launcher() and os.environ.get(ENV_LAUNCH_COMMAND):
-    meta["command"] = os.environ[ENV_LAUNCH_COMMAND]
-  meta.update(benchmark=benchmark, num_devices=mesh.devices.size,
-              num_processes=jax.process_count(), local_devices=jax.local_device_count(),
-              launcher=distributed.under_launcher(),
-              gloo_interface=os.environ.get(distributed.ENV_GLOO_INTERFACE))
-  meta["devices"] = [str(dev) for dev in distributed.global_devices()]
-  return mesh, meta
-
-
 # -- the benchmark ----------------------------------------------------------------------------------
 
 def _variants(names: Sequence[str], exchanges: Sequence[str]) -> list[tuple[str, str, str | None]]:
@@ -257,7 +172,7 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
   from jax_qcomm import _exchange
 
   d = mesh.devices.size
-  x = _global_input(mesh, n)
+  x = _common.global_input(mesh, n)
   jax.block_until_ready(x)
   rows = []
   for name, label, method in _variants(names, exchanges):
@@ -268,8 +183,8 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
     itemsizes = collective_itemsizes(compiled.as_text())
     psum_itemsize = max(itemsizes) if itemsizes else 4
     payload, sent = wire_bytes(name, codec, n, d, psum_itemsize)
-    t = _collective_timing(_timing.median_time(compiled, x, repeats=repeats, warmup=warmup))
-    _log(f"  {n:>13,} {label:<16} {1e3 * t.median:10.2f} ms")
+    t = _common.collective_timing(_common.median_time(compiled, x, repeats=repeats, warmup=warmup))
+    _common.log(f"  {n:>13,} {label:<16} {1e3 * t.median:10.2f} ms")
     rows.append(dict(
         codec=label, description=CODECS[name][0], exchange=method, size=n, devices=d,
         processes=jax.process_count(), bucket_size=bucket if name.startswith("qsgd") else None,
@@ -357,7 +272,7 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
     row = dict(codec=name, exchange=exchange, size=n, devices=d, chunk=c, fused=fused,
                decode_sum_reencode_s=None)
     for stage, (fn, args) in stages.items():
-      t = _collective_timing(_timing.median_time(fn, *args, repeats=repeats, warmup=warmup))
+      t = _common.collective_timing(_common.median_time(fn, *args, repeats=repeats, warmup=warmup))
       row[f"{stage}_s"] = t.median
     middle = (row["decode_sum_reencode_s"] if fused
               else row["decode_sum_s"] + row["encode_reduced_s"])
@@ -370,11 +285,11 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
           lambda idx: np.full((len(range(*idx[0].indices(d))), d, p), 7, np.uint8))
       with _exchange.using(exchange):
         transfer = _transfer_fn(mesh, p).lower(buf).compile()
-      t = _collective_timing(_timing.median_time(transfer, buf, repeats=repeats, warmup=warmup))
+      t = _common.collective_timing(_common.median_time(transfer, buf, repeats=repeats, warmup=warmup))
       row["transfer_s"] = t.median
     else:
       row["transfer_s"] = None
-    _log(f"  {n:>13,} {name:<16} codec work {1e3 * total:10.2f} ms")
+    _common.log(f"  {n:>13,} {name:<16} codec work {1e3 * total:10.2f} ms")
     rows.append(row)
   return rows
 
@@ -403,7 +318,7 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
       f"process(es)  |  {meta['backend']}  {meta['cpu_model']}  nproc={meta['nproc']}  "
       f"jax {meta['jax_version']}",
       "",
-      _timing.format_table(headers, table, align="rl" + "r" * (len(headers) - 2)),
+      _common.format_table(headers, table, align="rl" + "r" * (len(headers) - 2)),
       "",
       f"times: median (min, max) of {cfg['repeats']} runs after {cfg['warmup']} warmup runs"
       + ("; per call, the slowest process" if meta["num_processes"] > 1 else "") + ".",
@@ -430,8 +345,8 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
               "communication (processes at once), and the transfer alone (the same exchange, "
               f"method {breakdown[0]['exchange']}, + all_gather of uint8 payloads, no codec); fused = decode_sum_reencode, which the "
               "allreduce runs instead of decode_sum + re-encode (codec total counts it then):",
-              _timing.format_table(bh, bt, align="rl" + "r" * (len(bh) - 2))]
-  lines.append(_timing.malloc_note(meta["malloc"]))
+              _common.format_table(bh, bt, align="rl" + "r" * (len(bh) - 2))]
+  lines.append(_common.malloc_note(meta["malloc"]))
   return "\n".join(lines)
 
 
@@ -439,18 +354,18 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark of the parsed ``args``; process 0 prints the table and writes the JSON."""
   if args.bucket < 8 or args.bucket % 8:
     raise SystemExit(f"--bucket must be a positive multiple of 8, got {args.bucket}")
-  _init_devices(args.devices)
+  _common.init_devices(args.devices)
   import jax
 
-  mesh, meta = _mesh_and_metadata("allreduce", command)
+  mesh, meta = _common.mesh_and_metadata("allreduce", command)
   d = mesh.devices.size
   meta["config"] = dict(sizes=args.sizes, codecs=args.codecs, bucket_size=args.bucket,
                         impl=args.impl, repeats=args.repeats, warmup=args.warmup,
                         link_gbps=args.link_gbps, breakdown=args.breakdown, op="mean",
                         exchange=args.exchange)
-  _log(_timing.malloc_note(meta["malloc"]))
+  _common.log(_common.malloc_note(meta["malloc"]))
   if d == 1:
-    _log("warning: one device only: nothing is communicated")
+    _common.log("warning: one device only: nothing is communicated")
   rows, breakdown = [], []
   for n in args.sizes:
     rows += bench_size(n, mesh, args.codecs, bucket=args.bucket, impl=args.impl,
@@ -462,6 +377,6 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
                                    exchange=args.exchange[0])
   if jax.process_index() == 0:
     print(format_results(rows, breakdown, meta))
-    path = _timing.write_json(args.out, dict(metadata=meta, rows=rows, breakdown=breakdown))
+    path = _common.write_json(args.out, dict(metadata=meta, rows=rows, breakdown=breakdown))
     print(f"wrote {path}")
   return 0

@@ -4,8 +4,8 @@ What diagnosed the compressed allreduce's all-to-all on gloo (docs/benchmarks.md
 moved by ``lax.all_to_all``, by ppermute rounds (``jax_qcomm._exchange``), by one ppermute of a given
 shift, and by ``lax.all_gather``, each against the link floor::
 
-    python -m jax_qcomm.bench cluster --nodes 4 --rate 1gbit -- patterns --row-bytes 3600000
-    python -m jax_qcomm.launch -n 4 -m jax_qcomm.bench patterns --row-bytes 1M
+    python -m benchmarks cluster --nodes 4 --rate 1gbit -- patterns --row-bytes 3600000
+    python -m jax_qcomm.launch -n 4 -m benchmarks patterns --row-bytes 1M
 
 Patterns (p = ``--row-bytes``, D devices):
 
@@ -28,8 +28,7 @@ import argparse
 import re
 from typing import Any, Callable, Sequence
 
-from jax_qcomm.bench import _timing
-from jax_qcomm.bench.codec import parse_size
+from benchmarks import _common
 
 DEFAULT_OUT = "bench-results/patterns.json"
 DEFAULT_PATTERNS = ("all_to_all", "rounds", "all_gather", "shift1", "shift2")
@@ -45,7 +44,7 @@ def _pattern(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the patterns benchmark's options to its subcommand parser."""
-  parser.add_argument("--row-bytes", type=parse_size, default=3_600_000, metavar="P",
+  parser.add_argument("--row-bytes", type=_common.parse_size, default=3_600_000, metavar="P",
                       help="bytes per row (default: 3.6M, one QSGD 4-bit chunk of 25.6M / 4)")
   parser.add_argument("--patterns", type=_pattern, nargs="+", default=list(DEFAULT_PATTERNS),
                       help=f"patterns to time (default: {' '.join(DEFAULT_PATTERNS)})")
@@ -94,8 +93,6 @@ def run(args: argparse.Namespace, mesh) -> list[dict[str, Any]]:
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from jax_qcomm.bench.allreduce import _collective_timing, _log
-
   d, p = mesh.devices.size, args.row_bytes
   buf = jax.make_array_from_callback(
       (d, d, p), NamedSharding(mesh, P("data")),
@@ -104,11 +101,11 @@ def run(args: argparse.Namespace, mesh) -> list[dict[str, Any]]:
   for pattern in args.patterns:
     fn, rows = _fn(pattern, mesh)
     compiled = fn.lower(buf).compile()
-    t = _collective_timing(_timing.median_time(compiled, buf, repeats=args.repeats,
+    t = _common.collective_timing(_common.median_time(compiled, buf, repeats=args.repeats,
                                                warmup=args.warmup))
     sent = rows * p
     floor = None if args.link_gbps is None else sent * 8 / (args.link_gbps * 1e9)
-    _log(f"  {pattern:<12} {1e3 * t.median:9.2f} ms")
+    _common.log(f"  {pattern:<12} {1e3 * t.median:9.2f} ms")
     out.append(dict(pattern=pattern, devices=d, row_bytes=p, sent_bytes_per_device=sent,
                     **t.as_dict(), link_floor_s=floor,
                     time_vs_floor=None if floor is None else t.median / floor))
@@ -127,11 +124,11 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       f"devices in {meta['num_processes']} process(es)  |  {meta['backend']}  {meta['cpu_model']}  "
       f"nproc={meta['nproc']}  jax {meta['jax_version']}",
       "",
-      _timing.format_table(headers, table, align="l" + "r" * (len(headers) - 1)),
+      _common.format_table(headers, table, align="l" + "r" * (len(headers) - 1)),
       "",
       f"median (min, max) of {cfg['repeats']} runs after {cfg['warmup']} warmup runs; sent = bytes "
       "each device sends; floor = sent / link rate.",
-      _timing.malloc_note(meta["malloc"]),
+      _common.malloc_note(meta["malloc"]),
   ])
 
 
@@ -139,20 +136,19 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark; process 0 prints the table and writes the JSON."""
   if args.row_bytes < 2:
     raise SystemExit(f"--row-bytes must be >= 2, got {args.row_bytes}")
-  from jax_qcomm.bench.allreduce import _init_devices, _log, _mesh_and_metadata
 
-  _init_devices(args.devices)
+  _common.init_devices(args.devices)
   import jax
 
-  mesh, meta = _mesh_and_metadata("patterns", command)
+  mesh, meta = _common.mesh_and_metadata("patterns", command)
   meta["config"] = dict(row_bytes=args.row_bytes, patterns=args.patterns, repeats=args.repeats,
                         warmup=args.warmup, link_gbps=args.link_gbps)
-  _log(_timing.malloc_note(meta["malloc"]))
+  _common.log(_common.malloc_note(meta["malloc"]))
   if mesh.devices.size < 2:
     raise SystemExit("the patterns benchmark needs at least 2 devices")
   rows = run(args, mesh)
   if jax.process_index() == 0:
     print(format_results(rows, meta))
-    path = _timing.write_json(args.out, dict(metadata=meta, rows=rows))
+    path = _common.write_json(args.out, dict(metadata=meta, rows=rows))
     print(f"wrote {path}")
   return 0

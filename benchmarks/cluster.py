@@ -2,9 +2,9 @@
 
 Usage (as root, with iproute2's ``ip`` and ``tc``)::
 
-    python -m jax_qcomm.bench cluster --nodes 4 --rate 1gbit [--local-devices 1] [--out F.json] \\
+    python -m benchmarks cluster --nodes 4 --rate 1gbit [--local-devices 1] [--out F.json] \\
         -- allreduce --sizes 25600000
-    python -m jax_qcomm.bench cluster --cleanup            # remove leftovers of killed runs
+    python -m benchmarks cluster --cleanup            # remove leftovers of killed runs
 
 What it builds (all names start with ``<prefix><pid>``, default prefix ``qcl``, so it never touches
 anything it did not create and two runs never collide):
@@ -20,7 +20,7 @@ anything it did not create and two runs never collide):
   of rate R on a switch.
 
 Then it checks the links (unless ``--no-link-check``): TCP transfers on every link at once, node i
-to node i+1 (through both shapers of every veth), each flow timed from first to last byte, and runs ``python -m jax_qcomm.bench <benchmark ...>`` in every namespace through
+to node i+1 (through both shapers of every veth), each flow timed from first to last byte, and runs ``python -m benchmarks <benchmark ...>`` in every namespace through
 :func:`jax_qcomm.launch.launch`: ``jax.distributed`` with the coordinator on node 0's address and gloo
 bound to ``eth0`` of each namespace (``QCOMM_GLOO_INTERFACE``). Each process enters its namespace by
 ``ip netns exec`` (which also remounts ``/sys`` so that the namespace's interfaces are the ones seen).
@@ -57,6 +57,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+from benchmarks import _cli, _common
+
 #: Exit status when the machine cannot host the cluster (sysexits' EX_UNAVAILABLE).
 EXIT_UNAVAILABLE = 69
 EXIT_USAGE = 2
@@ -73,7 +75,7 @@ _NOT_IN_CLUSTER = {"cluster"}
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
                "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
 
-# Run in each node process by the launcher (``python -c STUB ip tag -m jax_qcomm.bench ...``): enters
+# Run in each node process by the launcher (``python -c STUB ip tag -m benchmarks ...``): enters
 # the rank's namespace with `ip netns exec` (which also remounts /sys) and execs the benchmark. No
 # imports beyond os/sys, so the extra interpreter costs a few milliseconds.
 _NODE_STUB = ("import os, sys; ip, tag = sys.argv[1], sys.argv[2]; "
@@ -221,9 +223,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     raise ValueError("give the benchmark to run after --, e.g. -- allreduce --sizes 25600000")
   if bench[0] in _NOT_IN_CLUSTER:
     raise ValueError(f"the benchmark {bench[0]!r} cannot run inside the cluster")
-  from jax_qcomm.bench import __main__ as bench_main
-
-  parser = bench_main.build_parser()
+  parser = _cli.benchmark_parser()
   parser.exit_on_error = False
   try:
     parsed = _parse_quietly(parser, bench)
@@ -529,9 +529,7 @@ def cleanup(ip: str, prefix: str = DEFAULT_PREFIX, force: bool = False,
 
 def _takes_option(bench: Sequence[str], option: str) -> bool:
   """Whether the benchmark subcommand ``bench[0]`` has ``option``."""
-  from jax_qcomm.bench import __main__ as bench_main
-
-  for action in bench_main.build_parser()._actions:
+  for action in _cli.benchmark_parser()._actions:
     if isinstance(action, argparse._SubParsersAction) and bench[0] in action.choices:
       return any(option in a.option_strings for a in action.choices[bench[0]]._actions)
   return False
@@ -543,8 +541,9 @@ def _has_option(argv: Sequence[str], option: str) -> bool:
 
 def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> int:
   """Builds the cluster, runs the benchmark in it, writes rank 0's JSON, tears everything down."""
+  # Not at module level: launch imports jax (through jax_qcomm.distributed), and the benchmark
+  # command line imports this module before it may re-execute itself (_common.ensure_malloc_env).
   from jax_qcomm import launch
-  from jax_qcomm.bench import _timing
 
   ip, tc = preflight()
   if _takes_option(bench, "--link-gbps") and not _has_option(bench, "--link-gbps"):
@@ -575,18 +574,18 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
                    f"{check['bytes_per_flow'] / 1e6:.1f} MB each: "
                    f"{check['min_bits_per_s'] / 1e6:.0f}-{check['max_bits_per_s'] / 1e6:.0f} Mbit/s "
                    f"per flow (slowest {100 * check['ratio_to_rate']:.0f}% of {cluster.tbf['rate']})")
-    cluster._log(f"running `python -m jax_qcomm.bench {shlex.join(bench)}` on {args.nodes} nodes "
+    cluster._log(f"running `python -m benchmarks {shlex.join(bench)}` on {args.nodes} nodes "
                  f"(coordinator {cluster.addresses[0]}:{args.port}, gloo on {NS_INTERFACE})")
     # launch() handles SIGTERM itself while it runs (kills the processes, returns 143) and
     # Ctrl-C (returns 130); the finally below tears the cluster down in every case.
     meta["load_average_before"] = list(os.getloadavg())
     start = time.monotonic()
     status = launch.launch(
-        ["-c", _NODE_STUB, ip, cluster.tag, "-m", "jax_qcomm.bench", *bench_argv], args.nodes,
+        ["-c", _NODE_STUB, ip, cluster.tag, "-m", "benchmarks", *bench_argv], args.nodes,
         local_devices=args.local_devices, port=args.port, host=cluster.addresses[0],
         interface=NS_INTERFACE, timeout=args.timeout, launch_command=shlex.join(command))
     meta["benchmark_wall_s"] = time.monotonic() - start
-    meta["benchmark_command"] = shlex.join(["python", "-m", "jax_qcomm.bench", *bench])
+    meta["benchmark_command"] = shlex.join(["python", "-m", "benchmarks", *bench])
     meta["exit_status"] = status
     meta["load_average_after"] = list(os.getloadavg())
     if status != 0:
@@ -599,7 +598,7 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
         data = json.load(f)
       data.setdefault("metadata", {})["cluster"] = meta
       data["metadata"]["cluster_command"] = shlex.join(command)
-      path = _timing.write_json(out_path, data)
+      path = _common.write_json(out_path, data)
       cluster._log(f"wrote {path}")
   except _Stop as e:
     cluster._log(f"signal {signal.Signals(e.signum).name}: tearing down")
@@ -619,7 +618,7 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
       signal.signal(s, h)
     shutil.rmtree(tmpdir, ignore_errors=True)
     if left:
-      cluster._log(f"teardown left {left}; run `python -m jax_qcomm.bench cluster --cleanup "
+      cluster._log(f"teardown left {left}; run `python -m benchmarks cluster --cleanup "
                    f"--prefix {args.prefix} --force`")
       status = status or 1
     else:
@@ -632,12 +631,12 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   try:
     bench = validate(args)
   except ValueError as e:
-    print(f"python -m jax_qcomm.bench cluster: error: {e}", file=sys.stderr)
+    print(f"python -m benchmarks cluster: error: {e}", file=sys.stderr)
     return EXIT_USAGE
   try:
     ip, _ = preflight()
   except Unavailable as e:
-    print(f"python -m jax_qcomm.bench cluster: cannot build the simulated cluster here: {e}",
+    print(f"python -m benchmarks cluster: cannot build the simulated cluster here: {e}",
           file=sys.stderr)
     return EXIT_UNAVAILABLE
   if args.cleanup:

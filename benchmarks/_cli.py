@@ -1,0 +1,64 @@
+"""The registry of the JAX benchmarks and their shared options (``python -m benchmarks SUBCOMMAND``).
+
+Kept apart from :mod:`benchmarks.__main__` so that the cluster harness (:mod:`benchmarks.cluster`),
+which validates the benchmark command it runs on every node, can import the registry without
+importing the command line that registers the harness itself (no import cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks import _common, allreduce, codec, partial, patterns, step
+
+
+def common_options() -> argparse.ArgumentParser:
+  """Options every JAX benchmark takes (a parent parser)."""
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--repeats", type=int, default=7, help="timed runs per point (default: 7)")
+  common.add_argument("--warmup", type=int, default=2,
+                      help="untimed runs before timing, compilation included (default: 2)")
+  common.add_argument("--raw-malloc", action="store_true",
+                      help=f"keep glibc's malloc defaults (no re-exec with "
+                           f"{' '.join(_common.MALLOC_ENV)} set)")
+  return common
+
+
+#: The benchmarks that run JAX work (they take the common options): subcommand -> (module, help).
+#: Each module has ``add_arguments(parser)`` and ``main(args, command)``, which the command line
+#: calls after :func:`check_shared_options`.
+BENCHMARKS = {
+    "codec": (codec, "QSGD encode / decode / decode-sum throughput, ffi vs jax"),
+    "allreduce": (allreduce, "allreduce time of fp32 psum, cast_pmean, Cast(bf16), QSGD 8/4/2 "
+                             "(devices or processes)"),
+    "step": (step, "data-parallel training step with qcomm.sync: Ts, Tstep, Tc, eta, and the cost "
+                   "model"),
+    "partial": (partial, "fp32 psum of N/gamma elements: where time stops falling with gamma"),
+    "patterns": (patterns, "uint8 rows moved by all_to_all, ppermute rounds, all_gather, single "
+                           "shifts: vs floor"),
+}
+
+
+def add_benchmarks(sub: argparse._SubParsersAction) -> None:
+  """Registers every JAX benchmark as a subcommand of ``sub``."""
+  common = common_options()
+  for name, (module, help_text) in BENCHMARKS.items():
+    module.add_arguments(sub.add_parser(
+        name, parents=[common], help=help_text, description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def benchmark_parser() -> argparse.ArgumentParser:
+  """The parser of the JAX benchmarks alone (what may run on a node of the cluster)."""
+  parser = argparse.ArgumentParser(prog="python -m benchmarks", description="Benchmarks of jax_qcomm.")
+  add_benchmarks(parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND"))
+  return parser
+
+
+def check_shared_options(args: argparse.Namespace) -> None:
+  """The checks of options several benchmarks take, once for all (SystemExit naming the option)."""
+  if hasattr(args, "repeats") and (args.repeats < 1 or args.warmup < 1):
+    raise SystemExit("--repeats and --warmup must be >= 1")
+  link_gbps = getattr(args, "link_gbps", None)
+  if link_gbps is not None and not link_gbps > 0:
+    raise SystemExit(f"--link-gbps must be > 0, got {link_gbps}")
