@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _exchange, packing
+from jax_qcomm import _exchange, _varying, packing
 from jax_qcomm._checks import check_int
 from jax_qcomm.codecs import QSGD, Codec, NoCompression
 
@@ -40,6 +40,14 @@ class Hierarchical:
 
   inner: AxisName
   outer: AxisName
+
+
+def axis_names(axis_name: AxisName) -> tuple:
+  """The mesh axis names an axis argument spans: ('data',) for 'data', ('o', 'i') for ('o', 'i')
+  or Hierarchical(inner='i', outer='o')."""
+  if isinstance(axis_name, Hierarchical):
+    return axis_names(axis_name.inner) + axis_names(axis_name.outer)
+  return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -157,10 +165,13 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
 
 def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array | None = None,
               op: str = "mean", *, policy: packing.LeafPolicy | None = None,
-              comm_bucket_size: int = DEFAULT_COMM_BUCKET, return_residual: bool = False) -> Any:
+              comm_bucket_size: int = DEFAULT_COMM_BUCKET, return_residual: bool = False,
+              check_varying: bool = True) -> Any:
   """Compressed allreduce of an array or a pytree of float arrays across ``axis_name``.
 
   Call it inside ``jax.shard_map`` / ``jax.pmap``. Returns the same structure, shapes and dtypes.
+  ``x`` holds per-device values: inside ``shard_map`` every leaf must vary over ``axis_name``
+  (see ``check_varying``).
 
   Args:
     x: an array or a pytree of float32 / bfloat16 / float16 arrays (this device's values).
@@ -177,11 +188,18 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
       are concatenated up to this size so that a model issues few collectives.
     return_residual: also return, as a float32 pytree like ``x``, what this device's own first
       quantisation lost (``x`` minus what it sent; zeros for exact leaves), for error feedback.
+    check_varying: raise ValueError if a leaf of ``x`` is the same on every device (not varying
+      over ``axis_name``): that is what the gradient of a replicated parameter looks like, already
+      summed across devices by autodiff. Pass False for values that are meant to be replicated.
+      JAX records variation only inside ``shard_map`` with ``check_vma=True`` (the default); under
+      ``jax.pmap`` or ``check_vma=False`` nothing is checked.
   """
   _check_common(codec, op)
   check_int("comm_bucket_size", comm_bucket_size)
   axis_size(axis_name)
   packing.check_float_leaves(x)
+  if check_varying:
+    _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.allreduce")
   with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
   leaves = [jnp.asarray(leaf) for _, leaf in with_path]
   if treedef.num_leaves == 1 and treedef.num_nodes == 1:  # a bare array: the codec applies
@@ -207,18 +225,23 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
 
 
 def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
-                   key: jax.Array | None = None, op: str = "mean") -> jax.Array:
+                   key: jax.Array | None = None, op: str = "mean", *,
+                   check_varying: bool = True) -> jax.Array:
   """Compressed reduce-scatter along axis 0 (``lax.psum_scatter(..., tiled=True)`` semantics).
 
-  x: [D*m, ...] on every device; returns this device's reduced block [m, ...] (block i goes to the
-  device with axis index i). Each value is quantised once. For sharded data parallelism: reduce
-  gradients straight into the optimizer shard.
+  x: [D*m, ...] on every device, this device's values; returns this device's reduced block
+  [m, ...] (block i goes to the device with axis index i). Each value is quantised once. For sharded
+  data parallelism: reduce gradients straight into the optimizer shard. ``check_varying``: as in
+  :func:`allreduce` (ValueError for an ``x`` that is the same on every device; not checked under
+  ``jax.pmap``).
   """
   _check_common(codec, op)
   if isinstance(axis_name, Hierarchical):
     raise ValueError("axis_name must be a name or tuple of names for reduce_scatter, not Hierarchical")
   d = axis_size(axis_name)
   packing.check_float_leaves(x)
+  if check_varying:
+    _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.reduce_scatter")
   if x.ndim == 0 or x.shape[0] % d:
     raise ValueError(f"x.shape[0] must be divisible by the axis size {d}, got shape {x.shape}")
   if _needs_key(codec) and key is None:
@@ -261,12 +284,17 @@ def all_gather(x: jax.Array, axis_name: AxisName,
   return out.reshape((d * x.shape[0],) + x.shape[1:]) if tiled else out
 
 
-def cast_pmean(x: Any, axis_name: AxisName, dtype: Any = jnp.bfloat16) -> Any:
+def cast_pmean(x: Any, axis_name: AxisName, dtype: Any = jnp.bfloat16, *,
+               check_varying: bool = True) -> Any:
   """The seed recipe, kept as a baseline: cast -> ``lax.pmean`` -> cast back, per leaf.
 
   Note that XLA on CPU promotes a bf16 all-reduce to float32, so this sends float32 bytes there;
-  ``allreduce(x, axis, codec=Cast(jnp.bfloat16))`` really halves them.
+  ``allreduce(x, axis, codec=Cast(jnp.bfloat16))`` really halves them. ``check_varying``: as in
+  :func:`allreduce` (ValueError for a leaf that is the same on every device; not checked under
+  ``jax.pmap``).
   """
   axis_size(axis_name)
   packing.check_float_leaves(x)
+  if check_varying:
+    _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.cast_pmean")
   return jax.tree_util.tree_map(lambda v: lax.pmean(v.astype(dtype), axis_name).astype(v.dtype), x)

@@ -6,9 +6,9 @@ the psum over the axis (the transpose of the implicit pvary); the training loop 
 differentiates with respect to parameters marked varying (``lax.pcast``), so that each device holds
 its own gradient, which is what ``sync`` is meant to average.
 
-With ``accum_steps > 1`` or error feedback the state is genuinely per device (``acc``, ``residual``),
-so whole windows run inside one ``shard_map`` and per-device outputs come back with a leading
-device axis (out_specs P("data")).
+With ``accum_steps > 1`` or error feedback the state is genuinely per device (``acc``, ``residual``,
+with a leading device axis), so it is passed with ``qcomm.state_partition_spec``; per-device outputs
+come back with a leading device axis (out_specs P("data")).
 """
 
 from __future__ import annotations
@@ -127,8 +127,10 @@ def _accum_fns(bits: int):
     u, _ = tx1.update(mean, s, p)
     return _stack(u)
 
-  specs = (P(), P(), P(AX), P(AX))
-  return tx2, tx1, _smap(two_calls, specs, P(AX)), _smap(one_call, specs, P(AX))
+  params = _params()
+  spec2 = qcomm.state_partition_spec(jax.eval_shape(tx2.init, params))
+  return (tx2, tx1, _smap(two_calls, (P(), spec2, P(AX), P(AX)), P(AX)),
+          _smap(one_call, (P(), P(), P(AX), P(AX)), P(AX)))
 
 
 @pytest.mark.parametrize("bits", [32, 4])
@@ -246,8 +248,9 @@ def _train(bits: int, error_feedback: bool = False, seed: int = 0) -> float:
     p, _ = lax.fori_loop(0, STEPS, body, _vary((p, s)))
     return lax.pmean(_mse(p, (x, y)), AX)
 
-  f = _smap(run, (P(), P(), P(AX), P(AX)), P())
-  return float(f(params, tx.init(params), *_problem()))
+  state = tx.init(params)
+  f = _smap(run, (P(), qcomm.state_partition_spec(state), P(AX), P(AX)), P())
+  return float(f(params, state, *_problem()))
 
 
 @functools.cache
