@@ -2,21 +2,65 @@
 
 The binding is thin on purpose: each function here is one `jax.ffi.ffi_call` whose operands are
 already flat float32 / uint8 arrays; validation and reshaping live in `jax_qcomm.codecs`.
+
+Two environment variables, read once when this module is imported:
+
+* ``QCOMM_CPU_ISA=avx512|avx2|generic`` runs the CPU kernels built for that instruction set instead
+  of the widest one the CPU supports (all give the same bytes; this is for testing and for
+  comparing their speed). Asking for one this CPU lacks, or an unknown name, raises ValueError at
+  import: a run that asked for an ISA never silently runs another.
+* ``QCOMM_CPU_MODULE=/path/to/_qcomm_cpu....so`` loads that build of the CPU module instead of the
+  installed one (scripts/sanitize.sh: the module built with AddressSanitizer and UBSan).
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import sys
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm import _vma, wire
+from jax_qcomm import _compat, wire
 
-try:  # The CPU module is always built; a source checkout without a build has none.
-  from jax_qcomm import _qcomm_cpu  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - exercised only on unbuilt checkouts
-  _qcomm_cpu = None
+CPU_ISA_ENV = "QCOMM_CPU_ISA"
+CPU_MODULE_ENV = "QCOMM_CPU_MODULE"
+
+
+def _load_cpu_module():
+  """The CPU module: the build named by $QCOMM_CPU_MODULE, else the installed one (or None)."""
+  path = os.environ.get(CPU_MODULE_ENV, "")
+  if not path:
+    try:  # The CPU module is always built; a source checkout without a build has none.
+      from jax_qcomm import _qcomm_cpu  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - exercised only on unbuilt checkouts
+      return None
+    return _qcomm_cpu
+  if not os.path.isfile(path):
+    raise ImportError(f"{CPU_MODULE_ENV}={path!r}: no such file (a built _qcomm_cpu module)")
+  spec = importlib.util.spec_from_file_location("jax_qcomm._qcomm_cpu", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  sys.modules["jax_qcomm._qcomm_cpu"] = module
+  return module
+
+
+def _apply_isa_override(module) -> None:
+  """Runs the kernels of $QCOMM_CPU_ISA if set; ValueError if unknown or not supported here."""
+  name = os.environ.get(CPU_ISA_ENV, "").strip()
+  if not name or module is None:
+    return
+  try:
+    module.force_isa(name)
+  except ValueError as e:
+    raise ValueError(f"{CPU_ISA_ENV}={name!r}: {e}") from None
+
+
+_qcomm_cpu = _load_cpu_module()
+_apply_isa_override(_qcomm_cpu)
 
 try:  # The CUDA module exists only where the build found nvcc.
   from jax_qcomm import _qcomm_cuda  # type: ignore[attr-defined]
@@ -47,8 +91,14 @@ def has_cuda_kernels() -> bool:
 
 
 def cpu_isa() -> str | None:
-  """The instruction set the CPU kernels dispatch to ("avx512", "avx2", "generic"), or None."""
+  """The instruction set the CPU kernels run ("avx512", "avx2", "generic"), or None without them:
+  the widest this CPU supports, or the one $QCOMM_CPU_ISA asked for."""
   return None if _qcomm_cpu is None else _qcomm_cpu.isa()
+
+
+def cpu_isa_detected() -> str | None:
+  """The widest instruction set this CPU supports and the build has kernels for, or None."""
+  return None if _qcomm_cpu is None else _qcomm_cpu.detected_isa()
 
 
 def implementation() -> dict[str, str]:
@@ -73,7 +123,7 @@ def qsgd_encode(x: jax.Array, seed: jax.Array, *, bits: int, bucket_size: int, s
                           vmap_method="broadcast_all")
   out = call(x, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)),
              **_attrs(bits, bucket_size, scheme))
-  return _vma.make_varying(out, _vma.vma_of(x) | _vma.vma_of(seed))
+  return _compat.make_varying(out, _compat.vma_of(x) | _compat.vma_of(seed))
 
 
 def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
@@ -81,7 +131,8 @@ def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
   """payloads: uint8[k, payload_bytes] -> float32[n], the in-order sum of the k decodes."""
   call = jax.ffi.ffi_call("qcomm_qsgd_decode_sum", jax.ShapeDtypeStruct((n,), jnp.float32),
                           vmap_method="broadcast_all")
-  return _vma.make_varying(call(payloads, **_attrs(bits, bucket_size, scheme)), _vma.vma_of(payloads))
+  return _compat.make_varying(call(payloads, **_attrs(bits, bucket_size, scheme)),
+                              _compat.vma_of(payloads))
 
 
 def qsgd_decode_sum_reencode(payloads: jax.Array, seed: jax.Array, n: int, scale: float, *,
@@ -96,4 +147,4 @@ def qsgd_decode_sum_reencode(payloads: jax.Array, seed: jax.Array, n: int, scale
                           vmap_method="broadcast_all")
   out = call(payloads, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)), n=np.int64(n),
              scale=np.float32(scale), **_attrs(bits, bucket_size, scheme))
-  return _vma.make_varying(out, _vma.vma_of(payloads) | _vma.vma_of(seed))
+  return _compat.make_varying(out, _compat.vma_of(payloads) | _compat.vma_of(seed))
