@@ -17,7 +17,7 @@ from typing import Any, Hashable, Sequence
 import jax
 from jax import lax
 
-from jax_qcomm import _vma
+from jax_qcomm import _compat
 from jax_qcomm.packing import path_str
 
 
@@ -25,14 +25,14 @@ def tracked(names: Sequence[Hashable]) -> bool:
   """True where JAX tracks which values vary over every axis in ``names`` (shard_map with
   check_vma); False under pmap or check_vma=False. The axes must be bound."""
   # axis_index varies over its axis exactly when vma is tracked; XLA drops the unused op.
-  return all(n in _vma.vma_of(lax.axis_index(n)) for n in names)
+  return all(n in _compat.vma_of(lax.axis_index(n)) for n in names)
 
 
 def unvarying(tree: Any, names: Sequence[Hashable]) -> list[tuple[str, tuple]]:
   """(path, missing axes) of the leaves of ``tree`` that do not vary over all of ``names``."""
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    missing = tuple(n for n in names if n not in _vma.vma_of(leaf))
+    missing = tuple(n for n in names if n not in _compat.vma_of(leaf))
     if missing:
       out.append((path_str(path) or "<root>", missing))
   return out

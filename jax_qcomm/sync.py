@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_qcomm import _varying, _vma, collectives, packing
+from jax_qcomm import _compat, _varying, collectives, packing
 from jax_qcomm._checks import check_int
 from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
 
@@ -228,7 +228,7 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       # Bound: this device's own part (1, ...), typed as varying like what update returns.
       # Elsewhere: the global array of all D devices' parts, to be split by state_partition_spec.
       z = jnp.zeros((1 if bound else d,) + jnp.shape(p), jnp.float32)
-      return _vma.make_varying(z, frozenset(names)) if tracked else z
+      return _compat.make_varying(z, frozenset(names)) if tracked else z
 
     return SyncState(
         inner=inner.init(params),
@@ -321,7 +321,7 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       zeros = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
       return zeros, state._replace(step=step, acc=acc)
 
-    return _vma.cond(step >= accum_steps, (do_sync, skip))
+    return _compat.cond(step >= accum_steps, (do_sync, skip))
 
   tx = optax.GradientTransformation(init, update)
   _CONFIGS[update] = SyncConfig(axis_name=axis_name, codec=codec, policy=policy,

@@ -56,7 +56,7 @@ def _device_grads(seed: int):
 
 def _vary(tree):
   """Mark every leaf varying over the data axis (no data movement)."""
-  return jax.tree_util.tree_map(lambda x: qcomm._vma.make_varying(x, frozenset({AX})), tree)
+  return jax.tree_util.tree_map(lambda x: qcomm._compat.make_varying(x, frozenset({AX})), tree)
 
 
 def _first(tree):
