@@ -11,6 +11,8 @@ from jax_qcomm.collectives import Hierarchical, all_gather, allreduce, cast_pmea
 from jax_qcomm.packing import LeafPolicy
 from jax_qcomm.accumulation import accumulate_gradients
 from jax_qcomm.sync import SyncState, codec_for_bits, state_partition_spec, sync
+from jax_qcomm.data_parallel import DataParallel, data_parallel
+from jax_qcomm.describe import Description, describe
 from jax_qcomm import efficiency
 
 _ffi.register()
@@ -19,6 +21,7 @@ __all__ = [
     "QSGD", "Cast", "Codec", "NoCompression",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
     "accumulate_gradients", "sync", "SyncState", "codec_for_bits", "state_partition_spec",
+    "data_parallel", "DataParallel", "describe", "Description",
     "implementation",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,206 @@
+"""``qcomm.data_parallel``: the whole data-parallel train step for a loss function.
+
+    dp = qcomm.data_parallel(loss_fn, qcomm.sync(optax.adam(1e-3), bits=4), mesh)
+    opt_state = dp.init(params)
+    params, opt_state, loss, aux = dp.step(params, opt_state, batch)
+
+It does what the explicit form (docs/usage.md) spells out: ``jax.shard_map`` over the mesh with the
+batch split over the data axis, the gradient taken with respect to a varying copy of the parameters
+(so that each device holds its own gradient), ``tx.update`` (a :func:`qcomm.sync`), the optimizer
+state's specs from :func:`qcomm.state_partition_spec`, per-device random keys, and the reduction of
+the loss and of auxiliary outputs across devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import optax
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_qcomm import _vma, collectives
+from jax_qcomm.sync import state_partition_spec
+
+AUX_REDUCTIONS = ("mean", "sum", "stack")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataParallel:
+  """A data-parallel train step made by :func:`data_parallel`.
+
+  init(params) -> opt_state: ``tx.init`` run on the mesh, the per-device parts of the state placed
+    on their devices (the specs are :meth:`state_spec`).
+  step(params, opt_state, batch, *extra, key=None) -> (params, opt_state, loss, aux): one call of
+    the jitted step (see :func:`data_parallel`).
+  state_spec(opt_state) -> the ``shard_map`` specs of the state (``qcomm.state_partition_spec``).
+  """
+
+  loss_fn: Callable[..., Any]
+  tx: optax.GradientTransformation
+  mesh: Mesh
+  axis_name: Any = "data"
+  has_aux: bool = False
+  aux_reduce: str = "mean"
+  batch_spec: P | None = None
+  donate: bool = False
+
+  # -- specs and shardings ------------------------------------------------------------------------
+  @property
+  def _names(self) -> tuple:
+    return collectives.axis_names(self.axis_name)
+
+  @property
+  def _device_spec(self) -> P:
+    names = self._names
+    return P(names[0] if len(names) == 1 else names)
+
+  def state_spec(self, opt_state: Any) -> Any:
+    """``shard_map`` specs of ``opt_state`` (arrays or ``jax.ShapeDtypeStruct`` s)."""
+    return state_partition_spec(opt_state, self.axis_name)
+
+  def _put(self, tree: Any, spec: Any) -> Any:
+    """tree placed as spec says (a no-op for arrays already there). Needed for meshes with
+    Explicit axes (jax.make_mesh's default), whose shard_map rejects inputs placed otherwise."""
+    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), spec,
+                                       is_leaf=lambda s: isinstance(s, P))
+    return jax.device_put(tree, shardings)
+
+  # -- init -----------------------------------------------------------------------------------------
+  def init(self, params: Any) -> Any:
+    """The optimizer state for ``params``, sharded over the mesh: replicated except the sync
+    state's per-device parts, split over the data axis."""
+    with jax.set_mesh(self.mesh):
+      spec = self.state_spec(jax.eval_shape(self.tx.init, params))
+    return self._init_fn(_SpecKey(spec))(self._put(params, P()))
+
+  @functools.lru_cache(maxsize=None)
+  def _init_fn(self, spec_key):
+    return jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=P(),
+                                 out_specs=spec_key.spec))
+
+  # -- step -----------------------------------------------------------------------------------------
+  def step(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
+           key: jax.Array | None = None) -> tuple[Any, Any, jax.Array, Any]:
+    """One train step: ``(params, opt_state, loss, aux)``; see :func:`data_parallel`."""
+    spec = self.state_spec(opt_state)
+    fn = self._step_fn(_SpecKey(spec), len(extra), key is not None)
+    batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
+    args = (self._put(params, P()), self._put(opt_state, spec), self._put(batch, batch_spec),
+            self._put(extra, P()))
+    if key is not None:
+      args += (self._put(key, P()),)
+    return fn(*args)
+
+  __call__ = step
+
+  @functools.lru_cache(maxsize=None)
+  def _step_fn(self, spec_key, n_extra: int, with_key: bool):
+    names = self._names
+    loss_fn, tx, has_aux, reduce = self.loss_fn, self.tx, self.has_aux, self.aux_reduce
+    spec = spec_key.spec
+
+    def local_step(params, opt_state, batch, extra, key=None):
+      # A varying copy: its gradient is this device's own, not the psum autodiff would take of the
+      # gradient of a replicated parameter.
+      local = jax.tree_util.tree_map(lambda p: _vma.make_varying(p, frozenset(names)), params)
+      kwargs = {}
+      if key is not None:  # dropout etc.: different randomness on every device
+        kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
+      out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *extra, **kwargs)
+      loss, aux = out if has_aux else (out, None)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      loss = lax.pmean(_vma.make_varying(loss, frozenset(names)), names)
+      return params, opt_state, loss, _reduce_aux(aux, reduce, names)
+
+    batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
+    aux_spec = self._device_spec if reduce == "stack" else P()
+    in_specs = (P(), spec, batch_spec, P()) + ((P(),) if with_key else ())
+    fn = jax.shard_map(local_step, mesh=self.mesh, in_specs=in_specs,
+                       out_specs=(P(), spec, P(), aux_spec))
+
+    def call(params, opt_state, batch, extra, *key):
+      return fn(params, opt_state, batch, extra, *key)
+
+    return jax.jit(call, donate_argnums=(0, 1) if self.donate else ())
+
+
+class _SpecKey:
+  """A spec tree as a cache key (PartitionSpec trees are not hashable as pytrees)."""
+
+  def __init__(self, spec: Any):
+    self.spec = spec
+    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=lambda s: isinstance(s, P))
+    self._key = (treedef, tuple(leaves))
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __eq__(self, other):
+    return isinstance(other, _SpecKey) and self._key == other._key
+
+
+def _reduce_aux(aux: Any, how: str, names: tuple) -> Any:
+  axes = frozenset(names)
+  if how == "stack":
+    return jax.tree_util.tree_map(lambda a: _vma.make_varying(jnp.asarray(a), axes)[None], aux)
+  op = lax.pmean if how == "mean" else lax.psum
+  return jax.tree_util.tree_map(lambda a: op(_vma.make_varying(jnp.asarray(a), axes), names), aux)
+
+
+def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh, *,
+                  axis_name: collectives.AxisName = "data", has_aux: bool = False,
+                  aux_reduce: str = "mean", batch_spec: P | None = None,
+                  donate: bool = False) -> DataParallel:
+  """A jitted data-parallel train step for ``loss_fn``, synchronised by ``tx``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch, *extra) -> loss`` (a scalar: the mean over this device's
+      share of the batch), or ``-> (loss, aux)`` with ``has_aux``. If the step is given a ``key``,
+      loss_fn is called with ``key=`` a key of its own on every device (for dropout).
+    tx: the optimizer, normally ``qcomm.sync(...)`` (alone or inside ``optax.chain``) with the same
+      ``axis_name``; it receives each device's own gradient.
+    mesh: a mesh with the data axis (``Mesh(np.array(jax.devices()), ("data",))`` or
+      ``jax.make_mesh``).
+    axis_name: the data axis of ``mesh`` (a name or a tuple of names).
+    has_aux: loss_fn returns ``(loss, aux)``.
+    aux_reduce: how the per-device ``aux`` leaves come back: ``"mean"`` (``lax.pmean``: BatchNorm
+      statistics, mean metrics), ``"sum"`` (``lax.psum``: counts) or ``"stack"`` (every leaf with
+      a leading device axis of size D).
+    batch_spec: how the batch is split (default ``PartitionSpec(axis_name)``: leading axis).
+    donate: donate the params and optimizer state buffers to the step (saves memory; the arrays
+      passed in are then invalid).
+
+  Returns:
+    A :class:`DataParallel`: ``opt_state = dp.init(params)``, then
+    ``params, opt_state, loss, aux = dp.step(params, opt_state, batch, *extra, key=key)``.
+    ``params`` are replicated and come back replicated; ``batch`` is the global batch, its leading
+    axis split over the devices; ``extra`` arguments (e.g. BatchNorm statistics) are replicated and
+    not differentiated; ``key`` is folded with the device index before reaching ``loss_fn``, so use
+    a new one every step. ``loss`` is the mean of the devices' losses; ``aux`` is ``None`` without
+    ``has_aux``.
+  """
+  if not callable(loss_fn):
+    raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
+  if not (hasattr(tx, "init") and hasattr(tx, "update")):
+    raise ValueError(f"tx must be an optax.GradientTransformation, got {tx!r}")
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+  missing = [n for n in collectives.axis_names(axis_name) if n not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"axis_name {axis_name!r} must name axes of the mesh {mesh.axis_names}; "
+                     f"missing {missing}")
+  if aux_reduce not in AUX_REDUCTIONS:
+    raise ValueError(f"aux_reduce must be one of {AUX_REDUCTIONS}, got {aux_reduce!r}")
+  if not isinstance(has_aux, bool):
+    raise ValueError(f"has_aux must be True or False, got {has_aux!r}")
+  if batch_spec is not None and not isinstance(batch_spec, P):
+    raise ValueError(f"batch_spec must be a PartitionSpec, got {batch_spec!r}")
+  return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                      aux_reduce=aux_reduce, batch_spec=batch_spec, donate=bool(donate))

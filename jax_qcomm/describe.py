@@ -1,0 +1,196 @@
+"""``qcomm.describe(tx, params)``: what a :func:`qcomm.sync` sends, leaf by leaf.
+
+    print(qcomm.describe(tx, params))
+
+For every leaf of ``params``: the codec the policy picks (:meth:`LeafPolicy.codec_for`, the same
+call the allreduce makes), its element count, its payload (the codec's own ``payload_size``) and the
+bytes each device sends for it per synchronisation, against exact float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_qcomm import collectives, packing
+from jax_qcomm._checks import check_int
+from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
+from jax_qcomm.sync import config_of, num_devices
+
+
+def codec_name(codec: Codec) -> str:
+  """Short name: 'QSGD 4b/128 maxmin', 'Cast bfloat16', 'exact fp32'."""
+  if isinstance(codec, QSGD):
+    rounding = "" if codec.rounding == "stochastic" else f" {codec.rounding}"
+    return f"QSGD {codec.bits}b/{codec.bucket_size} {codec.scheme}{rounding}"
+  if isinstance(codec, Cast):
+    return f"Cast {jnp.dtype(codec.dtype).name}"
+  if isinstance(codec, NoCompression):
+    return "exact fp32"
+  return type(codec).__name__
+
+
+def _sent(devices: int, payload: int) -> float:
+  # Scatter-reduce-allgather (and a ring psum): each device sends (D-1)/D of the buffer in each
+  # half, the nccl-tests "bus bandwidth" convention.
+  return 2.0 * (devices - 1) / devices * payload
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafTraffic:
+  """One leaf: ``payload_bytes`` is ``codec.payload_size(elements)``; ``sent_bytes`` what each
+  device sends for it per synchronisation (2 (D-1)/D of the payload)."""
+
+  path: str
+  shape: tuple[int, ...]
+  elements: int
+  codec: Codec
+  payload_bytes: int
+  sent_bytes: float
+
+  @property
+  def exact(self) -> bool:
+    """True if the policy sends this leaf exact (float32, ``lax.psum``)."""
+    return isinstance(self.codec, NoCompression)
+
+  @property
+  def ratio(self) -> float:
+    """float32 bytes / payload bytes (1 for exact leaves)."""
+    return 4 * self.elements / self.payload_bytes if self.payload_bytes else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Description:
+  """What a sync sends: per-leaf :class:`LeafTraffic` and totals. ``str()`` / :meth:`table` give a
+  readable table. Bytes are per device; "per sync" is per communication, "per call" divides by
+  ``accum_steps``. The flat buffers add a little padding (at most ``devices * bucket - 1``
+  elements per buffer), not counted here."""
+
+  leaves: tuple[LeafTraffic, ...]
+  devices: int
+  accum_steps: int
+  axis_name: Any
+  default_codec: Codec
+
+  @property
+  def elements(self) -> int:
+    return sum(leaf.elements for leaf in self.leaves)
+
+  @property
+  def fp32_bytes(self) -> int:
+    return 4 * self.elements
+
+  @property
+  def payload_bytes(self) -> int:
+    return sum(leaf.payload_bytes for leaf in self.leaves)
+
+  @property
+  def sent_bytes_per_sync(self) -> float:
+    return sum(leaf.sent_bytes for leaf in self.leaves)
+
+  @property
+  def sent_bytes_per_call(self) -> float:
+    return self.sent_bytes_per_sync / self.accum_steps
+
+  @property
+  def fp32_sent_bytes_per_sync(self) -> float:
+    """What an exact float32 allreduce of the same leaves would send per device."""
+    return _sent(self.devices, self.fp32_bytes)
+
+  @property
+  def ratio(self) -> float:
+    """float32 bytes / bytes sent: the compression of the whole gradient."""
+    return self.fp32_bytes / self.payload_bytes if self.payload_bytes else 1.0
+
+  @property
+  def exact_elements(self) -> int:
+    return sum(leaf.elements for leaf in self.leaves if leaf.exact)
+
+  def table(self) -> str:
+    rows = [(leaf.path, "x".join(map(str, leaf.shape)) or "()", f"{leaf.elements:,}",
+             codec_name(leaf.codec), f"{leaf.payload_bytes:,}", f"{leaf.sent_bytes:,.0f}",
+             f"{leaf.ratio:.2f}x") for leaf in self.leaves]
+    total = ("total", "", f"{self.elements:,}", f"{self.exact_elements:,} elements exact",
+             f"{self.payload_bytes:,}", f"{self.sent_bytes_per_sync:,.0f}", f"{self.ratio:.2f}x")
+    head = ("leaf", "shape", "elements", "codec", "payload B", "sent B/device/sync", "vs fp32")
+    widths = [max(len(r[i]) for r in rows + [head, total]) for i in range(len(head))]
+    right = (False, False, True, False, True, True, True)
+
+    def line(r):
+      return "  ".join(c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(r, widths, right))
+
+    rule = "-" * len(line(head))
+    out = [f"qcomm.sync over {self.axis_name!r}: {self.devices} devices, default codec "
+           f"{codec_name(self.default_codec)}, accum_steps={self.accum_steps}",
+           line(head), rule, *map(line, rows), rule, line(total),
+           f"per device: {self.sent_bytes_per_sync:,.0f} B per sync, "
+           f"{self.sent_bytes_per_call:,.0f} B per call; exact fp32 would send "
+           f"{self.fp32_sent_bytes_per_sync:,.0f} B per sync "
+           f"({self.fp32_sent_bytes_per_sync / max(self.sent_bytes_per_sync, 1e-30):.2f}x more)"]
+    return "\n".join(line.rstrip() for line in out)
+
+  __str__ = table
+
+  def __repr__(self) -> str:
+    return self.table()
+
+
+def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description:
+  """Per leaf of ``params``: the codec, elements, payload and bytes sent by the sync ``tx``.
+
+  Args:
+    tx: a transformation returned by :func:`qcomm.sync`. A sync wrapped in ``optax.chain`` (or
+      another combinator) cannot be found from the outside: pass the sync itself (ValueError
+      otherwise).
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct`` s); the gradients have their
+      shapes.
+    devices: the number of devices along the sync axis (default: the axis size inside
+      ``shard_map``, else the current mesh's axis (``jax.set_mesh``), else
+      ``jax.device_count()``).
+
+  Returns:
+    A :class:`Description`; ``print()`` it for a table. Payloads come from the codecs'
+    ``payload_size`` for the codec that ``LeafPolicy.codec_for`` picks, as the allreduce does.
+    Only flat axes are described (ValueError for ``qcomm.Hierarchical``).
+  """
+  cfg = config_of(tx)
+  if isinstance(cfg.axis_name, collectives.Hierarchical):
+    raise ValueError("describe covers flat axes (a name or a tuple of names), not "
+                     "qcomm.Hierarchical, whose exact and compressed parts cross different links")
+  if devices is None:
+    devices, _ = num_devices(cfg.axis_name)
+  else:
+    devices = check_int("devices", devices)
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  bare = treedef.num_leaves == 1 and treedef.num_nodes == 1  # allreduce: a bare array gets the codec
+  leaves = []
+  for path, leaf in with_path:
+    shape = tuple(int(d) for d in jnp.shape(leaf))
+    name = packing.path_str(path) or "<root>"
+    codec = cfg.codec if bare else cfg.policy.codec_for(packing.path_str(path), _Shape(shape),
+                                                         cfg.codec)
+    n = math.prod(shape)
+    payload = codec.payload_size(n)
+    leaves.append(LeafTraffic(path=name, shape=shape, elements=n, codec=codec,
+                              payload_bytes=payload, sent_bytes=_sent(devices, payload)))
+  return Description(leaves=tuple(leaves), devices=devices, accum_steps=cfg.accum_steps,
+                     axis_name=cfg.axis_name, default_codec=cfg.codec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+  """What LeafPolicy.codec_for reads of a leaf (size and ndim), without an array."""
+
+  shape: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
