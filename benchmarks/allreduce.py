@@ -99,7 +99,8 @@ def _make_codec(name: str, bucket: int, impl: str):
   return qcomm.QSGD(bits=kw["bits"], bucket_size=bucket, scheme="maxmin", impl=impl)
 
 
-def _allreduce_fn(name: str, codec, mesh) -> Callable:
+def _allreduce_fn(name: str, codec, mesh, exchange: str = "auto") -> Callable:
+  """jit(shard_map) of one allreduce of float32[n] per device; ``exchange``: the SRA's schedule."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
@@ -114,7 +115,7 @@ def _allreduce_fn(name: str, codec, mesh) -> Callable:
     if kind == "cast_pmean":
       out = qcomm.cast_pmean(v, "data", jnp.bfloat16)
     else:
-      out = qcomm.allreduce(v, "data", codec=codec, key=key)
+      out = qcomm.allreduce(v, "data", codec=codec, key=key, exchange=exchange)
     return out[None]
 
   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
@@ -165,11 +166,7 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
                warmup: int, link_gbps: float | None,
                exchanges: Sequence[str] = ("auto",)) -> list[dict[str, Any]]:
   """Times every codec's allreduce of n values per device; one row per codec (and exchange)."""
-  import contextlib
-
   import jax
-
-  from jax_qcomm import _exchange
 
   d = mesh.devices.size
   x = _common.global_input(mesh, n)
@@ -177,9 +174,8 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
   rows = []
   for name, label, method in _variants(names, exchanges):
     codec = _make_codec(name, bucket, impl)
-    fn = _allreduce_fn(name, codec, mesh)
-    with _exchange.using(method) if method else contextlib.nullcontext():
-      compiled = fn.lower(x).compile()
+    fn = _allreduce_fn(name, codec, mesh, method or "auto")
+    compiled = fn.lower(x).compile()
     itemsizes = collective_itemsizes(compiled.as_text())
     psum_itemsize = max(itemsizes) if itemsizes else 4
     payload, sent = wire_bytes(name, codec, n, d, psum_itemsize)
@@ -207,9 +203,9 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
   return rows
 
 
-def _transfer_fn(mesh, payload_row: int) -> Callable:
-  """The SRA's communication alone: the exchange (all-to-all) of uint8[D, p] and all_gather of
-  uint8[p]."""
+def _transfer_fn(mesh, exchange: str = "auto") -> Callable:
+  """The SRA's communication alone: the exchange (all-to-all, schedule ``exchange``) of uint8[D, p]
+  and all_gather of uint8[p]."""
   import jax
   from jax import lax
   from jax.sharding import PartitionSpec as P
@@ -218,7 +214,7 @@ def _transfer_fn(mesh, payload_row: int) -> Callable:
 
   def per_device(a):
     rows = a[0]  # [D, p]
-    received = _exchange.exchange(rows, "data")
+    received = _exchange.exchange(rows, "data", exchange)
     gathered = lax.all_gather(received[0], "data")
     return received[None], gathered[None]
 
@@ -242,8 +238,6 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
-
-  from jax_qcomm import _exchange
 
   d = mesh.devices.size
   dev = jax.local_devices()[0]
@@ -283,8 +277,7 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
       buf = jax.make_array_from_callback(
           (d, d, p), NamedSharding(mesh, P("data")),
           lambda idx: np.full((len(range(*idx[0].indices(d))), d, p), 7, np.uint8))
-      with _exchange.using(exchange):
-        transfer = _transfer_fn(mesh, p).lower(buf).compile()
+      transfer = _transfer_fn(mesh, exchange).lower(buf).compile()
       t = _common.collective_timing(_common.median_time(transfer, buf, repeats=repeats, warmup=warmup))
       row["transfer_s"] = t.median
     else:

@@ -32,9 +32,8 @@ and every replica's result are unchanged by the choice.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Hashable, Iterator, Sequence, Union
+from typing import Hashable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -119,36 +118,24 @@ def exchange_rounds(rows: jax.Array, axis_name: AxisName) -> jax.Array:
   return _rounds_4(rows, axis_name) if d == 4 else _rounds_shift(rows, axis_name)
 
 
+#: The schedules of :func:`exchange`; the collectives take one as their ``exchange`` argument.
 METHODS = ("auto", "rounds", "all_to_all")
-_method = "auto"
 
 
-@contextlib.contextmanager
-def using(method: str) -> Iterator[None]:
-  """Within the block, collectives traced with ``method=None`` use ``method`` (for benchmarks that
-  compare the schedules; the choice is made when a function is traced, not when it runs)."""
-  global _method
-  _check_method(method)
-  previous, _method = _method, method
-  try:
-    yield
-  finally:
-    _method = previous
-
-
-def _check_method(method: str) -> None:
+def check_method(method: str, name: str = "method") -> None:
+  """ValueError naming the argument unless ``method`` is one of :data:`METHODS`."""
   if method not in METHODS:
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    raise ValueError(f"{name} must be one of {METHODS}, got {method!r}")
 
 
-def exchange(rows: jax.Array, axis_name: AxisName, method: str | None = None) -> jax.Array:
+def exchange(rows: jax.Array, axis_name: AxisName, method: str = "auto") -> jax.Array:
   """rows[d, W] -> [d, W]: row j to device j, as ``lax.all_to_all(rows, axis_name, 0, 0,
   tiled=True)``. ``method``: ``"auto"`` (ppermute rounds on CPU across processes, all-to-all
   elsewhere: GPUs, and the devices of a single process, where collectives are memory copies),
-  ``"rounds"`` or ``"all_to_all"``; None: the one set by :func:`using` (default ``"auto"``).
+  ``"rounds"`` or ``"all_to_all"``. It is an argument, never global state: the schedule is part
+  of the traced program, so a jitted function sees the one its caller passed.
   d must be the size of ``axis_name``."""
-  method = _method if method is None else method
-  _check_method(method)
+  check_method(method)
   if method == "all_to_all":
     return lax.all_to_all(rows, axis_name, 0, 0, tiled=True)
   if method == "rounds":

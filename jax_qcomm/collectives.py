@@ -97,7 +97,7 @@ def _decode_rows(codec: Codec, wires: jax.Array, c: int) -> jax.Array:
 # ---- flat float32 buffers ----------------------------------------------------------------------
 
 def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
-         scale: float) -> tuple[jax.Array, jax.Array]:
+         scale: float, exchange: str) -> tuple[jax.Array, jax.Array]:
   """Compressed allreduce of float32[n], n a multiple of D * bucket; result times `scale`.
 
   Also returns this device's own quantisation residual (x minus what it sent), for error feedback;
@@ -108,7 +108,7 @@ def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
   chunks = x.reshape(d, c)
   payloads = _encode_rows(codec, chunks, _device_key(key, axis_name, 0))
   residual = (chunks - _decode_rows(codec, payloads, c)).reshape(-1)
-  received = _exchange.exchange(payloads, axis_name)  # row s: my chunk from s
+  received = _exchange.exchange(payloads, axis_name, exchange)  # row s: my chunk from s
   if hasattr(codec, "decode_sum_reencode"):  # one fused kernel, the same bytes as below
     mine = codec.decode_sum_reencode(received, (c,), _device_key(key, axis_name, 1), scale)
   else:
@@ -126,7 +126,7 @@ def _pad_to(x: jax.Array, multiple: int) -> jax.Array:
 
 
 def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
-                   op: str) -> tuple[jax.Array, jax.Array]:
+                   op: str, exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
   """Allreduce of a flat float32 buffer (already padded to whole quantisation buckets).
 
   Returns (result, residual): residual[n] is what this device's first quantisation lost, in the
@@ -150,14 +150,14 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
       shard = shard * jnp.float32(scale)
     inner_index = lax.axis_index(axis_name.inner)
     shard_key = None if key is None else jax.random.fold_in(key, inner_index)
-    shard, shard_residual = _sra(shard, axis_name.outer, codec, shard_key, 1.0)
+    shard, shard_residual = _sra(shard, axis_name.outer, codec, shard_key, 1.0, exchange)
     # The shard's residual goes back where this device's next gradient enters that shard.
     residual = lax.dynamic_update_slice(jnp.zeros_like(x), shard_residual / jnp.float32(scale),
                                         (inner_index * shard.shape[0],))
     full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
     return full[:n], residual[:n]
   x = _pad_to(x, size * bucket)
-  out, residual = _sra(x, axis_name, codec, key, scale)
+  out, residual = _sra(x, axis_name, codec, key, scale, exchange)
   return out[:n], residual[:n]
 
 
@@ -166,7 +166,7 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
 def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array | None = None,
               op: str = "mean", *, policy: packing.LeafPolicy | None = None,
               comm_bucket_size: int = DEFAULT_COMM_BUCKET, return_residual: bool = False,
-              check_varying: bool = True) -> Any:
+              check_varying: bool = True, exchange: str = "auto") -> Any:
   """Compressed allreduce of an array or a pytree of float arrays across ``axis_name``.
 
   Call it inside ``jax.shard_map`` / ``jax.pmap``. Returns the same structure, shapes and dtypes.
@@ -193,8 +193,12 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
       summed across devices by autodiff. Pass False for values that are meant to be replicated.
       JAX records variation only inside ``shard_map`` with ``check_vma=True`` (the default); under
       ``jax.pmap`` or ``check_vma=False`` nothing is checked.
+    exchange: the schedule of the all-to-all of the compressed leaves: ``"auto"`` (``lax.ppermute``
+      rounds on CPU across processes, where gloo runs them faster; ``lax.all_to_all`` elsewhere),
+      ``"rounds"`` or ``"all_to_all"``. Every schedule gives the same bytes (see ``_exchange``).
   """
   _check_common(codec, op)
+  _exchange.check_method(exchange, "exchange")
   check_int("comm_bucket_size", comm_bucket_size)
   axis_size(axis_name)
   packing.check_float_leaves(x)
@@ -215,7 +219,7 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size)):
     group_key = None if key is None else jax.random.fold_in(key, i)
     flat = packing.pack(leaves, group)
-    reduced, lost = allreduce_flat(flat, axis_name, group.codec, group_key, op)
+    reduced, lost = allreduce_flat(flat, axis_name, group.codec, group_key, op, exchange)
     packing.unpack(reduced, leaves, group, out)
     packing.unpack(lost, leaves, group, residual, dtype=jnp.float32)
   result = jax.tree_util.tree_unflatten(treedef, out)
@@ -226,16 +230,17 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
 
 def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
                    key: jax.Array | None = None, op: str = "mean", *,
-                   check_varying: bool = True) -> jax.Array:
+                   check_varying: bool = True, exchange: str = "auto") -> jax.Array:
   """Compressed reduce-scatter along axis 0 (``lax.psum_scatter(..., tiled=True)`` semantics).
 
   x: [D*m, ...] on every device, this device's values; returns this device's reduced block
   [m, ...] (block i goes to the device with axis index i). Each value is quantised once. For sharded
   data parallelism: reduce gradients straight into the optimizer shard. ``check_varying``: as in
   :func:`allreduce` (ValueError for an ``x`` that is the same on every device; not checked under
-  ``jax.pmap``).
+  ``jax.pmap``). ``exchange``: the all-to-all's schedule, as in :func:`allreduce`.
   """
   _check_common(codec, op)
+  _exchange.check_method(exchange, "exchange")
   if isinstance(axis_name, Hierarchical):
     raise ValueError("axis_name must be a name or tuple of names for reduce_scatter, not Hierarchical")
   d = axis_size(axis_name)
@@ -252,7 +257,7 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
   block = (x.shape[0] // d,) + x.shape[1:]
   m = math.prod(block)
   payloads = _encode_rows(codec, x.reshape(d, m).astype(jnp.float32), _device_key(key, axis_name, 0))
-  reduced = codec._wire_decode_sum(_exchange.exchange(payloads, axis_name), m)
+  reduced = codec._wire_decode_sum(_exchange.exchange(payloads, axis_name, exchange), m)
   if op == "mean":
     reduced = reduced * jnp.float32(1.0 / d)
   return reduced.reshape(block).astype(x.dtype)

@@ -6,6 +6,7 @@ Runs on the host CPU devices of tests/conftest.py; the rounds are forced with me
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -90,22 +91,31 @@ def test_bad_method_raises():
   mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("x",))
   with pytest.raises(ValueError, match="method must be one of"):
     _run(mesh, "x", P("x"), _rows(4, 8, np.uint8), "ring")
-  with pytest.raises(ValueError, match="method must be one of"):
-    with _exchange.using("ring"):
-      pass
+  import jax_qcomm as qcomm
+
+  x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
+  for fn in (qcomm.allreduce, qcomm.reduce_scatter):
+    with pytest.raises(ValueError, match="exchange must be one of"):
+      jax.shard_map(lambda v, fn=fn: fn(v[0], "x", qcomm.Cast(), exchange="ring")[None], mesh=mesh,
+                    in_specs=P("x"), out_specs=P("x"))(x)
 
 
-def test_using_sets_the_method_at_trace_time():
+def test_the_exchange_argument_picks_the_schedule():
+  """The schedule is an argument of the collectives (no global switch): the traced program has
+  the schedule its caller passed, and a jitted function without it keeps "auto"."""
+  import jax_qcomm as qcomm
+
   mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("x",))
+  x = np.random.default_rng(0).standard_normal((4, 4 * 128)).astype(np.float32)
 
-  def hlo():
-    fn = jax.jit(jax.shard_map(lambda r: _exchange.exchange(r[0], "x")[None], mesh=mesh,
-                               in_specs=P("x"), out_specs=P("x")))
-    return fn.lower(_rows(4, 16, np.uint8)).as_text()
+  def hlo(**kw):
+    fn = jax.jit(jax.shard_map(lambda v: qcomm.allreduce(v[0], "x", qcomm.Cast(), **kw)[None],
+                               mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    return fn.lower(x).as_text()
 
-  with _exchange.using("rounds"):
-    assert "all_to_all" not in hlo()
-  assert "all_to_all" in hlo()  # back to "auto": all-to-all within one process
+  assert "all_to_all" not in hlo(exchange="rounds") and "collective_permute" in hlo(exchange="rounds")
+  assert "all_to_all" in hlo()  # "auto": all-to-all within one process
+  assert "all_to_all" in hlo(exchange="all_to_all")
 
 
 @pytest.mark.parametrize("d", [4, 8])
@@ -119,17 +129,18 @@ def test_allreduce_and_reduce_scatter_bytes_do_not_depend_on_the_schedule(d):
   key = jax.random.key(7)
   codecs = (qcomm.QSGD(bits=4), qcomm.Cast(jnp.bfloat16))
 
-  def per_device(v):
+  def per_device(v, method):
     v = v[0]
-    outs = [qcomm.allreduce(v, "x", codec=c, key=key) for c in codecs]
-    outs += [qcomm.reduce_scatter(v[: 8 * d * 128], "x", codec=c, key=key) for c in codecs]
+    outs = [qcomm.allreduce(v, "x", codec=c, key=key, exchange=method) for c in codecs]
+    outs += [qcomm.reduce_scatter(v[: 8 * d * 128], "x", codec=c, key=key, exchange=method)
+             for c in codecs]
     return tuple(o[None] for o in outs)
 
   def run(method):
-    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4))
-    with _exchange.using(method):
-      hlo = fn.lower(x).as_text()
-      out = [np.asarray(o) for o in fn(x)]
+    fn = jax.jit(jax.shard_map(functools.partial(per_device, method=method), mesh=mesh,
+                               in_specs=P("x"), out_specs=(P("x"),) * 4))
+    hlo = fn.lower(x).as_text()
+    out = [np.asarray(o) for o in fn(x)]
     return out, hlo
 
   (got, hlo_rounds), (want, hlo_a2a) = run("rounds"), run("all_to_all")
