@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_qcomm import _compat, _varying, collectives, packing
 from jax_qcomm._checks import check_int
-from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
+from jax_qcomm.codecs import Codec, codec_for_bits
 
 
 class SyncState(NamedTuple):
@@ -103,17 +103,6 @@ def config_of(tx: Any) -> SyncConfig:
         f"transformation: keep a reference (s = qcomm.sync(...); tx = optax.chain(s, ...)) and "
         f"pass s.")
   return cfg
-
-
-def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin") -> Codec:
-  """32 -> NoCompression, 16 -> Cast(bfloat16), 1..8 -> QSGD(bits, bucket_size, scheme)."""
-  if isinstance(bits, bool) or not isinstance(bits, int) or not (bits in (16, 32) or 1 <= bits <= 8):
-    raise ValueError(f"bits must be 32 (exact), 16 (bf16 on the wire) or 1..8 (QSGD), got {bits!r}")
-  if bits == 32:
-    return NoCompression()
-  if bits == 16:
-    return Cast(jnp.bfloat16)
-  return QSGD(bits=bits, bucket_size=bucket_size, scheme=scheme)
 
 
 def num_devices(axis_name: collectives.AxisName = "data") -> tuple[int, bool]:
@@ -197,16 +186,15 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   unchanged, so it is never made finite, counts it in ``total_notfinite`` and keeps the
   error-feedback residual of before the window; the accumulator restarts from zero after every
   communication. Wrap the inner optimizer, ``sync(optax.apply_if_finite(inner, k))``, to skip
-  such steps and train on. ``optax.apply_if_finite(sync(...))`` works only with
-  ``accum_steps == 1``: with accumulation it would restore the accumulator of the bad window.
+  such steps and train on. Not ``optax.apply_if_finite(sync(...))``: outside, it would test each
+  device's own gradient, and the devices would disagree on whether to communicate.
   """
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise ValueError(f"inner must be an optax.GradientTransformation, got {inner!r}")
-  codec = codec_for_bits(bits, bucket_size, scheme)
-  if error_feedback and isinstance(codec, QSGD):
-    # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit
-    # the residual (up to a whole bucket range) feeds the next range and training diverged.
-    codec = QSGD(bits=bits, bucket_size=bucket_size, scheme=scheme, rounding="nearest")
+  # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit the
+  # residual (up to a whole bucket range) feeds the next range and training diverged.
+  codec = codec_for_bits(bits, bucket_size, scheme,
+                         rounding="nearest" if error_feedback else "stochastic")
   check_int("accum_steps", accum_steps)
   if not isinstance(error_feedback, bool):
     raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
@@ -367,14 +355,8 @@ def _is_sync(x: Any) -> bool:
   return isinstance(x, SyncState) or _is_sync_mapping(x)
 
 
-def _holds_sync(tree: Any, per_device_only: bool = False) -> bool:
-  for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_sync):
-    if _is_sync(node):
-      fields = node._asdict() if isinstance(node, SyncState) else node
-      if not per_device_only or any(jax.tree_util.tree_leaves(fields.get(f, ()))
-                                    for f in PER_DEVICE_FIELDS):
-        return True
-  return False
+def _holds_sync(tree: Any) -> bool:
+  return any(_is_sync(node) for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_sync))
 
 
 def _is_special(x: Any) -> bool:
@@ -402,13 +384,12 @@ def _specs(tree: Any, dev: P) -> Any:
           "qcomm.sync(inner, accum_steps=k) instead: the same update, communicating every k-th "
           "call (or optax.MultiSteps inside sync: qcomm.sync(optax.MultiSteps(inner, k))).")
     if isinstance(x, optax.ApplyIfFiniteState):
-      if _holds_sync(x, per_device_only=True):
-        raise ValueError(
-            "optax.apply_if_finite around a qcomm.sync with accumulation or error feedback is not "
-            "supported: on a non-finite step it would restore the sync state of before the step, "
-            "including a poisoned accumulator. Put it inside: "
-            "qcomm.sync(optax.apply_if_finite(inner, max_consecutive_errors), ...).")
-      return type(x)(*(_specs(f, dev) for f in x))
+      raise ValueError(
+          "optax.apply_if_finite around qcomm.sync is not supported: it tests the gradients it "
+          "receives, which around sync are each device's own, so the devices would disagree on "
+          "whether to run the allreduce (and with accumulation it would restore an accumulator "
+          "holding the bad gradient). Put it inside, where every device sees the same averaged "
+          "gradient: qcomm.sync(optax.apply_if_finite(inner, max_consecutive_errors), ...).")
     return P()
 
   return jax.tree_util.tree_map(one, tree, is_leaf=_is_special)
@@ -429,9 +410,8 @@ def state_partition_spec(tree: Any, axis_name: collectives.AxisName = "data") ->
 
   Use the result for the state in both ``in_specs`` and ``out_specs``; ``tx.init`` may run inside
   the ``shard_map`` (``jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec)(params)``)
-  or outside it. ValueError for ``optax.MultiSteps(sync(...))`` and for
-  ``optax.apply_if_finite(sync(...))`` with accumulation or error feedback, naming the call to use
-  instead.
+  or outside it. ValueError for ``optax.MultiSteps(sync(...))`` and
+  ``optax.apply_if_finite(sync(...))``, naming the call to use instead.
   """
   names = collectives.axis_names(axis_name)
   return _specs(tree, P(names[0] if len(names) == 1 else names))

@@ -333,3 +333,203 @@ def test_state_orbax_roundtrip(tmp_path):
     restored = ckptr.restore(path, state)
   restored = type(state)(*restored) if not isinstance(restored, type(state)) else restored
   _assert_tree_close(restored, state, atol=0)
+
+
+# ---- 8. gradients already summed by autodiff (the forgotten pcast) -------------------------------
+
+def _summed_grads_step(tx):
+  def step(p, s, x, y):
+    g = jax.grad(_mse)(p, (x, y))  # p replicated: autodiff psums the gradient over the axis
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return step
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_forgotten_pcast_raises_with_the_fix(accum):
+  tx = qcomm.sync(optax.sgd(LR), axis_name=AX, bits=4, accum_steps=accum)
+  params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+  state = tx.init(params)
+  spec = qcomm.state_partition_spec(state)
+  f = _smap(_summed_grads_step(tx), (P(), spec, P(AX), P(AX)), (P(), spec))
+  with pytest.raises(ValueError, match=r"already summed(.|\n)*lax.pcast\(p, 'data', to='varying'\)"):
+    f(params, state, *_problem())
+
+
+def test_collectives_reject_replicated_values_unless_told():
+  x = jnp.arange(256, dtype=jnp.float32)
+  key = jax.random.key(0)
+  calls = {
+      "qcomm.allreduce": lambda v, **kw: qcomm.allreduce(v, AX, qcomm.QSGD(8), key, **kw),
+      "qcomm.reduce_scatter": lambda v, **kw: qcomm.reduce_scatter(v, AX, qcomm.NoCompression(),
+                                                                   **kw),
+      "qcomm.cast_pmean": lambda v, **kw: qcomm.cast_pmean(v, AX, **kw),
+  }
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match=re.escape(name) + r"(.|\n)*check_varying=False"):
+      _smap(lambda v, call=call: call(v), P(), P())(x)
+  # a value that is meant to be replicated: allowed with check_varying=False
+  out = _smap(lambda v: qcomm.allreduce(v, AX, qcomm.NoCompression(), check_varying=False),
+              P(), P())(x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(x))
+  out = _smap(lambda v: qcomm.cast_pmean(v, AX, jnp.float32, check_varying=False), P(), P())(x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(x))
+
+
+def test_sync_check_varying_false_accepts_identical_gradients():
+  tx = qcomm.sync(optax.sgd(1.0), axis_name=AX, bits=32, check_varying=False)
+  params = _params()
+
+  def step(p, s):
+    g = jax.tree_util.tree_map(jnp.ones_like, p)  # the same on every device, by construction
+    u, _ = tx.update(g, s, p)
+    return u
+
+  u = _smap(step, (P(), P()), P())(params, tx.init(params))
+  np.testing.assert_allclose(np.asarray(u["w"]), -1.0)
+
+
+def test_pmap_skips_the_varying_check_and_accumulates():
+  """Under pmap JAX records no variation: nothing to check; the state is made inside pmap."""
+  tx = qcomm.sync(optax.sgd(0.1), axis_name=AX, bits=32, accum_steps=2)
+  params = _params()
+  devs = jax.devices()[:D]
+  init = jax.pmap(tx.init, axis_name=AX, devices=devs)
+  step = jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name=AX, devices=devs)
+  rep = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (D,) + a.shape), params)
+  state = init(rep)
+  assert state.acc["w"].shape == (D, 1, 64, 32)
+  g1, g2 = _device_grads(1), _device_grads(2)
+  u1, state = step(rep, state, g1)
+  u2, state = step(rep, state, g2)
+  assert not np.any(np.asarray(u1["w"]))
+  want = -0.1 * (np.asarray(g1["w"]) + np.asarray(g2["w"])).mean(0) / 2
+  np.testing.assert_allclose(np.asarray(u2["w"][3]), want, atol=1e-6)
+  with pytest.raises(ValueError, match="jax.pmap\\(tx.init"):  # a replicated global state
+    step(rep, jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (D,) + a.shape),
+                                     tx.init(params)), g1)
+
+
+def test_state_passed_replicated_raises_naming_state_partition_spec():
+  tx = qcomm.sync(optax.sgd(LR), axis_name=AX, bits=4, accum_steps=2)
+  params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+  state = tx.init(params)
+
+  def step(p, s, x, y):
+    local = jax.tree_util.tree_map(lambda a: lax.pcast(a, AX, to="varying"), p)
+    u, s = tx.update(jax.grad(_mse)(local, (x, y)), s, p)
+    return optax.apply_updates(p, u), s
+
+  f = _smap(step, (P(), P(), P(AX), P(AX)), (P(), P()))  # P() for the whole state: wrong
+  with pytest.raises(ValueError, match=r"qcomm.state_partition_spec\(opt_state, 'data'\)"):
+    f(params, state, *_problem())
+
+
+def test_state_partition_spec_scalars_and_tuple_axes():
+  tx = qcomm.sync(optax.adam(1e-3), axis_name=("a", "b"), bits=4, accum_steps=2,
+                  error_feedback=True)
+  params = {"s": jnp.float32(1.0), "v": jnp.zeros((3,))}
+  state = jax.eval_shape(tx.init, params)
+  spec = qcomm.state_partition_spec(state, ("a", "b"))
+  assert spec.acc == {"s": P(("a", "b")), "v": P(("a", "b"))}
+  assert spec.residual["s"] == P(("a", "b")) and spec.step == P() and spec.key == P()
+  assert all(s == P() for s in jax.tree_util.tree_leaves(spec.inner))
+  assert state.acc["s"].shape == (jax.device_count(),)  # no mesh set: all devices
+  with jax.set_mesh(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))):
+    assert jax.eval_shape(tx.init, params).acc["v"].shape == (4, 3)  # the current mesh's axes
+
+
+# ---- 9. non-finite steps: error feedback and accumulation are not poisoned -----------------------
+
+NAN_CALLS = 12
+NAN_AT = 4  # the call at which device 3 sees a NaN in its data
+
+
+@functools.cache
+def _nan_run_fn(wrap: str, accum: int):
+  inner = optax.sgd(LR, momentum=0.9)
+  if wrap == "apply_if_finite":
+    tx = qcomm.sync(optax.apply_if_finite(inner, 5), axis_name=AX, bits=2, accum_steps=accum,
+                    error_feedback=True)
+  else:
+    tx = qcomm.sync(inner, axis_name=AX, bits=2, accum_steps=accum, error_feedback=True)
+  params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params))
+
+  def step(p, s, x, y, poison):
+    local = jax.tree_util.tree_map(lambda a: lax.pcast(a, AX, to="varying"), p)
+    g = jax.grad(_mse)(local, (x * poison[0], y))
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, u
+
+  f = _smap(step, (P(), spec, P(AX), P(AX), P(AX)), (P(), spec, P()))
+  return tx, params, f
+
+
+def _nan_run(wrap: str, accum: int, poison_at: int | None):
+  tx, params, f = _nan_run_fn(wrap, accum)
+  state = tx.init(params)
+  x, y = _problem()
+  history = []
+  for i in range(NAN_CALLS):
+    poison = np.ones(D, np.float32)
+    if i == poison_at:
+      poison[3] = np.nan
+    params, state, u = f(params, state, x, y, jnp.asarray(poison))
+    history.append((params, state, u))
+  return history
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_training_recovers_from_one_nan_with_error_feedback(accum):
+  """sync(apply_if_finite(inner), error_feedback=True): one NaN on one device costs one step."""
+  clean = _nan_run("apply_if_finite", accum, None)
+  hist = _nan_run("apply_if_finite", accum, NAN_AT)
+  x, y = _problem()
+  loss = lambda h: float(_mse(h[0], (x, y)))  # noqa: E731
+  sync_call = NAN_AT + (accum - 1 - NAN_AT % accum)  # the call that communicates the bad window
+  _, state, u = hist[sync_call]
+  for leaf in jax.tree_util.tree_leaves(u):  # that step is skipped (zeros) by apply_if_finite
+    assert not np.any(np.asarray(leaf))
+  assert int(state.total_notfinite) == 1 and int(state.inner.total_notfinite) == 1
+  for leaf in jax.tree_util.tree_leaves((state.residual, state.acc)):  # nothing poisoned
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  np.testing.assert_array_equal(  # the residual of before the bad window
+      np.asarray(state.residual["w"]), np.asarray(hist[sync_call - accum][1].residual["w"]))
+  # training goes on: every later step is taken, so the run ends one optimizer step behind the
+  # clean run (a residual poisoned for ever would skip them all and leave the loss where it was)
+  assert loss(hist[-1]) < 0.75 * loss(hist[sync_call]), [loss(h) for h in hist]
+  np.testing.assert_allclose(loss(hist[-1]), loss(clean[-1 - accum]), rtol=0.05)
+
+
+def test_nonfinite_synced_gradient_is_not_made_finite():
+  hist = _nan_run("none", 2, NAN_AT)
+  _, state, u = hist[NAN_AT + 1]  # the communicating call of the bad window
+  assert all(not np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree_util.tree_leaves(u))
+  assert int(state.total_notfinite) == 1 and int(state.gradient_step) == (NAN_AT + 2) // 2
+  for leaf in jax.tree_util.tree_leaves((state.residual, state.acc)):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+# ---- 10. describe ---------------------------------------------------------------------------------
+
+def test_describe_counts_bytes_from_the_codecs():
+  tx = qcomm.sync(optax.sgd(0.1), axis_name=AX, bits=4, accum_steps=2, exclude=("head",))
+  params = {"conv": jnp.zeros((3, 3, 16, 32)), "bias": jnp.zeros((32,)),
+            "head": jnp.zeros((64, 64)), "small": jnp.zeros((8, 8))}
+  d = qcomm.describe(tx, params, devices=4)
+  by = {leaf.path: leaf for leaf in d.leaves}
+  q4 = qcomm.QSGD(4)
+  assert by["conv"].codec == q4 and not by["conv"].exact
+  assert by["conv"].payload_bytes == q4.payload_size(3 * 3 * 16 * 32)
+  assert by["conv"].sent_bytes == pytest.approx(2 * 3 / 4 * q4.payload_size(4608))
+  for name in ("bias", "head", "small"):  # 1-D, excluded, under min_size
+    assert by[name].exact and by[name].payload_bytes == 4 * by[name].elements
+  assert d.payload_bytes == sum(leaf.payload_bytes for leaf in d.leaves)
+  assert d.sent_bytes_per_call == pytest.approx(d.sent_bytes_per_sync / 2)
+  assert d.fp32_sent_bytes_per_sync == pytest.approx(1.5 * 4 * d.elements)
+  text = str(d)
+  assert "QSGD 4b/128 maxmin" in text and "exact fp32" in text and "conv" in text
+  assert f"{d.payload_bytes:,}" in text
+  with pytest.raises(ValueError, match="qcomm.sync"):
+    qcomm.describe(optax.chain(tx, optax.scale(1.0)), params)
