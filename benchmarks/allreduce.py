@@ -141,9 +141,9 @@ def wire_bytes(name: str, codec, n: int, d: int, psum_itemsize: int = 4) -> tupl
   if kind in ("psum", "cast_pmean"):
     payload = n * psum_itemsize
   else:
-    bucket = getattr(codec, "bucket_size", 1)
-    n_pad = -(-n // (d * bucket)) * d * bucket
-    payload = d * codec.payload_size(n_pad // d)
+    from jax_qcomm import collectives
+
+    payload = d * codec.payload_size(collectives.sra_padded_size(n, d, codec) // d)
   return payload, (2 * (d - 1) * payload) // d
 
 
@@ -239,6 +239,9 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
+  from jax_qcomm import collectives
+  from jax_qcomm.codecs import Codec
+
   d = mesh.devices.size
   dev = jax.local_devices()[0]
   rows = []
@@ -246,8 +249,7 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
     if CODECS[name][1] != "sra":
       continue
     codec = _make_codec(name, bucket, impl)
-    b = getattr(codec, "bucket_size", 1)
-    c = -(-n // (d * b)) * b  # chunk length per device, as the allreduce pads
+    c = collectives.sra_padded_size(n, d, codec) // d  # chunk length per device, as the allreduce pads
     key = jax.random.key(1)
     chunks = jax.device_put(jax.random.normal(jax.random.key(2), (d, c), jnp.float32), dev)
     enc_rows = jax.jit(lambda xs, k: jax.vmap(codec.encode)(xs, jax.random.split(k, xs.shape[0])))
@@ -259,7 +261,8 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
         "decode_chunks": (jax.jit(lambda p: jax.vmap(lambda q: codec.decode(q, (c,)))(p)),
                           (payloads,)),
     }
-    fused = hasattr(codec, "decode_sum_reencode")
+    # A codec that overrides the interface's composed default runs one fused kernel (QSGD).
+    fused = type(codec).wire_decode_sum_reencode is not Codec.wire_decode_sum_reencode
     if fused:  # what the allreduce runs in place of decode_sum + encode_reduced
       stages["decode_sum_reencode"] = (
           jax.jit(lambda p, k: codec.decode_sum_reencode(p, (c,), k, 1.0 / d)), (payloads, key))

@@ -2,7 +2,9 @@
 
 Every codec maps an array of any shape to one flat ``uint8`` payload (``encode``), back to an
 array (``decode``), and sums several payloads in float32 (``decode_sum``, the middle of a
-compressed allreduce). Payload layouts are specified in docs/wire-format.md.
+compressed allreduce). Payload layouts are specified in docs/wire-format.md. :class:`Codec` is the
+interface, written down: what the collectives, the packing, the cost model and ``describe`` read
+from a codec, and the four methods a new codec implements.
 
 * :class:`QSGD` -- per-bucket quantisation to 1..8 bits with stochastic or nearest rounding;
   two implementations of one format: the C++/CUDA FFI kernels and a pure-JAX reference.
@@ -12,6 +14,7 @@ compressed allreduce). Payload layouts are specified in docs/wire-format.md.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from typing import Any, Sequence
@@ -73,26 +76,126 @@ def _sum_in_order(vals: jax.Array) -> jax.Array:
   return out
 
 
-class Codec:
-  """Interface shared by the codecs. Subclasses implement the flat float32 methods."""
+class Codec(abc.ABC):
+  """The interface of a codec: everything the collectives, the packing of pytrees, the cost model
+  (:mod:`jax_qcomm.efficiency`) and :func:`jax_qcomm.describe` know about one.
 
-  #: True if the codec discards information (collectives then quantise each value twice).
-  lossy: bool = True
+  A codec is an immutable, hashable value (a frozen dataclass): the collectives group leaves by
+  codec and ``jit`` sees it as a static part of the traced program. Nothing outside this module
+  looks at a concrete codec's type or private state; it reads the attributes below.
 
+  **What it states**
+
+  * :attr:`exact` -- ``decode(encode(x)) == x`` bit for bit. The collectives then skip the codec
+    and reduce the float32 values with XLA's own ``psum`` / ``psum_scatter`` / ``all_gather``
+    (the same bytes, fewer steps). :attr:`lossy` is its negation.
+  * :attr:`needs_key` -- :meth:`encode` needs a JAX PRNG key (stochastic rounding).
+  * :attr:`pad_multiple` -- a buffer is padded to a multiple of this many elements (per leaf in
+    a packed buffer, per device chunk in the allreduce) so that no group of values that share
+    scales straddles two leaves or two chunks. :meth:`pad_fill` is the value padding uses.
+  * :attr:`wire_dtype` -- the word type the payload travels as inside the collectives.
+  * :attr:`name` -- a short human-readable name.
+
+  **Sizes**: :meth:`payload_size` (bytes for ``n`` elements), :meth:`wire_size` (words of
+  :attr:`wire_dtype` for ``n`` elements) and :meth:`wire_bits` (bits per element).
+
+  **Array API** (public, any shape, ``uint8`` payloads in the documented wire format):
+  :meth:`encode`, :meth:`decode`, :meth:`decode_sum`, :meth:`decode_sum_reencode`,
+  :meth:`roundtrip`. Built here from the wire API; subclasses need not touch them.
+
+  **Wire API** (what the collectives call; flat float32 in, rows of :attr:`wire_dtype` words out):
+
+  * ``wire_encode(x: float32[n], key) -> wire[wire_size(n)]``
+  * ``wire_decode_sum(wires: wire[k, W], n) -> float32[n]``: the in-order float32 sum of the k
+    decodes (``k = 1`` decodes);
+  * ``wire_decode_sum_reencode(wires, n, key, scale) -> wire[W]``: the middle of the allreduce,
+    ``wire_encode(wire_decode_sum(wires, n) * float32(scale), key)`` (no multiplication where
+    ``scale == 1``); a codec may fuse it into one kernel with the same bytes (QSGD does).
+
+  **Adding a codec**: subclass as a frozen dataclass and implement :meth:`payload_size`,
+  :meth:`wire_bits`, :meth:`wire_encode` and :meth:`wire_decode_sum`; override the stated
+  attributes where the defaults (lossy, no key, no padding, ``uint8`` words) do not hold.
+  """
+
+  #: True if decode(encode(x)) == x bit for bit (collectives then use XLA's float32 collectives).
+  exact: bool = False
+  #: Word type of the payload inside the collectives; its size divides every payload size.
+  wire_dtype: Any = np.uint8
+
+  @property
+  def lossy(self) -> bool:
+    """True if the codec discards information (collectives then quantise each value twice)."""
+    return not self.exact
+
+  @property
+  def needs_key(self) -> bool:
+    """True if :meth:`encode` needs a PRNG key (stochastic rounding)."""
+    return False
+
+  @property
+  def pad_multiple(self) -> int:
+    """Buffers are padded to a multiple of this many elements (the quantisation bucket)."""
+    return 1
+
+  @property
+  def name(self) -> str:
+    """A short human-readable name ('QSGD 4b/128 maxmin', 'Cast bfloat16', 'exact fp32')."""
+    return type(self).__name__
+
+  def pad_fill(self, x: jax.Array) -> jax.Array:
+    """The float32 scalar that pads float32[n] ``x`` without changing its last group's scales."""
+    del x
+    return jnp.float32(0)
+
+  @abc.abstractmethod
   def payload_size(self, n: int) -> int:
     """Bytes of the payload of an array of n elements."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def wire_bits(self) -> float:
     """Bits on the wire per element, for whole buckets."""
-    raise NotImplementedError
+
+  def wire_size(self, n: int) -> int:
+    """Words of :attr:`wire_dtype` in the payload of n elements."""
+    return self.payload_size(n) // np.dtype(self.wire_dtype).itemsize
+
+  # -- wire API: to implement --------------------------------------------------------------------
+  @abc.abstractmethod
+  def wire_encode(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+    """float32[n] -> wire_dtype[wire_size(n)]: the payload of x."""
+
+  @abc.abstractmethod
+  def wire_decode_sum(self, wires: jax.Array, n: int) -> jax.Array:
+    """wire_dtype[k, wire_size(n)] -> float32[n]: the in-order float32 sum of the k decodes."""
+
+  def wire_decode_sum_reencode(self, wires: jax.Array, n: int, key: jax.Array | None,
+                               scale: float = 1.0) -> jax.Array:
+    """wire[k, W] -> wire[W]: ``wire_encode(wire_decode_sum(wires, n) * float32(scale), key)``."""
+    reduced = self.wire_decode_sum(wires, n)
+    if scale != 1.0:
+      reduced = reduced * jnp.float32(scale)
+    return self.wire_encode(reduced, key)
+
+  # -- array API ---------------------------------------------------------------------------------
+  def _to_bytes(self, wire: jax.Array) -> jax.Array:
+    """wire[..., W] -> uint8[..., W * itemsize] (the same bytes, little-endian)."""
+    if wire.dtype == jnp.uint8:
+      return wire
+    return lax.bitcast_convert_type(wire, jnp.uint8).reshape(wire.shape[:-1] + (-1,))
+
+  def _from_bytes(self, payloads: jax.Array) -> jax.Array:
+    """uint8[..., P] -> wire[..., P / itemsize]."""
+    size = np.dtype(self.wire_dtype).itemsize
+    if size == 1:
+      return payloads
+    words = payloads.reshape(payloads.shape[:-1] + (payloads.shape[-1] // size, size))
+    return lax.bitcast_convert_type(words, self.wire_dtype)
 
   def encode(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """Encodes x (any shape; float32/bfloat16/float16) to uint8[payload_size(x.size)]."""
     x = jnp.asarray(x)
     _check_float(x)
-    flat = x.reshape(-1).astype(jnp.float32)
-    return self._encode_flat(flat, key)
+    return self._to_bytes(self.wire_encode(x.reshape(-1).astype(jnp.float32), key))
 
   def decode(self, payload: jax.Array, shape: Shape, dtype: Any = jnp.float32) -> jax.Array:
     """Decodes a payload made by ``encode`` of an array of ``shape``; returns ``dtype``."""
@@ -100,41 +203,39 @@ class Codec:
     dtype = _check_out_dtype(dtype)
     n = math.prod(shape)
     _check_payload(payload, self.payload_size(n))
-    return self._decode_sum_flat(payload[None], n).reshape(shape).astype(dtype)
+    return self.wire_decode_sum(self._from_bytes(payload[None]), n).reshape(shape).astype(dtype)
 
   def decode_sum(self, payloads: jax.Array, shape: Shape, dtype: Any = jnp.float32) -> jax.Array:
     """Sum of the decodes of payloads[k, P] (float32 accumulation, in order 0..k-1)."""
     shape = tuple(int(d) for d in shape)
     dtype = _check_out_dtype(dtype)
     n = math.prod(shape)
-    if payloads.ndim != 2 or payloads.shape[0] < 1:
-      raise ValueError(f"payloads must have shape [k >= 1, {self.payload_size(n)}], "
-                       f"got {payloads.shape}")
-    _check_payload(payloads, self.payload_size(n), lead=(payloads.shape[0],))
-    return self._decode_sum_flat(payloads, n).reshape(shape).astype(dtype)
+    self._check_payloads(payloads, n)
+    return self.wire_decode_sum(self._from_bytes(payloads), n).reshape(shape).astype(dtype)
+
+  def decode_sum_reencode(self, payloads: jax.Array, shape: Shape, key: jax.Array | None = None,
+                          scale: float = 1.0) -> jax.Array:
+    """``encode(decode_sum(payloads, shape) * float32(scale), key)``: the middle of the compressed
+    allreduce, where the owner of a chunk sums the k payloads it received and re-encodes the
+    (scaled) sum. The bytes are those of the three steps done apart (the multiplication is skipped
+    where ``scale == 1``, as the collectives do); a codec may fuse them (QSGD's FFI kernels do).
+    """
+    shape = tuple(int(d) for d in shape)
+    n = math.prod(shape)
+    self._check_payloads(payloads, n)
+    wire = self.wire_decode_sum_reencode(self._from_bytes(payloads), n, key, float(scale))
+    return self._to_bytes(wire)
 
   def roundtrip(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """decode(encode(x, key)): what the receiver sees, in x's shape and dtype."""
     x = jnp.asarray(x)
     return self.decode(self.encode(x, key), x.shape, x.dtype)
 
-  # -- to implement: flat float32[n] in, uint8[P] out and back ------------------------------------
-  def _encode_flat(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
-    raise NotImplementedError
-
-  def _decode_sum_flat(self, payloads: jax.Array, n: int) -> jax.Array:
-    raise NotImplementedError
-
-  # -- the collectives' wire: the payload in the words it travels as -------------------------------
-  # The collectives send rows of these; by default they are the uint8 payload itself. A codec may
-  # send the same bytes as wider words when XLA handles those faster (Cast: uint16).
-  def _to_wire(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
-    """float32[n] -> wire[W]: the payload of x."""
-    return self._encode_flat(x, key)
-
-  def _wire_decode_sum(self, wires: jax.Array, n: int) -> jax.Array:
-    """wire[k, W] -> float32[n]: the in-order sum of the k decodes."""
-    return self._decode_sum_flat(wires, n)
+  def _check_payloads(self, payloads: jax.Array, n: int) -> None:
+    if payloads.ndim != 2 or payloads.shape[0] < 1:
+      raise ValueError(f"payloads must have shape [k >= 1, {self.payload_size(n)}], "
+                       f"got {payloads.shape}")
+    _check_payload(payloads, self.payload_size(n), lead=(payloads.shape[0],))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +281,25 @@ class QSGD(Codec):
   def _fmt(self) -> dict:
     return dict(bits=self.bits, bucket_size=self.bucket_size, scheme=self.scheme)
 
+  @property
+  def needs_key(self) -> bool:
+    return self.rounding == "stochastic"
+
+  @property
+  def pad_multiple(self) -> int:
+    return self.bucket_size
+
+  @property
+  def name(self) -> str:
+    rounding = "" if self.rounding == "stochastic" else f" {self.rounding}"
+    return f"QSGD {self.bits}b/{self.bucket_size} {self.scheme}{rounding}"
+
+  def pad_fill(self, x: jax.Array) -> jax.Array:
+    # maxmin: repeating the last value keeps the bucket's min and max; norm: 0 keeps its norm.
+    if self.scheme == "maxmin" and x.shape[0] > 0:
+      return x[-1]
+    return jnp.float32(0)
+
   def payload_size(self, n: int) -> int:
     return wire.qsgd_payload_bytes(n, **self._fmt)
 
@@ -199,7 +319,7 @@ class QSGD(Codec):
       return lax.platform_dependent(*args, **branches)
     return lax.platform_dependent(*args, default=jax_fn, **branches)
 
-  def _encode_flat(self, x, key):
+  def wire_encode(self, x, key):
     n = x.shape[0]
     seed = self._seed(key)
     if n == 0:
@@ -208,7 +328,7 @@ class QSGD(Codec):
     return self._platform_select(lambda a, s: _ffi.qsgd_encode(a, s, **kw),
                                  lambda a, s: _reference.encode(a, s, **kw), x, seed)
 
-  def _decode_sum_flat(self, payloads, n):
+  def wire_decode_sum(self, payloads, n):
     if n == 0:
       return jnp.zeros((0,), jnp.float32)
     kw = self._fmt
@@ -222,22 +342,9 @@ class QSGD(Codec):
       return seed_words(key)
     return jnp.zeros((2,), jnp.uint32) if key is None else seed_words(key)
 
-  def decode_sum_reencode(self, payloads: jax.Array, shape: Shape, key: jax.Array | None = None,
-                          scale: float = 1.0) -> jax.Array:
-    """``encode(decode_sum(payloads, shape) * float32(scale), key)`` in one kernel.
-
-    The middle of the compressed allreduce: the owner of a chunk sums the k payloads it received
-    and re-encodes the (scaled) sum. The payload bytes are those of the three steps done apart
-    (the multiplication is skipped where ``scale == 1``, as :func:`jax_qcomm.collectives` does);
-    the FFI kernels (CPU and CUDA) fuse them, the pure-JAX reference composes them.
-    """
-    shape = tuple(int(d) for d in shape)
-    n = math.prod(shape)
-    if payloads.ndim != 2 or payloads.shape[0] < 1:
-      raise ValueError(f"payloads must have shape [k >= 1, {self.payload_size(n)}], "
-                       f"got {payloads.shape}")
-    _check_payload(payloads, self.payload_size(n), lead=(payloads.shape[0],))
-    scale = float(scale)
+  def wire_decode_sum_reencode(self, payloads, n, key, scale=1.0):
+    # One kernel on the FFI platforms (CPU, CUDA); the pure-JAX reference composes the three steps.
+    # Same bytes either way (tests/test_codec.py).
     seed = self._seed(key)
     if n == 0:
       return jnp.zeros((0,), jnp.uint8)
@@ -275,20 +382,19 @@ class Cast(Codec):
   def wire_bits(self) -> float:
     return 16.0
 
-  def _encode_flat(self, x, key):
-    return lax.bitcast_convert_type(x.astype(self.dtype), jnp.uint8).reshape(-1)
+  # Words of uint16 in the collectives: the same bytes as the uint8 payload, but XLA CPU converts
+  # float32 -> bf16 -> uint16 about 4x faster than into a uint8 view (a relayout of every value
+  # into two bytes).
+  wire_dtype = np.uint16
 
-  def _decode_sum_flat(self, payloads, n):
-    k = payloads.shape[0]
-    return _sum_in_order(
-        lax.bitcast_convert_type(payloads.reshape(k, n, 2), self.dtype).astype(jnp.float32))
+  @property
+  def name(self) -> str:
+    return f"Cast {jnp.dtype(self.dtype).name}"
 
-  # The collectives send uint16 words: the same bytes, but XLA CPU converts float32 -> bf16 ->
-  # uint16 about 4x faster than into a uint8 view (a relayout of every value into two bytes).
-  def _to_wire(self, x, key):
+  def wire_encode(self, x, key):
     return lax.bitcast_convert_type(x.astype(self.dtype), jnp.uint16)
 
-  def _wire_decode_sum(self, wires, n):
+  def wire_decode_sum(self, wires, n):
     return _sum_in_order(lax.bitcast_convert_type(wires, self.dtype).astype(jnp.float32))
 
 
@@ -296,7 +402,11 @@ class Cast(Codec):
 class NoCompression(Codec):
   """Exact float32. Collectives use ``lax.psum`` for it; encode/decode are the float32 bytes."""
 
-  lossy = False
+  exact = True
+
+  @property
+  def name(self) -> str:
+    return "exact fp32"
 
   def payload_size(self, n: int) -> int:
     return 4 * n
@@ -304,9 +414,24 @@ class NoCompression(Codec):
   def wire_bits(self) -> float:
     return 32.0
 
-  def _encode_flat(self, x, key):
+  def wire_encode(self, x, key):
     return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
-  def _decode_sum_flat(self, payloads, n):
+  def wire_decode_sum(self, payloads, n):
     k = payloads.shape[0]
     return _sum_in_order(lax.bitcast_convert_type(payloads.reshape(k, n, 4), jnp.float32))
+
+
+def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
+                   rounding: str = "stochastic") -> Codec:
+  """32 -> NoCompression, 16 -> Cast(bfloat16), 1..8 -> QSGD(bits, bucket_size, scheme, rounding).
+
+  The ``bits`` of :func:`jax_qcomm.sync` and of the cost model; ``bucket_size``, ``scheme`` and
+  ``rounding`` apply to QSGD only."""
+  if isinstance(bits, bool) or not isinstance(bits, int) or not (bits in (16, 32) or 1 <= bits <= 8):
+    raise ValueError(f"bits must be 32 (exact), 16 (bf16 on the wire) or 1..8 (QSGD), got {bits!r}")
+  if bits == 32:
+    return NoCompression()
+  if bits == 16:
+    return Cast(jnp.bfloat16)
+  return QSGD(bits=bits, bucket_size=bucket_size, scheme=scheme, rounding=rounding)

@@ -25,7 +25,7 @@ from jax import lax
 
 from jax_qcomm import _exchange, _varying, packing
 from jax_qcomm._checks import check_int
-from jax_qcomm.codecs import QSGD, Codec, NoCompression
+from jax_qcomm.codecs import QSGD, Codec
 
 AxisName = Union[Hashable, tuple]
 OPS = ("mean", "sum")
@@ -66,13 +66,10 @@ def axis_size(axis_name: AxisName) -> int:
 
 def _check_common(codec: Any, op: str) -> None:
   if not isinstance(codec, Codec):
-    raise ValueError(f"codec must be a jax_qcomm codec (QSGD, Cast, NoCompression), got {codec!r}")
+    raise ValueError(f"codec must be a jax_qcomm codec (QSGD, Cast, NoCompression or another "
+                     f"jax_qcomm.Codec), got {codec!r}")
   if op not in OPS:
     raise ValueError(f"op must be one of {OPS}, got {op!r}")
-
-
-def _needs_key(codec: Codec) -> bool:
-  return isinstance(codec, QSGD) and codec.rounding == "stochastic"
 
 
 def _device_key(key: jax.Array | None, axis_name: AxisName, salt: int) -> jax.Array | None:
@@ -85,13 +82,21 @@ def _device_key(key: jax.Array | None, axis_name: AxisName, salt: int) -> jax.Ar
 def _encode_rows(codec: Codec, rows: jax.Array, key: jax.Array | None) -> jax.Array:
   """float32[k, c] -> wire[k, W] (the codec's payloads as it sends them), a key per row."""
   if key is None:
-    return jax.vmap(lambda r: codec._to_wire(r, None))(rows)
-  return jax.vmap(codec._to_wire)(rows, jax.random.split(key, rows.shape[0]))
+    return jax.vmap(lambda r: codec.wire_encode(r, None))(rows)
+  return jax.vmap(codec.wire_encode)(rows, jax.random.split(key, rows.shape[0]))
 
 
 def _decode_rows(codec: Codec, wires: jax.Array, c: int) -> jax.Array:
   """wire[k, W] -> float32[k, c], each row decoded on its own."""
-  return jax.vmap(lambda w: codec._wire_decode_sum(w[None], c))(wires)
+  return jax.vmap(lambda w: codec.wire_decode_sum(w[None], c))(wires)
+
+
+def sra_padded_size(n: int, devices: int, codec: Codec) -> int:
+  """Elements of a flat buffer of ``n`` after the scatter-reduce-allgather pads it: a multiple of
+  ``devices * codec.pad_multiple``, so that every device's chunk is whole quantisation buckets.
+  (The cost model counts bytes with this same function.)"""
+  m = devices * codec.pad_multiple
+  return -(-n // m) * m
 
 
 # ---- flat float32 buffers ----------------------------------------------------------------------
@@ -109,19 +114,14 @@ def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
   payloads = _encode_rows(codec, chunks, _device_key(key, axis_name, 0))
   residual = (chunks - _decode_rows(codec, payloads, c)).reshape(-1)
   received = _exchange.exchange(payloads, axis_name, exchange)  # row s: my chunk from s
-  if hasattr(codec, "decode_sum_reencode"):  # one fused kernel, the same bytes as below
-    mine = codec.decode_sum_reencode(received, (c,), _device_key(key, axis_name, 1), scale)
-  else:
-    reduced = codec._wire_decode_sum(received, c)
-    if scale != 1.0:
-      reduced = reduced * jnp.float32(scale)
-    mine = codec._to_wire(reduced, _device_key(key, axis_name, 1))
+  mine = codec.wire_decode_sum_reencode(received, c, _device_key(key, axis_name, 1), scale)
   gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, P], the same everywhere
   return _decode_rows(codec, gathered, c).reshape(-1), residual
 
 
-def _pad_to(x: jax.Array, multiple: int) -> jax.Array:
-  pad = -x.shape[0] % multiple
+def _pad_to(x: jax.Array, size: int) -> jax.Array:
+  """float32[n] -> float32[size], zeros appended (size >= n)."""
+  pad = size - x.shape[0]
   return jnp.pad(x, (0, pad)) if pad else x
 
 
@@ -136,15 +136,14 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
   size = axis_size(axis_name)
   if n == 0:
     return x, x
-  if isinstance(codec, NoCompression):
+  if codec.exact:
     names = (axis_name.inner, axis_name.outer) if isinstance(axis_name, Hierarchical) else axis_name
     out = lax.pmean(x, names) if op == "mean" else lax.psum(x, names)
     return out, jnp.zeros_like(x)
   scale = 1.0 / size if op == "mean" else 1.0
-  bucket = packing.quant_bucket(codec)
   if isinstance(axis_name, Hierarchical):
     d_in, d_out = lax.axis_size(axis_name.inner), lax.axis_size(axis_name.outer)
-    x = _pad_to(x, d_in * d_out * bucket)
+    x = _pad_to(x, sra_padded_size(n, d_in * d_out, codec))
     shard = lax.psum_scatter(x, axis_name.inner, scatter_dimension=0, tiled=True)  # exact
     if scale != 1.0:
       shard = shard * jnp.float32(scale)
@@ -156,7 +155,7 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
                                         (inner_index * shard.shape[0],))
     full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
     return full[:n], residual[:n]
-  x = _pad_to(x, size * bucket)
+  x = _pad_to(x, sra_padded_size(n, size, codec))
   out, residual = _sra(x, axis_name, codec, key, scale, exchange)
   return out[:n], residual[:n]
 
@@ -211,7 +210,7 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   else:
     policy = packing.LeafPolicy() if policy is None else policy
     codecs = [policy.codec_for(packing.path_str(p), leaf, codec) for (p, _), leaf in zip(with_path, leaves)]
-  if key is None and any(_needs_key(c) for c in codecs):
+  if key is None and any(c.needs_key for c in codecs):
     raise ValueError("key is required for stochastic rounding: pass key=jax.random.key(...) "
                      "(a new one per call)")
   out: list[Any] = [None] * len(leaves)
@@ -249,15 +248,15 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.reduce_scatter")
   if x.ndim == 0 or x.shape[0] % d:
     raise ValueError(f"x.shape[0] must be divisible by the axis size {d}, got shape {x.shape}")
-  if _needs_key(codec) and key is None:
+  if codec.needs_key and key is None:
     raise ValueError("key is required for stochastic rounding: pass key=jax.random.key(...)")
-  if isinstance(codec, NoCompression):
+  if codec.exact:
     out = lax.psum_scatter(x.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
     return (out / d if op == "mean" else out).astype(x.dtype)
   block = (x.shape[0] // d,) + x.shape[1:]
   m = math.prod(block)
   payloads = _encode_rows(codec, x.reshape(d, m).astype(jnp.float32), _device_key(key, axis_name, 0))
-  reduced = codec._wire_decode_sum(_exchange.exchange(payloads, axis_name, exchange), m)
+  reduced = codec.wire_decode_sum(_exchange.exchange(payloads, axis_name, exchange), m)
   if op == "mean":
     reduced = reduced * jnp.float32(1.0 / d)
   return reduced.reshape(block).astype(x.dtype)
@@ -276,13 +275,13 @@ def all_gather(x: jax.Array, axis_name: AxisName,
     raise ValueError("axis_name must be a name or tuple of names for all_gather, not Hierarchical")
   d = axis_size(axis_name)
   packing.check_float_leaves(x)
-  if _needs_key(codec) and key is None:
+  if codec.needs_key and key is None:
     raise ValueError("key is required for stochastic rounding: pass key=jax.random.key(...)")
   if tiled and x.ndim == 0:
     raise ValueError("x must have at least one dimension for tiled=True")
-  if isinstance(codec, NoCompression):
+  if codec.exact:
     return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
-  payload = codec._to_wire(x.reshape(-1).astype(jnp.float32), _device_key(key, axis_name, 0))
+  payload = codec.wire_encode(x.reshape(-1).astype(jnp.float32), _device_key(key, axis_name, 0))
   gathered = lax.all_gather(payload, axis_name, to="invarying")
   out = _decode_rows(codec, gathered, x.size).astype(x.dtype)
   out = out.reshape((d,) + x.shape)

@@ -18,20 +18,13 @@ import jax.numpy as jnp
 
 from jax_qcomm import collectives, packing
 from jax_qcomm._checks import check_int
-from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
+from jax_qcomm.codecs import Codec
 from jax_qcomm.sync import config_of, num_devices
 
 
 def codec_name(codec: Codec) -> str:
-  """Short name: 'QSGD 4b/128 maxmin', 'Cast bfloat16', 'exact fp32'."""
-  if isinstance(codec, QSGD):
-    rounding = "" if codec.rounding == "stochastic" else f" {codec.rounding}"
-    return f"QSGD {codec.bits}b/{codec.bucket_size} {codec.scheme}{rounding}"
-  if isinstance(codec, Cast):
-    return f"Cast {jnp.dtype(codec.dtype).name}"
-  if isinstance(codec, NoCompression):
-    return "exact fp32"
-  return type(codec).__name__
+  """Short name: 'QSGD 4b/128 maxmin', 'Cast bfloat16', 'exact fp32' (the codec's own ``name``)."""
+  return codec.name
 
 
 def _sent(devices: int, payload: int) -> float:
@@ -55,7 +48,7 @@ class LeafTraffic:
   @property
   def exact(self) -> bool:
     """True if the policy sends this leaf exact (float32, ``lax.psum``)."""
-    return isinstance(self.codec, NoCompression)
+    return self.codec.exact
 
   @property
   def ratio(self) -> float:

@@ -54,6 +54,12 @@ from typing import Any, Iterable
 
 import numpy as np
 
+import jax
+
+from jax_qcomm import collectives, packing
+from jax_qcomm._checks import check_int
+from jax_qcomm.codecs import Codec, codec_for_bits
+
 __all__ = [
     "DEFAULT_COMM_BUCKET", "codec_of", "sra_padded_elements", "payload_bytes", "ring_allreduce_bytes",
     "sra_allreduce_bytes", "allreduce_bytes", "hierarchical_allreduce_bytes", "tree_allreduce_bytes",
@@ -61,8 +67,8 @@ __all__ = [
     "micro_step_time", "scaling_efficiency", "speedup", "algbw", "busbw", "BUS_FACTORS", "eta_table",
 ]
 
-#: elements per flat communication buffer, as ``jax_qcomm.collectives.DEFAULT_COMM_BUCKET``.
-DEFAULT_COMM_BUCKET = 1 << 24
+#: elements per flat communication buffer (the collectives' default).
+DEFAULT_COMM_BUCKET = collectives.DEFAULT_COMM_BUCKET
 
 #: nccl-tests bus-bandwidth factors, as functions of the device count D.
 BUS_FACTORS = {
@@ -77,15 +83,6 @@ BUS_FACTORS = {
 
 # -- argument checks --------------------------------------------------------------------------------
 
-def _int(name: str, value: Any, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-  value = int(value)
-  if value < minimum:
-    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-  return value
-
-
 def _num(name: str, value: Any, *, positive: bool = False, allow_none: bool = False) -> float | None:
   if value is None and allow_none:
     return None
@@ -99,12 +96,9 @@ def _num(name: str, value: Any, *, positive: bool = False, allow_none: bool = Fa
   return v
 
 
-def codec_of(codec: Any) -> Any:
+def codec_of(codec: Any) -> Codec:
   """A codec object from a codec or a ``bits`` value (32 exact, 16 bf16, 1..8 QSGD maxmin, bucket
   128, as :func:`jax_qcomm.sync`); ValueError otherwise."""
-  from jax_qcomm.codecs import Codec
-  from jax_qcomm.sync import codec_for_bits
-
   if isinstance(codec, Codec):
     return codec
   if isinstance(codec, bool) or not isinstance(codec, (int, np.integer)):
@@ -113,24 +107,14 @@ def codec_of(codec: Any) -> Any:
   return codec_for_bits(int(codec))
 
 
-def _is_exact(codec: Any) -> bool:
-  from jax_qcomm.codecs import NoCompression
-  return isinstance(codec, NoCompression)
-
-
-def _bucket(codec: Any) -> int:
-  from jax_qcomm.codecs import QSGD
-  return codec.bucket_size if isinstance(codec, QSGD) else 1
-
-
 # -- bytes ------------------------------------------------------------------------------------------
 
 def sra_padded_elements(n: int, devices: int, codec: Any) -> int:
-  """Elements of the buffer after the SRA pads it to a multiple of ``devices * bucket``."""
-  n = _int("n", n, 0)
-  d = _int("devices", devices, 1)
-  m = d * _bucket(codec_of(codec))
-  return -(-n // m) * m
+  """Elements of the buffer after the SRA pads it to a multiple of ``devices * bucket``
+  (:func:`jax_qcomm.collectives.sra_padded_size`, what the allreduce itself pads to)."""
+  n = check_int("n", n, 0)
+  d = check_int("devices", devices, 1)
+  return collectives.sra_padded_size(n, d, codec_of(codec))
 
 
 def payload_bytes(n: int, codec: Any, devices: int = 1) -> int:
@@ -141,9 +125,9 @@ def payload_bytes(n: int, codec: Any, devices: int = 1) -> int:
   :func:`jax_qcomm.wire.qsgd_payload_bytes`; ``Cast``: 2 bytes per value).
   """
   codec = codec_of(codec)
-  n = _int("n", n, 0)
-  d = _int("devices", devices, 1)
-  if _is_exact(codec):
+  n = check_int("n", n, 0)
+  d = check_int("devices", devices, 1)
+  if codec.exact:
     return 4 * n
   c = sra_padded_elements(n, d, codec) // d
   return d * codec.payload_size(c)
@@ -152,16 +136,16 @@ def payload_bytes(n: int, codec: Any, devices: int = 1) -> int:
 def ring_allreduce_bytes(n: int, devices: int, itemsize: int = 4) -> float:
   """Bytes each device sends in a ring allreduce of ``n`` values of ``itemsize`` bytes:
   ``2 (D-1)/D * n * itemsize`` (0 for one device)."""
-  n = _int("n", n, 0)
-  d = _int("devices", devices, 1)
-  itemsize = _int("itemsize", itemsize, 1)
+  n = check_int("n", n, 0)
+  d = check_int("devices", devices, 1)
+  itemsize = check_int("itemsize", itemsize, 1)
   return 2 * (d - 1) / d * n * itemsize
 
 
 def sra_allreduce_bytes(n: int, devices: int, codec: Any) -> float:
   """Bytes each device sends in a scatter-reduce-allgather allreduce of ``n`` float32 values with
   ``codec``: ``2 (D-1)/D * payload_bytes(n, codec, D)`` (padding and scales included)."""
-  d = _int("devices", devices, 1)
+  d = check_int("devices", devices, 1)
   return 2 * (d - 1) / d * payload_bytes(n, codec, d)
 
 
@@ -169,7 +153,7 @@ def allreduce_bytes(n: int, devices: int, codec: Any = 32) -> float:
   """Bytes each device sends per allreduce of ``n`` float32 values: ring float32 for exact
   (``NoCompression`` / bits 32), SRA for ``QSGD`` / ``Cast`` (bits 1..8 / 16)."""
   codec = codec_of(codec)
-  if _is_exact(codec):
+  if codec.exact:
     return ring_allreduce_bytes(n, devices, 4)
   return sra_allreduce_bytes(n, devices, codec)
 
@@ -184,13 +168,12 @@ def hierarchical_allreduce_bytes(n: int, inner: int, outer: int, codec: Any = 4)
   on the slow links (a ring crosses them).
   """
   codec = codec_of(codec)
-  di = _int("inner", inner, 1)
-  do = _int("outer", outer, 1)
-  n = _int("n", n, 0)
-  if _is_exact(codec):
+  di = check_int("inner", inner, 1)
+  do = check_int("outer", outer, 1)
+  n = check_int("n", n, 0)
+  if codec.exact:
     return {"inner": 0.0, "outer": ring_allreduce_bytes(n, di * do, 4)}
-  m = di * do * _bucket(codec)
-  n_pad = -(-n // m) * m
+  n_pad = collectives.sra_padded_size(n, di * do, codec)
   return {"inner": 2 * (di - 1) / di * 4 * n_pad,
           "outer": sra_allreduce_bytes(n_pad // di, do, codec)}
 
@@ -207,13 +190,9 @@ def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any
   ``coded_elements`` (elements going through a lossy codec, i.e. its codec work), ``elements``
   (all gradient elements), ``buffers`` (list of ``(codec repr, elements, bytes)``).
   """
-  import jax
-
-  from jax_qcomm import packing
-
   codec = codec_of(codec)
-  d = _int("devices", devices, 1)
-  comm_bucket_size = _int("comm_bucket_size", comm_bucket_size, 1)
+  d = check_int("devices", devices, 1)
+  comm_bucket_size = check_int("comm_bucket_size", comm_bucket_size, 1)
   policy = packing.LeafPolicy() if policy is None else policy
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   leaves = [leaf for _, leaf in with_path]
@@ -223,12 +202,11 @@ def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any
     codecs = [policy.codec_for(packing.path_str(p), leaf, codec) for p, leaf in with_path]
   total, messages, coded, buffers = 0.0, 0, 0, []
   for group in packing.plan(leaves, codecs, comm_bucket_size):
-    b = packing.quant_bucket(group.codec)
-    n = sum(-(-int(math.prod(leaves[i].shape)) // b) * b for i in group.leaves)
+    n = sum(packing.padded_size(int(math.prod(leaves[i].shape)), group.codec) for i in group.leaves)
     sent = allreduce_bytes(n, d, group.codec)
     total += sent
     messages += messages_per_allreduce(d) if n else 0
-    if not _is_exact(group.codec):
+    if group.codec.lossy:
       coded += n
     buffers.append((repr(group.codec), n, sent))
   elements = sum(int(math.prod(leaf.shape)) for leaf in leaves)
@@ -238,7 +216,7 @@ def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any
 
 def messages_per_allreduce(devices: int) -> int:
   """Messages each device sends per flat buffer: ``2 (D-1)`` (ring and SRA alike)."""
-  d = _int("devices", devices, 1)
+  d = check_int("devices", devices, 1)
   return 2 * (d - 1)
 
 
@@ -251,7 +229,7 @@ def transfer_time(nbytes: float, link_gbps: float, *, latency_s: float = 0.0,
   nbytes = _num("nbytes", nbytes)
   rate = _num("link_gbps", link_gbps, positive=True)
   latency_s = _num("latency_s", latency_s)
-  messages = _int("messages", messages, 0)
+  messages = check_int("messages", messages, 0)
   return nbytes * 8 / (rate * 1e9) + messages * latency_s
 
 
@@ -274,15 +252,15 @@ def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: 
   one is encoded while another travels), ``Tc = max(transfer, codec)`` -- the lower bound to the
   default (serial) upper bound."""
   codec = codec_of(codec)
-  d = _int("devices", devices, 1)
-  n = _int("n", n, 0)
+  d = check_int("devices", devices, 1)
+  n = check_int("n", n, 0)
   if not isinstance(overlap_codec, bool):
     raise ValueError(f"overlap_codec must be True or False, got {overlap_codec!r}")
   if d == 1:
     return 0.0
   t = transfer_time(allreduce_bytes(n, d, codec), link_gbps, latency_s=latency_s,
                     messages=messages_per_allreduce(d) if n else 0)
-  c = 0.0 if _is_exact(codec) else codec_time(n, codec_elems_per_s)
+  c = 0.0 if codec.exact else codec_time(n, codec_elems_per_s)
   return max(t, c) if overlap_codec else t + c
 
 
@@ -291,13 +269,13 @@ def optimizer_step_time(ts: float, tc: float, accum_steps: int = 1) -> float:
   ``tc``: one allreduce; no overlap)."""
   ts = _num("ts", ts)
   tc = _num("tc", tc)
-  k = _int("accum_steps", accum_steps, 1)
+  k = check_int("accum_steps", accum_steps, 1)
   return k * ts + tc
 
 
 def micro_step_time(ts: float, tc: float, accum_steps: int = 1) -> float:
   """Seconds per micro-step: ``ts + tc / accum_steps``."""
-  return optimizer_step_time(ts, tc, accum_steps) / _int("accum_steps", accum_steps, 1)
+  return optimizer_step_time(ts, tc, accum_steps) / check_int("accum_steps", accum_steps, 1)
 
 
 def scaling_efficiency(ts: float, tc: float, accum_steps: int = 1) -> float:
@@ -305,13 +283,13 @@ def scaling_efficiency(ts: float, tc: float, accum_steps: int = 1) -> float:
   ``tc`` seconds per allreduce (one every ``accum_steps`` micro-steps)."""
   ts = _num("ts", ts, positive=True)
   tc = _num("tc", tc)
-  k = _int("accum_steps", accum_steps, 1)
+  k = check_int("accum_steps", accum_steps, 1)
   return ts / (ts + tc / k)
 
 
 def speedup(ts: float, tc: float, devices: int, accum_steps: int = 1) -> float:
   """Throughput of ``devices`` data-parallel devices relative to one: ``devices * eta``."""
-  return _int("devices", devices, 1) * scaling_efficiency(ts, tc, accum_steps)
+  return check_int("devices", devices, 1) * scaling_efficiency(ts, tc, accum_steps)
 
 
 # -- bandwidths (nccl-tests) ------------------------------------------------------------------------
@@ -327,7 +305,7 @@ def busbw(size_bytes: float, seconds: float, devices: int, collective: str = "al
   rate has busbw = link bytes/s."""
   if collective not in BUS_FACTORS:
     raise ValueError(f"collective must be one of {tuple(BUS_FACTORS)}, got {collective!r}")
-  d = _int("devices", devices, 1)
+  d = check_int("devices", devices, 1)
   return algbw(size_bytes, seconds) * BUS_FACTORS[collective](d)
 
 

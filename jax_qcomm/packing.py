@@ -10,7 +10,6 @@ padding is dropped again on the way back.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any, Mapping, Sequence
 
@@ -18,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_qcomm._checks import check_int
-from jax_qcomm.codecs import QSGD, Codec, NoCompression, is_float_dtype
+from jax_qcomm.codecs import Codec, NoCompression, is_float_dtype
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -100,18 +99,23 @@ def check_float_leaves(tree: Any, name: str = "x") -> None:
 
 
 def quant_bucket(codec: Codec) -> int:
-  """Granularity a leaf is padded to inside a flat buffer: the QSGD bucket, else 1."""
-  return codec.bucket_size if isinstance(codec, QSGD) else 1
+  """Granularity a leaf is padded to inside a flat buffer: ``codec.pad_multiple``."""
+  return codec.pad_multiple
+
+
+def padded_size(n: int, codec: Codec) -> int:
+  """Elements a leaf of ``n`` takes in a flat buffer: n rounded up to whole buckets."""
+  return -(-n // codec.pad_multiple) * codec.pad_multiple
 
 
 def neutral_pad(x: jax.Array, multiple: int, codec: Codec) -> jax.Array:
-  """Pads float32[n] to a multiple of `multiple` without changing the last bucket's scales."""
+  """Pads float32[n] to a multiple of `multiple` with ``codec.pad_fill(x)``, which leaves the
+  last bucket's scales unchanged."""
   n = x.shape[0]
   pad = -n % multiple
   if pad == 0:
     return x
-  maxmin = isinstance(codec, QSGD) and codec.scheme == "maxmin"
-  fill = x[-1] if (maxmin and n > 0) else jnp.float32(0)
+  fill = codec.pad_fill(x)
   return jnp.concatenate([x, jnp.broadcast_to(fill, (pad,)).astype(x.dtype)])
 
 
@@ -131,7 +135,7 @@ def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int) 
   by_codec: dict[Codec, list[list[int]]] = {}
   sizes: dict[Codec, int] = {}
   for i, (leaf, codec) in enumerate(zip(leaves, codecs)):
-    padded = math.ceil(leaf.size / quant_bucket(codec)) * quant_bucket(codec)
+    padded = padded_size(leaf.size, codec)
     groups = by_codec.setdefault(codec, [[]])
     if groups[-1] and sizes[codec] + padded > comm_bucket_size:
       groups.append([])
@@ -143,7 +147,7 @@ def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int) 
 
 def pack(leaves: Sequence[jax.Array], group: Group) -> jax.Array:
   """float32 flat buffer of the group's leaves, each padded to whole quantisation buckets."""
-  b = quant_bucket(group.codec)
+  b = group.codec.pad_multiple
   parts = [neutral_pad(leaves[i].reshape(-1).astype(jnp.float32), b, group.codec)
            for i in group.leaves]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -152,9 +156,8 @@ def pack(leaves: Sequence[jax.Array], group: Group) -> jax.Array:
 def unpack(flat: jax.Array, leaves: Sequence[jax.Array], group: Group, out: list[Any],
            dtype: Any = None) -> None:
   """Writes the group's leaves (original shapes; their dtypes unless `dtype`) into out[i]."""
-  b = quant_bucket(group.codec)
   offset = 0
   for i in group.leaves:
     leaf = leaves[i]
     out[i] = flat[offset:offset + leaf.size].reshape(leaf.shape).astype(dtype or leaf.dtype)
-    offset += math.ceil(leaf.size / b) * b
+    offset += padded_size(leaf.size, group.codec)
