@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from benchmarks import _cli, _common, cluster
+from benchmarks.peers import run as peers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
       "cluster", help="run a benchmark on a simulated cluster: network namespaces, tc-shaped links",
       usage="%(prog)s --nodes N --rate RATE [options] -- BENCHMARK [args ...]",
       description=cluster.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+  peers.add_arguments(sub.add_parser(
+      "peers", help="PyTorch gloo/DDP hooks and jax_qcomm on the same simulated links (torch venv)",
+      description=peers.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
   return parser
 
 
@@ -41,6 +45,8 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = False) -> in
   command = ["python", "-m", "benchmarks", *argv]
   if args.command == "cluster":
     return cluster.main(args, command)
+  if args.command == "peers":
+    return peers.main(args, command)
   return _cli.BENCHMARKS[args.command][0].main(args, command)
 
 

@@ -29,6 +29,17 @@ given. Rank 0's JSON (the benchmark
 writes it to a temporary file) is copied to ``--out`` with ``metadata.cluster`` added: nodes, rate,
 the tc commands, addresses, the link check.
 
+Placement (``--pin``, default ``auto``): each node's processes are pinned to a CPU of their own
+(``sched_setaffinity`` before entering the namespace; node i on the i-th CPU this process may use)
+when there are at least as many CPUs as nodes, so a node's codec work cannot borrow the core of a
+node that waits on the network. With more nodes than CPUs (the 4-node runs on 2 cores) they are left
+unpinned (``--pin yes``: round-robin). ``metadata.cluster.placement`` says which: "one core per
+node" or "nodes sharing cores".
+
+Other programs: :func:`run_in_cluster` builds the cluster and hands a :class:`Session` to a body that
+may run any interpreter on the nodes (:meth:`Session.run_nodes`); the PyTorch peers
+(:mod:`benchmarks.peers.run`) run the JAX benchmark and a torch venv's worker in the same cluster.
+
 Teardown always runs: try/finally, SIGINT/SIGTERM/SIGHUP handlers, processes still inside the
 namespaces are killed first (``ip netns pids``). ``--cleanup`` removes leftovers of runs whose process
 is gone (``--force``: also of live ones).
@@ -55,7 +66,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from benchmarks import _cli, _common
 
@@ -75,12 +86,17 @@ _NOT_IN_CLUSTER = {"cluster"}
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
                "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
 
-# Run in each node process by the launcher (``python -c STUB ip tag -m benchmarks ...``): enters
-# the rank's namespace with `ip netns exec` (which also remounts /sys) and execs the benchmark. No
-# imports beyond os/sys, so the extra interpreter costs a few milliseconds.
-_NODE_STUB = ("import os, sys; ip, tag = sys.argv[1], sys.argv[2]; "
-              "ns = tag + 'n' + os.environ['QCOMM_PROCESS_ID']; "
-              "os.execv(ip, [ip, 'netns', 'exec', ns, sys.executable, *sys.argv[3:]])")
+# Run in each node process by the launcher (``python -c STUB ip tag cpus exe args...``): pins the
+# process to its CPU (``cpus``: one comma-separated entry per rank, empty for no pinning; the
+# affinity is inherited through exec), enters the rank's namespace with `ip netns exec` (which also
+# remounts /sys) and execs ``exe args...`` (a Python interpreter: this one for the JAX benchmarks,
+# another venv's for the PyTorch peers). No imports beyond os/sys, so the extra interpreter costs a
+# few milliseconds.
+_NODE_STUB = ("import os, sys; ip, tag, cpus, exe = sys.argv[1:5]; "
+              "rank = int(os.environ['QCOMM_PROCESS_ID']); "
+              "cpus and os.sched_setaffinity(0, {int(cpus.split(',')[rank])}); "
+              "os.execv(ip, [ip, 'netns', 'exec', tag + 'n' + str(rank), exe, *sys.argv[5:]])")
+PIN_MODES = ("auto", "yes", "no")
 
 # Link check: node 0 receives, node 1 sends N bytes; the receiver times first byte to last byte.
 _SINK = r"""
@@ -150,25 +166,9 @@ def tbf_params(bits_per_s: int) -> dict[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the cluster's options to its subcommand parser."""
-  parser.add_argument("--nodes", type=int, default=4,
-                      help=f"namespaces, one JAX process each (2..{MAX_NODES}; default: 4)")
-  parser.add_argument("--rate", type=parse_rate, default=None,
-                      help="link rate of every node in each direction, a tc rate: 1gbit, 100mbit")
-  parser.add_argument("--local-devices", type=int, default=None,
-                      help="host (CPU) devices per process (QCOMM_LOCAL_DEVICES; default: 1)")
+  add_cluster_options(parser)
   parser.add_argument("--out", default=None,
                       help=f"JSON of rank 0 with the cluster metadata (default: {DEFAULT_OUT})")
-  parser.add_argument("--prefix", default=DEFAULT_PREFIX,
-                      help=f"name prefix, 1-4 lowercase letters (default: {DEFAULT_PREFIX}); names are "
-                           "<prefix><pid>br / <prefix><pid>v<i> / <prefix><pid>n<i>")
-  parser.add_argument("--subnet", default=DEFAULT_SUBNET,
-                      help=f"private IPv4 subnet of the nodes (default: {DEFAULT_SUBNET})")
-  parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                      help=f"coordinator port on node 0 (default: {DEFAULT_PORT})")
-  parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                      help=f"kill the benchmark after this many seconds (default: {DEFAULT_TIMEOUT:g})")
-  parser.add_argument("--no-link-check", action="store_true",
-                      help="skip the TCP transfers that measure the shaped links before the benchmark")
   parser.add_argument("--cleanup", action="store_true",
                       help="only remove leftovers (namespaces, bridge, veths) of runs with --prefix "
                            "whose process is gone, then exit")
@@ -179,6 +179,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "allreduce --sizes 25600000")
 
 
+def add_cluster_options(parser: argparse.ArgumentParser, nodes: int = 4) -> None:
+  """The options that build the cluster (shared with ``python -m benchmarks peers``)."""
+  parser.add_argument("--nodes", type=int, default=nodes,
+                      help=f"namespaces, one process each (2..{MAX_NODES}; default: {nodes})")
+  parser.add_argument("--rate", type=parse_rate, default=None,
+                      help="link rate of every node in each direction, a tc rate: 1gbit, 100mbit")
+  parser.add_argument("--local-devices", type=int, default=None,
+                      help="host (CPU) devices per process (QCOMM_LOCAL_DEVICES; default: 1)")
+  parser.add_argument("--pin", choices=PIN_MODES, default="auto",
+                      help="pin node i's processes to CPU i: 'yes' (round-robin when there are "
+                           "more nodes than CPUs), 'no', or 'auto' (default: pin when every node "
+                           "gets a CPU of its own). Recorded as metadata.cluster.placement")
+  parser.add_argument("--prefix", default=DEFAULT_PREFIX,
+                      help=f"name prefix, 1-4 lowercase letters (default: {DEFAULT_PREFIX}); names are "
+                           "<prefix><pid>br / <prefix><pid>v<i> / <prefix><pid>n<i>")
+  parser.add_argument("--subnet", default=DEFAULT_SUBNET,
+                      help=f"private IPv4 subnet of the nodes (default: {DEFAULT_SUBNET})")
+  parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                      help=f"coordinator port on node 0 (default: {DEFAULT_PORT})")
+  parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                      help=f"kill each program run on the nodes after this many seconds "
+                           f"(default: {DEFAULT_TIMEOUT:g})")
+  parser.add_argument("--no-link-check", action="store_true",
+                      help="skip the TCP transfers that measure the shaped links before the benchmark")
+
+
 def _check_prefix(prefix: str) -> str:
   if not re.fullmatch(r"[a-z]{1,4}", prefix or ""):
     raise ValueError(f"--prefix must be 1-4 lowercase letters (interface names have at most 15 "
@@ -186,17 +212,9 @@ def _check_prefix(prefix: str) -> str:
   return prefix
 
 
-def validate(args: argparse.Namespace) -> list[str]:
-  """Checks the cluster options and the benchmark command line; returns the benchmark's argv.
-
-  Raises ValueError with a message naming the option. The benchmark's own options are parsed by the
-  benchmark parser here, so a typo fails before any namespace exists.
-  """
+def validate_cluster(args: argparse.Namespace) -> None:
+  """Checks the options of :func:`add_cluster_options` (ValueError naming the option)."""
   _check_prefix(args.prefix)
-  if args.cleanup:
-    return []
-  if args.force:
-    raise ValueError("--force only goes with --cleanup")
   if not (2 <= args.nodes <= MAX_NODES):
     raise ValueError(f"--nodes must be in 2..{MAX_NODES}, got {args.nodes}")
   if args.rate is None:
@@ -216,6 +234,20 @@ def validate(args: argparse.Namespace) -> list[str]:
   if net.num_addresses - 2 < args.nodes:
     raise ValueError(f"--subnet {net} has room for {max(0, net.num_addresses - 2)} nodes, "
                      f"not {args.nodes}")
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+  """Checks the cluster options and the benchmark command line; returns the benchmark's argv.
+
+  Raises ValueError with a message naming the option. The benchmark's own options are parsed by the
+  benchmark parser here, so a typo fails before any namespace exists.
+  """
+  _check_prefix(args.prefix)
+  if args.cleanup:
+    return []
+  if args.force:
+    raise ValueError("--force only goes with --cleanup")
+  validate_cluster(args)
   bench = list(args.benchmark)
   if bench and bench[0] == "--":
     bench = bench[1:]
@@ -246,6 +278,29 @@ def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> argparse
       for sub in action.choices.values():
         sub.error = error  # type: ignore[method-assign]
   return parser.parse_args(argv)
+
+
+def node_cpus(nodes: int, pin: str, available: Sequence[int] | None = None
+              ) -> tuple[list[int] | None, str]:
+  """The CPU of each node (None: unpinned) and the placement label recorded in the metadata.
+
+  ``available``: the CPUs this process may use (default: its affinity). ``pin="auto"`` pins only
+  when every node gets a CPU of its own; ``"yes"`` always (round-robin, nodes then share CPUs);
+  ``"no"`` never. The label says whether the nodes share cores, since on a machine with fewer
+  cores than nodes a node waiting on the network lends its core to the others' compute.
+  """
+  if pin not in PIN_MODES:
+    raise ValueError(f"--pin must be one of {PIN_MODES}, got {pin!r}")
+  cpus = sorted(os.sched_getaffinity(0) if available is None else available)
+  if not cpus:
+    raise ValueError("no CPU available")
+  if pin == "no" or (pin == "auto" and nodes > len(cpus)):
+    return None, f"nodes sharing cores: {nodes} unpinned nodes on {len(cpus)} CPUs"
+  chosen = [cpus[i % len(cpus)] for i in range(nodes)]
+  if nodes > len(cpus):
+    return chosen, (f"nodes sharing cores: {nodes} nodes pinned round-robin to {len(cpus)} CPUs "
+                    f"{chosen}")
+  return chosen, f"one core per node (node i pinned to CPU {chosen}[i])"
 
 
 # -- the machine --------------------------------------------------------------------------------------
@@ -539,19 +594,50 @@ def _has_option(argv: Sequence[str], option: str) -> bool:
   return any(a == option or a.startswith(option + "=") for a in argv)
 
 
-def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> int:
-  """Builds the cluster, runs the benchmark in it, writes rank 0's JSON, tears everything down."""
-  # Not at module level: launch imports jax (through jax_qcomm.distributed), and the benchmark
-  # command line imports this module before it may re-execute itself (_common.ensure_malloc_env).
-  from jax_qcomm import launch
+class Session:
+  """A built cluster, handed to the body of :func:`run_in_cluster`: its metadata (``meta``, the
+  ``metadata.cluster`` of the JSON) and :meth:`run_nodes` to run a program on every node."""
 
+  def __init__(self, cluster: Cluster, meta: dict[str, Any], ip: str, cpus: list[int] | None,
+               args: argparse.Namespace):
+    self.cluster, self.meta, self.ip, self.cpus, self.args = cluster, meta, ip, cpus, args
+
+  def run_nodes(self, exe: str, argv: Sequence[str], *, label: str,
+                launch_command: str | None = None, env: dict[str, str] | None = None) -> int:
+    """Runs ``exe argv...`` once per node (rank i in namespace i, pinned to its CPU if pinning),
+    joined by the launcher's environment (coordinator on node 0, gloo on eth0) plus ``env``;
+    returns the exit status. Each run's command, wall time, status and load averages go to ``meta["runs"]``."""
+    # Not at module level: launch imports jax (through jax_qcomm.distributed), and the benchmark
+    # command line imports this module before it may re-execute itself (_common.ensure_malloc_env).
+    from jax_qcomm import launch
+
+    args, cluster = self.args, self.cluster
+    cluster._log(f"running `{label}` on {args.nodes} nodes (coordinator {cluster.addresses[0]}:"
+                 f"{args.port}, gloo on {NS_INTERFACE}; {self.meta['placement']})")
+    record = dict(command=label, load_average_before=list(os.getloadavg()))
+    start = time.monotonic()
+    # launch() handles SIGTERM itself while it runs (kills the processes, returns 143) and
+    # Ctrl-C (returns 130); run_in_cluster tears the cluster down in every case.
+    cpus = ",".join(str(c) for c in self.cpus) if self.cpus else ""
+    status = launch.launch(
+        ["-c", _NODE_STUB, self.ip, cluster.tag, cpus, exe, *argv], args.nodes,
+        local_devices=args.local_devices, port=args.port, host=cluster.addresses[0],
+        interface=NS_INTERFACE, timeout=args.timeout, env=env,
+        launch_command=launch_command or label)
+    record.update(wall_s=time.monotonic() - start, exit_status=status,
+                  load_average_after=list(os.getloadavg()))
+    self.meta.setdefault("runs", []).append(record)
+    if status != 0:
+      cluster._log(f"`{label}` failed with exit status {status}")
+    return status
+
+
+def run_in_cluster(args: argparse.Namespace, body: Callable[[Session], int]) -> int:
+  """Builds the cluster of ``args`` (nodes, rate, pin, prefix, subnet, link check), calls
+  ``body(session)`` and returns its status; tears everything down whatever happens (signals
+  included: 128 + signal number; 1 when setup or the link check fails)."""
   ip, tc = preflight()
-  if _takes_option(bench, "--link-gbps") and not _has_option(bench, "--link-gbps"):
-    bench = [*bench, "--link-gbps", f"{args.rate / 1e9:g}"]
-  tmpdir = tempfile.mkdtemp(prefix="qcomm-cluster-")
-  rank0_json = os.path.join(tmpdir, "rank0.json")
-  bench_argv = [*bench, "--out", rank0_json]
-  out_path = args.out or DEFAULT_OUT
+  cpus, placement = node_cpus(args.nodes, getattr(args, "pin", "auto"))
   cluster = Cluster(args.nodes, args.rate, ip=ip, tc=tc, prefix=args.prefix, subnet=args.subnet)
 
   def on_signal(signum, frame):
@@ -566,7 +652,8 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
   try:
     cluster.setup()
     meta = cluster.metadata()
-    meta["qdiscs"] = cluster.qdisc_report()
+    meta.update(qdiscs=cluster.qdisc_report(), pin=getattr(args, "pin", "auto"), node_cpus=cpus,
+                placement=placement, host_cpus=sorted(os.sched_getaffinity(0)))
     if not args.no_link_check:
       check = cluster.link_check()
       meta["link_check"] = check
@@ -574,39 +661,14 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
                    f"{check['bytes_per_flow'] / 1e6:.1f} MB each: "
                    f"{check['min_bits_per_s'] / 1e6:.0f}-{check['max_bits_per_s'] / 1e6:.0f} Mbit/s "
                    f"per flow (slowest {100 * check['ratio_to_rate']:.0f}% of {cluster.tbf['rate']})")
-    cluster._log(f"running `python -m benchmarks {shlex.join(bench)}` on {args.nodes} nodes "
-                 f"(coordinator {cluster.addresses[0]}:{args.port}, gloo on {NS_INTERFACE})")
-    # launch() handles SIGTERM itself while it runs (kills the processes, returns 143) and
-    # Ctrl-C (returns 130); the finally below tears the cluster down in every case.
-    meta["load_average_before"] = list(os.getloadavg())
-    start = time.monotonic()
-    status = launch.launch(
-        ["-c", _NODE_STUB, ip, cluster.tag, "-m", "benchmarks", *bench_argv], args.nodes,
-        local_devices=args.local_devices, port=args.port, host=cluster.addresses[0],
-        interface=NS_INTERFACE, timeout=args.timeout, launch_command=shlex.join(command))
-    meta["benchmark_wall_s"] = time.monotonic() - start
-    meta["benchmark_command"] = shlex.join(["python", "-m", "benchmarks", *bench])
-    meta["exit_status"] = status
-    meta["load_average_after"] = list(os.getloadavg())
-    if status != 0:
-      cluster._log(f"benchmark failed with exit status {status}")
-    elif not os.path.exists(rank0_json):
-      cluster._log(f"benchmark exited 0 but wrote no JSON ({shlex.join(bench)}: does it take --out?)")
-      status = 1
-    else:
-      with open(rank0_json, encoding="utf-8") as f:
-        data = json.load(f)
-      data.setdefault("metadata", {})["cluster"] = meta
-      data["metadata"]["cluster_command"] = shlex.join(command)
-      path = _common.write_json(out_path, data)
-      cluster._log(f"wrote {path}")
+    status = body(Session(cluster, meta, ip, cpus, args))
   except _Stop as e:
     cluster._log(f"signal {signal.Signals(e.signum).name}: tearing down")
     status = 128 + e.signum
   except KeyboardInterrupt:
     cluster._log("interrupted: tearing down")
     status = 130
-  except Exception as e:  # setup or link check failed: report, then tear down
+  except Exception as e:  # setup, link check or the body failed: report, then tear down
     cluster._log(f"error: {type(e).__name__}: {e}")
     status = 1
   finally:
@@ -616,7 +678,6 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
     left = cluster.teardown()
     for s, h in previous.items():
       signal.signal(s, h)
-    shutil.rmtree(tmpdir, ignore_errors=True)
     if left:
       cluster._log(f"teardown left {left}; run `python -m benchmarks cluster --cleanup "
                    f"--prefix {args.prefix} --force`")
@@ -624,6 +685,43 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
     else:
       cluster._log(f"removed {cluster.tag}*: namespaces, veths, bridge, qdiscs")
   return status
+
+
+def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> int:
+  """Builds the cluster, runs the benchmark in it, writes rank 0's JSON, tears everything down."""
+  if _takes_option(bench, "--link-gbps") and not _has_option(bench, "--link-gbps"):
+    bench = [*bench, "--link-gbps", f"{args.rate / 1e9:g}"]
+  tmpdir = tempfile.mkdtemp(prefix="qcomm-cluster-")
+  rank0_json = os.path.join(tmpdir, "rank0.json")
+  out_path = args.out or DEFAULT_OUT
+  label = shlex.join(["python", "-m", "benchmarks", *bench])
+
+  def body(session: Session) -> int:
+    meta = session.meta
+    status = session.run_nodes(sys.executable, ["-m", "benchmarks", *bench, "--out", rank0_json],
+                               label=label, launch_command=shlex.join(command))
+    last = meta["runs"][-1]
+    meta.update(benchmark_wall_s=last["wall_s"], benchmark_command=label, exit_status=status,
+                load_average_before=last["load_average_before"],
+                load_average_after=last["load_average_after"])
+    if status != 0:
+      return status
+    if not os.path.exists(rank0_json):
+      session.cluster._log(f"benchmark exited 0 but wrote no JSON ({shlex.join(bench)}: does it "
+                           "take --out?)")
+      return 1
+    with open(rank0_json, encoding="utf-8") as f:
+      data = json.load(f)
+    data.setdefault("metadata", {})["cluster"] = meta
+    data["metadata"]["cluster_command"] = shlex.join(command)
+    path = _common.write_json(out_path, data)
+    session.cluster._log(f"wrote {path}")
+    return 0
+
+  try:
+    return run_in_cluster(args, body)
+  finally:
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
