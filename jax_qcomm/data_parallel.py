@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_qcomm import _vma, collectives
+from jax_qcomm import _compat, collectives
 from jax_qcomm.sync import state_partition_spec
 
 AUX_REDUCTIONS = ("mean", "sum", "stack")
@@ -108,7 +108,7 @@ class DataParallel:
     def local_step(params, opt_state, batch, extra, key=None):
       # A varying copy: its gradient is this device's own, not the psum autodiff would take of the
       # gradient of a replicated parameter.
-      local = jax.tree_util.tree_map(lambda p: _vma.make_varying(p, frozenset(names)), params)
+      local = jax.tree_util.tree_map(lambda p: _compat.make_varying(p, frozenset(names)), params)
       kwargs = {}
       if key is not None:  # dropout etc.: different randomness on every device
         kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
@@ -116,7 +116,7 @@ class DataParallel:
       loss, aux = out if has_aux else (out, None)
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      loss = lax.pmean(_vma.make_varying(loss, frozenset(names)), names)
+      loss = lax.pmean(_compat.make_varying(loss, frozenset(names)), names)
       return params, opt_state, loss, _reduce_aux(aux, reduce, names)
 
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
@@ -149,9 +149,9 @@ class _SpecKey:
 def _reduce_aux(aux: Any, how: str, names: tuple) -> Any:
   axes = frozenset(names)
   if how == "stack":
-    return jax.tree_util.tree_map(lambda a: _vma.make_varying(jnp.asarray(a), axes)[None], aux)
+    return jax.tree_util.tree_map(lambda a: _compat.make_varying(jnp.asarray(a), axes)[None], aux)
   op = lax.pmean if how == "mean" else lax.psum
-  return jax.tree_util.tree_map(lambda a: op(_vma.make_varying(jnp.asarray(a), axes), names), aux)
+  return jax.tree_util.tree_map(lambda a: op(_compat.make_varying(jnp.asarray(a), axes), names), aux)
 
 
 def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh, *,

@@ -1,0 +1,192 @@
+"""The package's layering, kept: a module imports only modules of its own or lower layers, the import
+graph has no cycles, and ``import jax_qcomm`` loads no tooling and changes nothing in JAX.
+
+The layers (docs/architecture.md), lowest first::
+
+    wire, _checks, _compat  ->  _ffi, _reference (the kernels)  ->  codecs  ->  packing, _exchange,
+    _varying  ->  collectives  ->  accumulation, sync  ->  data_parallel, describe, efficiency
+    ->  jax_qcomm (the public API)
+
+``distributed`` and ``launch`` (the multi-process runtime) sit beside the library: they import only
+the foundations and each other, and nothing in the library imports them. Tooling outside the package
+(``benchmarks/``, ``training/``, ``configs/``) may import the library; the library never imports it.
+
+The graph is read from the sources with ``ast`` (function-local imports count: they are dependencies
+too), so a violation fails here before it can hide behind an import order.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "jax_qcomm"
+
+#: Lowest first. A module may import modules of its own layer or of a lower one.
+LAYERS: list[set[str]] = [
+    {"wire", "_checks", "_compat"},                  # foundations: no package imports
+    {"_ffi", "_reference"},                          # the kernels: FFI binding, pure-JAX reference
+    {"codecs"},                                      # the Codec interface and its implementations
+    {"packing", "_exchange", "_varying"},            # pytrees <-> flat buffers, all-to-all schedules
+    {"collectives"},                                 # allreduce, reduce_scatter, all_gather
+    {"accumulation", "sync"},                        # micro-batches, the optax wrapper
+    {"data_parallel", "describe", "efficiency"},     # step helper, describe, the cost model
+    {"__init__"},                                    # the public API
+]
+#: The multi-process runtime: beside the library, never imported by it.
+RUNTIME: dict[str, set[str]] = {"distributed": {"_checks", "_compat"},
+                                "launch": {"distributed", "_checks", "_compat"}}
+#: Compiled extension modules (built by CMake; the binding layer loads them).
+EXTENSIONS = {"_qcomm_cpu", "_qcomm_cuda"}
+#: Packages outside jax_qcomm that the library must never import (tooling, optional extras).
+NEVER_IN_LIBRARY = {"benchmarks", "training", "configs", "matplotlib", "flax", "tensorflow",
+                    "tensorflow_datasets", "orbax", "nbclient", "pytest", "torch"}
+#: Modules still allowed to import jax's private jax._src, with the reason. (The CPU-collectives
+#: registration of distributed.py is being moved behind jax_qcomm._compat by helper E.)
+JAX_PRIVATE_ALLOWED = {"distributed"}
+
+
+def _modules(package: str) -> dict[str, pathlib.Path]:
+  return {p.stem: p for p in sorted((ROOT / package).glob("*.py"))}
+
+
+def _imports(path: pathlib.Path, package: str) -> tuple[set[str], set[str]]:
+  """(modules of `package` that `path` imports, other top-level packages it imports)."""
+  tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+  inside, outside = set(), set()
+
+  def add(name: str, names: list[str] = ()) -> None:
+    parts = name.split(".")
+    if parts[0] != package:
+      outside.add(parts[0] if parts[0] != "jax" or len(parts) < 2 else ".".join(parts[:2]))
+      return
+    if len(parts) > 1:
+      inside.add(parts[1])
+    else:  # from jax_qcomm import x, y: submodules or names of __init__
+      submodules = {n for n in names if (ROOT / package / f"{n}.py").exists() or n in EXTENSIONS}
+      inside.update(submodules)
+      if len(submodules) < len(names) or not names:  # names defined by __init__ itself
+        inside.add("__init__")
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        add(alias.name)
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:  # relative import: resolve against the package
+        add(".".join(filter(None, [package, node.module])), [a.name for a in node.names])
+      elif node.module:
+        add(node.module, [a.name for a in node.names])
+  return inside, outside
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+  return {name: _imports(path, package)[0] - {name} for name, path in _modules(package).items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """A cycle of the graph (as a path) or None."""
+  state: dict[str, int] = {}
+  stack: list[str] = []
+
+  def visit(node: str) -> list[str] | None:
+    state[node] = 1
+    stack.append(node)
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == 1:
+        return stack[stack.index(nxt):] + [nxt]
+      if nxt not in state and (found := visit(nxt)):
+        return found
+    stack.pop()
+    state[node] = 2
+    return None
+
+  for node in sorted(graph):
+    if node not in state and (found := visit(node)):
+      return found
+  return None
+
+
+def test_every_module_has_a_place():
+  placed = set().union(*LAYERS) | set(RUNTIME)
+  missing = set(_modules(PACKAGE)) - placed
+  assert not missing, f"modules with no layer (add them to LAYERS and docs/architecture.md): {missing}"
+
+
+def test_no_module_imports_upward():
+  layer = {m: i for i, names in enumerate(LAYERS) for m in names}
+  graph = _graph(PACKAGE)
+  bad = []
+  for module, deps in graph.items():
+    deps = deps - EXTENSIONS
+    if module in RUNTIME:
+      bad += [f"{module} -> {d} (runtime imports only {sorted(RUNTIME[module])})"
+              for d in deps - RUNTIME[module]]
+      continue
+    for dep in deps:
+      if dep in RUNTIME:
+        bad.append(f"{module} -> {dep} (the library never imports the runtime)")
+      elif dep in layer and module in layer and layer[dep] > layer[module]:
+        bad.append(f"{module} (layer {layer[module]}) -> {dep} (layer {layer[dep]})")
+  assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
+
+
+@pytest.mark.parametrize("package", [PACKAGE, "benchmarks"])
+def test_no_import_cycles(package):
+  cycle = _cycle(_graph(package))
+  assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
+
+
+def test_library_imports_no_tooling_and_no_jax_internals():
+  bad = []
+  for name, path in _modules(PACKAGE).items():
+    outside = _imports(path, PACKAGE)[1]
+    bad += [f"{name} imports {o}" for o in outside & NEVER_IN_LIBRARY]
+    if "jax._src" in outside and name not in JAX_PRIVATE_ALLOWED:
+      bad.append(f"{name} imports jax._src (version differences belong in jax_qcomm/_compat.py)")
+  assert not bad, "\n".join(bad)
+
+
+def test_tooling_is_outside_the_package():
+  assert not (ROOT / PACKAGE / "bench").exists() and not (ROOT / PACKAGE / "demo.py").exists()
+  for name, path in _modules("benchmarks").items():
+    inside = _imports(path, "benchmarks")[0]
+    assert "__main__" not in inside, f"benchmarks.{name} imports the command line (a cycle)"
+
+
+_PROBE = r"""
+import json, sys
+import jax
+before = dict(jax.config.values)
+import jax_qcomm
+from jax._src import xla_bridge
+after = dict(jax.config.values)
+print(json.dumps({
+    "modules": sorted(sys.modules),
+    "config_changed": sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)),
+    "backend_initialised": xla_bridge.backends_are_initialized(),
+}))
+"""
+
+
+def test_import_jax_qcomm_loads_no_tooling_and_has_no_side_effects():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",) and not k.startswith("QCOMM_")}
+  proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  loaded = set(got["modules"])
+  forbidden = sorted(m for m in loaded
+                     if m.split(".")[0] in NEVER_IN_LIBRARY
+                     or m in ("jax_qcomm.launch", "jax_qcomm.distributed"))
+  assert not forbidden, f"import jax_qcomm loaded {forbidden}"
+  assert got["config_changed"] == [], f"import jax_qcomm changed jax.config: {got['config_changed']}"
+  # A backend started at import would freeze jax_num_cpu_devices and the distributed setup.
+  assert not got["backend_initialised"], "import jax_qcomm initialised a JAX backend"
