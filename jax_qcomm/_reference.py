@@ -2,12 +2,15 @@
 
 It mirrors kernels/qsgd_math.h operation for operation, so that for the same seed it produces the
 same payload bytes as the C++ and CUDA kernels (docs/wire-format.md says why each formula has the
-shape it has: no product followed by a sum on the encode path, fixed summation order, reciprocal
-constants instead of divisions). All arrays here are flat: x is float32[n], payloads uint8[P].
+shape it has: no product followed by a sum on the encode path, exact products on the decode path,
+fixed summation order, reciprocal constants instead of divisions). Scaling by powers of two is done
+on the float bits (`_ldexp`), with the kernels' FTZ semantics, so that XLA cannot contract it into
+a neighbouring add. All arrays here are flat: x is float32[n], payloads uint8[P].
 """
 
 from __future__ import annotations
 
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +40,75 @@ def uniform01(bits: jax.Array) -> jax.Array:
   return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
-def _canonical_nan(v: jax.Array) -> jax.Array:
-  return jnp.where(jnp.isnan(v), jnp.float32(jnp.nan), v)
+_SIGN = _U32(0x80000000)
+_ABS = _U32(0x7FFFFFFF)
+_EXP_ONE = 0x00800000           # bits of the smallest normal float32, 2**-126
+_NON_FINITE = 0x7F800000        # bits of +Inf: |x| bits at or above are Inf or NaN
+_MAX_FINITE_BITS = 0x7F7FFFFF
+_CANONICAL_NAN_BITS = 0x7FC00000
+_MAX_SHIFT = 126
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(x, _U32)
+
+
+def _float(u: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(u, jnp.float32)
 
 
 def _plus_zero(v: jax.Array) -> jax.Array:
   return jnp.where(v == 0, jnp.float32(0), v)
+
+
+def _pow2(j: jax.Array) -> jax.Array:
+  """2**j as float32, for int32 j in [-126, 127]."""
+  return _float(lax.bitcast_convert_type((j + 127) << 23, _U32))
+
+
+def _ldexp(x: jax.Array, j: jax.Array) -> jax.Array:
+  """x * 2**j for int32 j in [-126, 126], as the kernels compute it under FTZ/DAZ.
+
+  Exact where the result is a normal float32; below 2**-126 it is +-0 (so are subnormal x), above
+  the largest finite float32 it saturates to +-max (only reached by a decoded value rounding past
+  it); Inf and NaN pass unchanged. Done on the bits: no float product that XLA could fuse with a
+  following add into an FMA (which would neither flush nor saturate).
+  """
+  u = _bits(x)
+  e = ((u >> 23) & _U32(0xFF)).astype(jnp.int32)
+  ne = e + j
+  sign = u & _SIGN
+  moved = u + lax.bitcast_convert_type(j << 23, _U32)  # wrapping: j may be negative
+  out = jnp.where(ne <= 0, sign, jnp.where(ne >= 255, sign | _U32(_MAX_FINITE_BITS), moved))
+  out = jnp.where(e == 0, sign, out)  # zero, or subnormal (read as zero)
+  return _float(jnp.where(e == 255, u, out))
+
+
+def _scale_exponent(max_abs_bits: jax.Array) -> jax.Array:
+  """int32 k of each bucket from the bits of its largest |x|: floor(log2), clamped to 126; 0 for
+  a zero (or subnormal) or non-finite maximum."""
+  e = (max_abs_bits >> 23).astype(jnp.int32) - 127
+  normal = (max_abs_bits >= _EXP_ONE) & (max_abs_bits < _NON_FINITE)
+  return jnp.where(normal, jnp.minimum(e, _MAX_SHIFT), 0)
+
+
+def _round_up16(s: jax.Array) -> jax.Array:
+  """A step s >= 0 rounded up to 16 significant bits."""
+  return _float((_bits(s) + _U32(0xFF)) & _U32(0xFFFFFF00))
+
+
+def _step_word(s: jax.Array, k: jax.Array) -> jax.Array:
+  """uint32 step word: the 16-bit step s in the top 24 bits, k as int8 in the low byte."""
+  return _bits(s) | (lax.bitcast_convert_type(k, _U32) & _U32(0xFF))
+
+
+def _word_step(word: jax.Array) -> jax.Array:
+  return _float(word & _U32(0xFFFFFF00))
+
+
+def _word_shift(word: jax.Array) -> jax.Array:
+  low = (word & _U32(0xFF)).astype(jnp.int32)
+  return jnp.where(low >= 128, low - 256, low)
 
 
 def _truncate12(x: jax.Array) -> jax.Array:
@@ -50,10 +116,11 @@ def _truncate12(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(u, jnp.float32)
 
 
-def _sum_squares_fixed_order(xb: jax.Array) -> jax.Array:
-  """[nb, B] -> [nb]: 8 lanes summed sequentially over the bucket, then a fixed tree."""
-  nb, bucket = xb.shape
-  h = _truncate12(xb)
+def _sum_squares_fixed_order(yb: jax.Array) -> jax.Array:
+  """[nb, B] scaled values -> [nb]: 8 lanes summed sequentially over the bucket, then a fixed
+  tree. The squares are exact (12-bit operands), so an FMA contraction changes nothing."""
+  nb, bucket = yb.shape
+  h = _truncate12(yb)
   sq = (h * h).reshape(nb, bucket // 8, 8)
   if bucket // 8 <= 64:
     acc = sq[:, 0]
@@ -106,20 +173,34 @@ def encode(x: jax.Array, seed: jax.Array, *, bits: int, bucket_size: int, scheme
   nb = xb.shape[0]
 
   if scheme == "maxmin":
-    has_nan = jnp.any(jnp.isnan(xb), axis=1)
+    finite = jnp.all(jnp.isfinite(xb), axis=1)
     mn = _plus_zero(jnp.min(xb, axis=1))
     mx = _plus_zero(jnp.max(xb, axis=1))
-    step = _canonical_nan((mx - mn) * recip)
-    mn = jnp.where(has_nan, jnp.float32(jnp.nan), mn)
-    step = jnp.where(has_nan, jnp.float32(jnp.nan), step)
-    scales = jnp.stack([mn, step], axis=1)
-    v = xb - mn[:, None]
+    k = _scale_exponent(jnp.maximum(_bits(mn) & _ABS, _bits(mx) & _ABS))
+    y_min = _ldexp(mn, -k)
+    s = _round_up16((_ldexp(mx, -k) - y_min) * recip)
   else:
-    step = _canonical_nan(jnp.sqrt(_sum_squares_fixed_order(xb)) * recip)
-    scales = step[:, None]
-    v = jnp.abs(xb)
+    max_abs = jnp.max(_bits(xb) & _ABS, axis=1)
+    finite = max_abs < _NON_FINITE
+    k = _scale_exponent(max_abs)
+    step = jnp.sqrt(_sum_squares_fixed_order(_ldexp(xb, -k[:, None]))) * recip
+    cap = (jnp.float32(np.finfo(np.float32).max) * _pow2(-k)) * recip  # Inf where k < 0
+    s = _round_up16(jnp.minimum(step, cap))
+  # A bucket holding a NaN or Inf: the canonical NaN as its scales, codes from inv = 0.
+  nan = jnp.float32(jnp.nan)
+  k = jnp.where(finite, k, 0)
+  word = jnp.where(finite, _step_word(s, k), _U32(_CANONICAL_NAN_BITS))
+  inv = jnp.where(finite & (s > 0), jnp.float32(1) / s, jnp.float32(0))
 
-  inv = jnp.where(step > 0, jnp.float32(1) / step, jnp.float32(0))
+  y = _ldexp(xb, -k[:, None])
+  if scheme == "maxmin":
+    mn = jnp.where(finite, mn, nan)
+    header = jnp.stack([_bits(mn), word], axis=1)
+    v = y - jnp.where(finite, y_min, nan)[:, None]
+  else:
+    header = word[:, None]
+    v = jnp.abs(y)
+
   index = jnp.arange(nb * bucket_size, dtype=_U32).reshape(nb, bucket_size)
   if rounding == "stochastic":
     r = uniform01(random_bits(seed, index))
@@ -130,21 +211,26 @@ def encode(x: jax.Array, seed: jax.Array, *, bits: int, bucket_size: int, scheme
     codes = codes | ((xb < 0).astype(_U32) << (bits - 1))
   codes = jnp.where(index < n, codes, _U32(0))
 
-  scale_bytes = lax.bitcast_convert_type(scales, jnp.uint8).reshape(-1)
-  return jnp.concatenate([scale_bytes, _pack(codes, bits).reshape(-1)])
+  header_bytes = lax.bitcast_convert_type(header, jnp.uint8).reshape(-1)
+  return jnp.concatenate([header_bytes, _pack(codes, bits).reshape(-1)])
 
 
 def decode(payload: jax.Array, n: int, *, bits: int, bucket_size: int, scheme: str) -> jax.Array:
   """uint8[payload_bytes] -> float32[n]."""
   nb = wire.num_buckets(n, bucket_size)
   s = wire.scales_per_bucket(scheme)
-  scales = lax.bitcast_convert_type(payload[: 4 * s * nb].reshape(nb, s, 4), jnp.float32)
+  header = lax.bitcast_convert_type(payload[: 4 * s * nb].reshape(nb, s, 4), _U32)
   codes = _unpack(payload[4 * s * nb:].reshape(nb, bucket_size * bits // 8), bits, bucket_size)
+  word = header[:, s - 1]
+  step = _word_step(word)[:, None]
+  k = _word_shift(word)[:, None]
+  # code * step is exact (<= 24 significant bits): contracted into an FMA or not, the same value.
   if scheme == "maxmin":
-    out = scales[:, :1] + codes.astype(jnp.float32) * scales[:, 1:]
+    y_min = _ldexp(_float(header[:, :1]), -k)
+    out = _ldexp(y_min + codes.astype(jnp.float32) * step, k)
   else:
     level = codes & _U32((1 << (bits - 1)) - 1)
-    v = level.astype(jnp.float32) * scales
+    v = _ldexp(level.astype(jnp.float32) * step, k)
     out = jnp.where((codes >> (bits - 1)) != 0, -v, v)
   return out.reshape(-1)[:n]
 

@@ -1,8 +1,11 @@
-// Run-time choice of the widest instruction set this CPU has, and the FTZ/DAZ mode XLA uses.
+// Run-time choice of the instruction set (the widest this CPU has, or a narrower one forced by
+// force_isa), and the FTZ/DAZ mode XLA uses.
 #include "qsgd_cpu.h"
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -25,7 +28,9 @@ QCOMM_DECLARE_ISA(avx512)
 
 namespace {
 
-enum class Isa { kGeneric, kAvx2, kAvx512 };
+enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };  // ordered: wider is larger
+
+constexpr const char* kIsaNames[] = {"generic", "avx2", "avx512"};
 
 Isa detect() {
 #if defined(QCOMM_HAVE_X86_VARIANTS)
@@ -38,7 +43,12 @@ Isa detect() {
   return Isa::kGeneric;
 }
 
-const Isa kIsa = detect();
+const Isa kDetected = detect();
+// What the dispatcher runs: the detected ISA unless force_isa() chose a narrower one (at import,
+// before any kernel runs; atomic all the same, relaxed loads cost nothing).
+std::atomic<int> g_isa{static_cast<int>(kDetected)};
+
+Isa current() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
 
 // XLA's CPU runtime flushes denormals (FTZ + DAZ); the kernels run the same way so that they
 // produce the same bytes as the pure-JAX reference.
@@ -55,19 +65,27 @@ class FlushDenormals {
 
 }  // namespace
 
-const char* isa() {
-  switch (kIsa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "generic";
+const char* isa() { return kIsaNames[static_cast<int>(current())]; }
+const char* detected_isa() { return kIsaNames[static_cast<int>(kDetected)]; }
+
+std::string force_isa(const std::string& name) {
+  for (int i = 0; i < 3; ++i) {
+    if (name != kIsaNames[i]) continue;
+    if (i > static_cast<int>(kDetected))
+      return "this CPU does not support '" + name + "' (it supports up to '" + detected_isa() +
+             "')";
+    g_isa.store(i, std::memory_order_relaxed);
+    return "";
   }
+  return "unknown instruction set '" + name + "' (expected one of 'avx512', 'avx2', 'generic')";
 }
 
 void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* payload) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
-  if (kIsa == Isa::kAvx512) return avx512::encode(x, n, seed, p, payload);
-  if (kIsa == Isa::kAvx2) return avx2::encode(x, n, seed, p, payload);
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::encode(x, n, seed, p, payload);
+  if (which == Isa::kAvx2) return avx2::encode(x, n, seed, p, payload);
 #endif
   generic::encode(x, n, seed, p, payload);
 }
@@ -76,8 +94,9 @@ void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, c
                 float* out) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
-  if (kIsa == Isa::kAvx512) return avx512::decode_sum(payloads, k, stride, n, p, out);
-  if (kIsa == Isa::kAvx2) return avx2::decode_sum(payloads, k, stride, n, p, out);
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::decode_sum(payloads, k, stride, n, p, out);
+  if (which == Isa::kAvx2) return avx2::decode_sum(payloads, k, stride, n, p, out);
 #endif
   generic::decode_sum(payloads, k, stride, n, p, out);
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace qcomm::cpu {
 
@@ -26,7 +27,13 @@ void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, c
 void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
                          const uint32_t seed[2], const Params& p, uint8_t* payload);
 
-// Name of the instruction set the dispatcher picked ("avx512", "avx2" or "generic").
+// Name of the instruction set the kernels run ("avx512", "avx2" or "generic").
 const char* isa();
+// The widest instruction set this CPU supports (and this build has kernels for).
+const char* detected_isa();
+// Runs the kernels built for `name` ("avx512", "avx2" or "generic") from now on; it must be
+// supported by this CPU (a narrower set than detected_isa() is fine). Returns "" on success, else
+// why not (the ISA is unchanged). Call before any kernel runs (jax_qcomm does, at import).
+std::string force_isa(const std::string& name);
 
 }  // namespace qcomm::cpu

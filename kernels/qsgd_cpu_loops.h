@@ -18,14 +18,8 @@ namespace {
 
 constexpr int kMaxBucketOnStack = 4096;
 
-struct BucketScales {
-  float min;   // maxmin only
-  float step;
-};
-
 template <int SCHEME>
-inline BucketScales bucket_scales(const float* __restrict x, int64_t bucket, uint32_t levels) {
-  BucketScales s{0.0f, 0.0f};
+inline qcomm::EncodeScales bucket_scales(const float* __restrict x, int64_t bucket, uint32_t levels) {
   if constexpr (SCHEME == qcomm::kMaxMin) {
     // Min and max over order-preserving integer keys of the float bits: integer min/max
     // vectorise without -ffast-math, and NaNs are detected separately.
@@ -37,26 +31,33 @@ inline BucketScales bucket_scales(const float* __restrict x, int64_t bucket, uin
       hi = k > hi ? k : hi;
       any_nan |= qcomm::nan_flag(x[i]);
     }
-    qcomm::maxmin_scales(lo, hi, any_nan, levels, &s.min, &s.step);
+    return qcomm::maxmin_scales(lo, hi, any_nan, levels);
   } else {
+    // The largest |x| (an exact unsigned max of the bits) gives the scale 2^-k; then the squares
+    // of the scaled values, in the format's 8 lanes.
+    uint32_t max_abs = 0;
+    for (int64_t i = 0; i < bucket; ++i) {
+      const uint32_t a = qcomm::abs_bits(x[i]);
+      max_abs = a > max_abs ? a : max_abs;
+    }
+    const float down = qcomm::pow2(-qcomm::scale_exponent(max_abs));
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t g = 0; g < bucket; g += 8) {
-      for (int j = 0; j < 8; ++j) acc[j] += qcomm::norm_square(x[g + j]);
+      for (int j = 0; j < 8; ++j) acc[j] += qcomm::norm_square(x[g + j] * down);
     }
-    s.step = qcomm::norm_step(qcomm::norm_tree(acc), levels);
+    return qcomm::norm_scales(max_abs, qcomm::norm_tree(acc), levels);
   }
-  return s;
 }
 
 // Codes of one bucket (one byte each, before packing).
 template <int BITS, int SCHEME>
-inline void bucket_codes(const float* __restrict x, int64_t bucket, BucketScales s, bool stochastic,
-                         uint32_t seed0, uint32_t seed1, uint32_t base,
+inline void bucket_codes(const float* __restrict x, int64_t bucket, const qcomm::EncodeScales& s,
+                         bool stochastic, uint32_t seed0, uint32_t seed1, uint32_t base,
                          uint8_t* __restrict codes) {
-  const float inv = qcomm::inverse_step(s.step);
+  const float down = s.down, y_min = s.y_min, inv = s.inv;
   for (int64_t i = 0; i < bucket; ++i) {
     const float r = qcomm::rounding_threshold(stochastic, seed0, seed1, base + static_cast<uint32_t>(i));
-    codes[i] = static_cast<uint8_t>(qcomm::encode_value<BITS, SCHEME>(x[i], s.min, inv, r));
+    codes[i] = static_cast<uint8_t>(qcomm::encode_value<BITS, SCHEME>(x[i], down, y_min, inv, r));
   }
 }
 
@@ -75,7 +76,7 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
   const int64_t B = p.bucket;
   const int64_t nb = qcomm::num_buckets(n, B);
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
-  float* scales = reinterpret_cast<float*>(payload);  // XLA buffers are aligned
+  uint8_t* header = payload;  // rows of a vmapped call may start at any byte: words are memcpy'd
   uint8_t* packed = payload + 4 * S * nb;
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
   const bool stochastic = p.rounding == qcomm::kStochastic;
@@ -110,14 +111,14 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
       std::fill(pad + valid, pad + B, fill);
       xb = pad;
     }
-    const BucketScales s = bucket_scales<SCHEME>(xb, B, levels);
+    const qcomm::EncodeScales s = bucket_scales<SCHEME>(xb, B, levels);
     bucket_codes<BITS, SCHEME>(xb, B, s, stochastic, seed[0], seed[1], static_cast<uint32_t>(start), codes);
     if (valid < B) std::fill(codes + valid, codes + B, uint8_t{0});  // padding codes are 0
     if constexpr (SCHEME == qcomm::kMaxMin) {
-      scales[2 * b] = s.min;
-      scales[2 * b + 1] = s.step;
+      const uint32_t words[2] = {qcomm::float_bits(s.min), s.word};
+      memcpy(header + 8 * b, words, 8);
     } else {
-      scales[b] = s.step;
+      memcpy(header + 4 * b, &s.word, 4);
     }
     pack_codes<BITS>(codes, B, packed + b * code_bytes);
   }
@@ -142,12 +143,13 @@ inline void unpack_codes(const uint8_t* __restrict packed, int64_t bucket, uint8
 
 // Decodes (ACCUM=false: out = v) or accumulates (ACCUM=true: out += v) one bucket.
 template <int BITS, int SCHEME, bool ACCUM>
-inline void decode_bucket(const float* scales, const uint8_t* __restrict codes, int64_t bucket,
+inline void decode_bucket(const uint8_t* header, const uint8_t* __restrict codes, int64_t bucket,
                           float* __restrict out) {
-  const float mn = SCHEME == qcomm::kMaxMin ? scales[0] : 0.0f;
-  const float step = SCHEME == qcomm::kMaxMin ? scales[1] : scales[0];
+  uint32_t words[2] = {0, 0};
+  memcpy(words, header, 4 * qcomm::scales_per_bucket(SCHEME));  // rows may start at any byte
+  const qcomm::DecodeScales s = qcomm::decode_scales<SCHEME>(words);
   for (int64_t i = 0; i < bucket; ++i) {
-    const float v = qcomm::decode_value<BITS, SCHEME>(codes[i], mn, step);
+    const float v = qcomm::decode_value<BITS, SCHEME>(codes[i], s);
     if constexpr (ACCUM) {
       out[i] += v;
     } else {
@@ -181,13 +183,13 @@ void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
     float* ob = valid == B ? out + start : tail;
     for (int64_t j = 0; j < k; ++j) {
       const uint8_t* pj = payloads + j * stride;
-      const float* scales = reinterpret_cast<const float*>(pj) + S * b;
+      const uint8_t* header = pj + 4 * S * b;
       const uint8_t* packed = pj + 4 * S * nb + b * code_bytes;
       unpack_codes<BITS>(packed, B, codes);
       if (j == 0) {
-        decode_bucket<BITS, SCHEME, false>(scales, codes, B, ob);
+        decode_bucket<BITS, SCHEME, false>(header, codes, B, ob);
       } else {
-        decode_bucket<BITS, SCHEME, true>(scales, codes, B, ob);
+        decode_bucket<BITS, SCHEME, true>(header, codes, B, ob);
       }
     }
     if (valid < B) std::copy(tail, tail + valid, out + start);

@@ -7,9 +7,10 @@
 //    depends only on the element, never on which thread does it;
 //  * maxmin reductions are min/max of integer order keys and an OR of NaN flags: exact, so the
 //    shuffle tree gives the CPU's result;
-//  * the norm reduction is the format's fixed order: lane j (elements j, j+8, ...) summed
-//    sequentially by one thread, read back from shared memory, then the fixed tree
-//    ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)), which is an xor butterfly with strides 4, 2, 1.
+//  * the norm scheme first reduces the largest |x| (an unsigned max of bits: exact), which sets the
+//    bucket's scale 2^-k; its sum of squares (of the scaled values) is the format's fixed order:
+//    lane j (elements j, j+8, ...) summed sequentially by one thread, read back from shared memory,
+//    then the fixed tree ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)), an xor butterfly with strides 4, 2, 1.
 //
 // Build flags (cmake/cuda/CMakeLists.txt): -ftz=true, so that float arithmetic flushes denormal
 // inputs and results like the CPU kernels under FTZ/DAZ; -fmad=false (the header also uses
@@ -19,8 +20,8 @@
 // per bucket; thread t owns the groups of 8 consecutive values g = t, t + TEAM, ... of the bucket:
 // it loads them with two 16-byte loads (a warp reads 1 KiB contiguous), computes their 8 codes and
 // stores the packed `bits` bytes (as one 8/4/2-byte store where aligned). Buckets of up to 256
-// values keep their values in registers between the reduction and the quantisation pass; larger
-// buckets read them again (from L1/L2). Decode-sum: one thread per group of 8 outputs, two 16-byte
+// values keep their values in registers between the reductions and the quantisation pass; larger
+// buckets read them again (from L1/L2): twice for maxmin, three times for norm. Decode-sum: one thread per group of 8 outputs, two 16-byte
 // stores. The fused decode-sum-reencode is the encode kernel whose values come from decoding k
 // payloads instead of from memory.
 #include <cstdint>
@@ -62,9 +63,6 @@ __device__ __forceinline__ uint64_t load_bytes(const uint8_t* p) {
     if ((a & 1u) == 0) return load_units<NB, unsigned short>(p);
   }
   return load_units<NB, unsigned char>(p);
-}
-__device__ __forceinline__ float load_f32(const uint8_t* p) {
-  return __uint_as_float(static_cast<uint32_t>(load_bytes<4>(p)));
 }
 
 template <int NB, typename T>
@@ -122,12 +120,14 @@ __device__ __forceinline__ void decode_sum_group(const uint8_t* p0, int64_t k, i
   const int64_t code_off = 4 * S * nb + b * code_bytes + g * BITS;
   for (int64_t j = 0; j < k; ++j) {
     const uint8_t* pj = p0 + j * bytes;
-    const float mn = SCHEME == kMaxMin ? load_f32(pj + scale_off) : 0.0f;
-    const float step = load_f32(pj + scale_off + 4 * (S - 1));
+    uint32_t header[2];
+    header[0] = static_cast<uint32_t>(load_bytes<4>(pj + scale_off));
+    header[1] = S == 2 ? static_cast<uint32_t>(load_bytes<4>(pj + scale_off + 4)) : 0u;
+    const DecodeScales s = decode_scales<SCHEME>(header);
     const uint64_t w = load_bytes<BITS>(pj + code_off);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float d = decode_value<BITS, SCHEME>(unpack1<BITS>(w, i), mn, step);
+      const float d = decode_value<BITS, SCHEME>(unpack1<BITS>(w, i), s);
       v[i] = j == 0 ? d : add_rn(v[i], d);
     }
   }
@@ -216,11 +216,10 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
       }
 
       // -- pass 1: the bucket's reductions --
+      // maxmin: min/max order keys and the NaN flag; norm: the largest |x| (bits), which sets the
+      // scale 2^-k of the squares summed in pass 1b. All exact, reduced by shuffles.
       int32_t lo = INT32_MAX, hi = INT32_MIN;
-      uint32_t any_nan = 0;
-      float lane_sum[kLanesPerThread];
-#pragma unroll
-      for (int m = 0; m < kLanesPerThread; ++m) lane_sum[m] = 0.0f;
+      uint32_t any_nan = 0, max_abs = 0;
       float v[8];
       for (int c0 = 0; c0 < G; c0 += TEAM) {
         const int g = c0 + t;
@@ -231,20 +230,53 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
             for (int i = 0; i < 8; ++i)
               if (8 * g + i >= valid) v[i] = fill;
           }
-          if constexpr (SCHEME == kMaxMin) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
+          for (int i = 0; i < 8; ++i) {
+            if constexpr (SCHEME == kMaxMin) {
               const int32_t key = order_key(v[i]);
               lo = min(lo, key);
               hi = max(hi, key);
               any_nan |= nan_flag(v[i]);
+            } else {
+              max_abs = max(max_abs, abs_bits(v[i]));
             }
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) squares[threadIdx.x * kSq + i] = norm_square(v[i]);
           }
         }
-        if constexpr (SCHEME == kNorm) {
+      }
+#pragma unroll
+      for (int off = TEAM / 2; off >= 1; off >>= 1) {
+        if constexpr (SCHEME == kMaxMin) {
+          lo = min(lo, __shfl_xor_sync(kFull, lo, off));
+          hi = max(hi, __shfl_xor_sync(kFull, hi, off));
+          any_nan |= __shfl_xor_sync(kFull, any_nan, off);
+        } else {
+          max_abs = max(max_abs, __shfl_xor_sync(kFull, max_abs, off));
+        }
+      }
+
+      EncodeScales es;
+      if constexpr (SCHEME == kMaxMin) {
+        es = maxmin_scales(lo, hi, any_nan, levels);
+      } else {
+        // -- pass 1b (norm): the squares of the scaled values, in the format's 8 lanes --
+        const float down = pow2(-scale_exponent(max_abs));
+        float lane_sum[kLanesPerThread];
+#pragma unroll
+        for (int m = 0; m < kLanesPerThread; ++m) lane_sum[m] = 0.0f;
+        for (int c0 = 0; c0 < G; c0 += TEAM) {
+          const int g = c0 + t;
+          if (active && g < G) {
+            if (!cached) {
+              src.load8(row, b, g, v);
+              if (8 * g + 8 > valid) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                  if (8 * g + i >= valid) v[i] = fill;
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) squares[threadIdx.x * kSq + i] = norm_square(mul_rn(v[i], down));
+          }
           __syncwarp();
           const int groups = min(TEAM, G - c0);
           if (t < 8) {
@@ -257,18 +289,6 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
           }
           __syncwarp();
         }
-      }
-
-      float mn = 0.0f, step;
-      if constexpr (SCHEME == kMaxMin) {
-#pragma unroll
-        for (int off = TEAM / 2; off >= 1; off >>= 1) {
-          lo = min(lo, __shfl_xor_sync(kFull, lo, off));
-          hi = max(hi, __shfl_xor_sync(kFull, hi, off));
-          any_nan |= __shfl_xor_sync(kFull, any_nan, off);
-        }
-        maxmin_scales(lo, hi, any_nan, levels, &mn, &step);
-      } else {
         // norm_tree as a butterfly: strides >= TEAM inside the thread, smaller ones by shuffles.
 #pragma unroll
         for (int off = 4; off >= 1; off >>= 1) {
@@ -281,16 +301,15 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
           }
         }
         const float total = __shfl_sync(kFull, lane_sum[0], team_lane0);
-        step = norm_step(total, levels);
+        es = norm_scales(max_abs, total, levels);
       }
       if (!active) continue;  // no shuffles below
-      const float inv = inverse_step(step);
       if (t == 0) {
         if constexpr (SCHEME == kMaxMin) {
-          store_f32(out + 8 * b, mn);
-          store_f32(out + 8 * b + 4, step);
+          store_f32(out + 8 * b, es.min);
+          store_bytes<4>(out + 8 * b + 4, es.word);
         } else {
-          store_f32(out + 4 * b, step);
+          store_bytes<4>(out + 4 * b, es.word);
         }
       }
 
@@ -312,7 +331,8 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const float r = rounding_threshold(a.stochastic, seed0, seed1, index + i);
-          w |= static_cast<uint64_t>(encode_value<BITS, SCHEME>(v[i], mn, inv, r)) << (i * BITS);
+          w |= static_cast<uint64_t>(encode_value<BITS, SCHEME>(v[i], es.down, es.y_min, es.inv, r))
+               << (i * BITS);
         }
         if (nvalid < 8)  // padding codes are 0
           w &= nvalid <= 0 ? 0 : (uint64_t{1} << (BITS * nvalid)) - 1;

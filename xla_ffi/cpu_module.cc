@@ -96,5 +96,22 @@ NB_MODULE(_qcomm_cpu, m) {
     return d;
   });
   m.def("isa", []() { return std::string(qcomm::cpu::isa()); },
-        "Instruction set the CPU kernels dispatch to on this machine.");
+        "Instruction set the CPU kernels run (the widest this CPU has, unless force_isa chose one).");
+  m.def("detected_isa", []() { return std::string(qcomm::cpu::detected_isa()); },
+        "The widest instruction set this CPU supports (and this build has kernels for).");
+  m.def(
+      "force_isa",
+      [](const std::string& name) {
+        const std::string error = qcomm::cpu::force_isa(name);
+        if (!error.empty()) throw nb::value_error(error.c_str());
+      },
+      nb::arg("name"),
+      "Runs the kernels built for `name` ('avx512', 'avx2', 'generic') from now on; ValueError if "
+      "the name is unknown or this CPU lacks that instruction set.");
+  // Sanitizers this module was built with (CMake option QCOMM_SANITIZE): "" in a normal build.
+#if defined(QCOMM_SANITIZERS)
+  m.attr("sanitizers") = QCOMM_SANITIZERS;
+#else
+  m.attr("sanitizers") = "";
+#endif
 }
