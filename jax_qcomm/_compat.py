@@ -14,16 +14,23 @@ What differs, and what does not:
   both versions have.
 * ``jax.typeof`` and ``jax.shard_map`` (top level, not ``jax.experimental``) exist in every
   supported version: no shim, call them directly.
-* CPU collectives across processes (gloo bound to a network interface): see
-  :mod:`jax_qcomm.distributed`.
+* **CPU collectives bound to a network interface** (gloo on ``eth0`` rather than the hostname's
+  address). No jax version has a public way: jax's CPU backend factory builds the gloo collectives
+  with the distributed client only. :func:`register_gloo_cpu_backend` replaces that factory through
+  the public ``jax.extend.backend.register_backend_factory``, but the factory it registers needs
+  three private names (``jax._src``, ``jaxlib._jax``), listed in :data:`GLOO_PRIVATE_NAMES` and
+  imported only here, the package's only use of private jax names. tests/test_faults.py checks they exist with the arguments used
+  here, so a jax release that moves one fails that test by name, not a benchmark in a netns.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
 from jax import lax
+from jax.extend import backend as jex_backend
 
 #: Feature test, once: jax 0.12 stores the varying manual axes in ``aval.mat.varying``; jax 0.11
 #: in ``aval.vma``.
@@ -63,3 +70,75 @@ def cond(pred: jax.Array, branches: Sequence[Callable[[], Any]]) -> Any:
     return run
 
   return lax.cond(pred, wrap(branches[0]), wrap(branches[1]), None)
+
+
+# ---- gloo bound to a network interface (private jax names, isolated here) -------------------------
+
+#: The private names :func:`register_gloo_cpu_backend` uses, as (module, attribute): jax's CPU client
+#: constructor (its ``collectives`` argument overrides the flag-chosen implementation), the
+#: ``jax.distributed`` client (``jax.distributed`` exposes no accessor), and jaxlib's gloo
+#: constructor (``distributed_client, hostname=None, interface=None``).
+GLOO_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("jax._src.xla_bridge", "make_cpu_client"),
+    ("jax._src.distributed", "global_state"),
+    ("jaxlib._jax", "make_gloo_tcp_collectives"),
+)
+
+
+def _gloo_private_api() -> tuple[Callable[..., Any], Any, Callable[..., Any]]:
+  """(make_cpu_client, distributed global_state, make_gloo_tcp_collectives), or a RuntimeError
+  naming the private name this jax version lacks."""
+  import importlib
+
+  found = []
+  for module, name in GLOO_PRIVATE_NAMES:
+    try:
+      found.append(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError) as e:
+      raise RuntimeError(
+          f"jax_qcomm: binding gloo to a network interface needs {module}.{name}, which jax "
+          f"{jax.__version__} does not have ({e}); jax_qcomm._compat must be updated for this "
+          "jax version (or leave interface/hostname unset: gloo then binds to the hostname's "
+          "address)") from e
+  return found[0], found[1], found[2]
+
+
+def gloo_private_api_problems() -> list[str]:
+  """What is missing or changed in the private names :func:`register_gloo_cpu_backend` uses
+  (empty if all are as expected). For the test that fails loudly when jax moves them."""
+  try:
+    make_cpu_client, global_state, make_gloo = _gloo_private_api()
+  except RuntimeError as e:
+    return [str(e)]
+  problems = []
+  if "collectives" not in inspect.signature(make_cpu_client).parameters:
+    problems.append("jax._src.xla_bridge.make_cpu_client has no 'collectives' argument")
+  if not hasattr(global_state, "client"):
+    problems.append("jax._src.distributed.global_state has no 'client'")
+  doc = getattr(make_gloo, "__doc__", "") or ""
+  for arg in ("distributed_client", "hostname", "interface"):
+    if arg not in doc:
+      problems.append(f"jaxlib's make_gloo_tcp_collectives has no {arg!r} argument: {doc[:200]}")
+  return problems
+
+
+def register_gloo_cpu_backend(interface: str | None, hostname: str | None) -> None:
+  """Makes JAX's ``"cpu"`` backend use gloo collectives bound to ``interface`` (or ``hostname``).
+
+  Registers, through the public ``jax.extend.backend.register_backend_factory``, a factory that
+  builds jaxlib's gloo collectives with the interface and hands them to jax's own CPU client
+  constructor. The factory runs when the first backend is created, after ``jax.distributed`` has
+  connected, so it reads the distributed client then. Must be called before any backend exists.
+  """
+  make_cpu_client, global_state, make_gloo = _gloo_private_api()
+
+  def make_cpu_client_with_interface():
+    client = global_state.client
+    if client is None:
+      raise RuntimeError("jax_qcomm.distributed: the gloo CPU backend needs jax.distributed to be "
+                         "initialised first (call jax_qcomm.distributed.initialize)")
+    collectives = make_gloo(distributed_client=client, hostname=hostname, interface=interface)
+    return make_cpu_client(collectives=collectives)
+
+  jex_backend.register_backend_factory("cpu", make_cpu_client_with_interface, priority=0,
+                                       fail_quietly=False)

@@ -1,4 +1,4 @@
-"""Several JAX processes on CPU: ``jax.distributed`` over gloo, and a global mesh.
+"""Several JAX processes on CPU: ``jax.distributed`` over gloo, a global mesh, and prompt failure.
 
 Start the processes with the launcher, which sets the environment variables read here::
 
@@ -17,7 +17,16 @@ Environment variables (set by :mod:`jax_qcomm.launch`):
 * ``QCOMM_PROCESS_ID``      this process's index, 0..n-1;
 * ``QCOMM_LOCAL_DEVICES``   host (CPU) devices per process (``jax_num_cpu_devices``);
 * ``QCOMM_GLOO_INTERFACE``  network interface gloo binds to (e.g. ``eth0``); by default gloo binds to
-  the address of the machine's hostname.
+  the address of the machine's hostname;
+* ``QCOMM_HEARTBEAT_TIMEOUT``, ``QCOMM_COLLECTIVE_TIMEOUT``, ``QCOMM_SHUTDOWN_TIMEOUT``,
+  ``QCOMM_INITIALIZATION_TIMEOUT``: the fault timeouts in seconds (:class:`Timeouts`).
+
+Faults (docs/distributed.md has the measured behaviour): :class:`Timeouts` is the one place where
+the timeouts that end a run with a lost process are set. A process that dies or stops (SIGSTOP)
+is declared dead after ``heartbeat`` seconds, and jax's coordination service then ends every other
+process (XLA logs ``Task N heartbeat timeout`` / ``unhealthy tasks: N`` and aborts). A collective
+that waits longer than ``collective`` seconds for a peer (alive but elsewhere) raises in Python.
+An uncaught exception ends the process at once with status 1 (:func:`initialize`'s ``fail_fast``).
 
 Device ids: across processes, CPU device ids are ``2048 * process_index + k``, so never index
 devices by id; :func:`global_mesh` orders them by (process_index, local id) and the mesh position is
@@ -26,7 +35,10 @@ the global device index.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,6 +46,7 @@ import numpy as np
 import jax
 from jax.sharding import Mesh
 
+from jax_qcomm import _compat
 from jax_qcomm._checks import check_int
 
 ENV_COORDINATOR = "QCOMM_COORDINATOR"
@@ -41,10 +54,23 @@ ENV_NUM_PROCESSES = "QCOMM_NUM_PROCESSES"
 ENV_PROCESS_ID = "QCOMM_PROCESS_ID"
 ENV_LOCAL_DEVICES = "QCOMM_LOCAL_DEVICES"
 ENV_GLOO_INTERFACE = "QCOMM_GLOO_INTERFACE"
+ENV_HEARTBEAT_TIMEOUT = "QCOMM_HEARTBEAT_TIMEOUT"
+ENV_COLLECTIVE_TIMEOUT = "QCOMM_COLLECTIVE_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "QCOMM_SHUTDOWN_TIMEOUT"
+ENV_INITIALIZATION_TIMEOUT = "QCOMM_INITIALIZATION_TIMEOUT"
+
+#: XLA's timeout of one CPU collective across processes (gloo): default 30 minutes.
+XLA_CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
+#: XLA's timeout of the NCCL clique rendezvous on GPU (default: none). NCCL kernels themselves have
+#: no timeout; on GPU a lost peer is ended by the heartbeat.
+XLA_GPU_NCCL_TIMEOUT_FLAG = "xla_gpu_nccl_termination_timeout_seconds"
+#: Exit status of a process ended by an uncaught exception under ``fail_fast``.
+FAIL_FAST_EXIT = 1
 
 __all__ = ["initialize", "global_mesh", "global_devices", "under_launcher", "process_allgather",
-           "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_LOCAL_DEVICES",
-           "ENV_GLOO_INTERFACE"]
+           "Timeouts", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
+           "ENV_LOCAL_DEVICES", "ENV_GLOO_INTERFACE", "ENV_HEARTBEAT_TIMEOUT",
+           "ENV_COLLECTIVE_TIMEOUT", "ENV_SHUTDOWN_TIMEOUT", "ENV_INITIALIZATION_TIMEOUT"]
 
 
 def under_launcher() -> bool:
@@ -64,43 +90,122 @@ def _env_int(name: str, value: int | None, what: str) -> int | None:
     raise ValueError(f"{what}: environment variable {name} must be an integer, got {text!r}") from None
 
 
-def _register_gloo_cpu_backend(interface: str | None, hostname: str | None) -> None:
-  """Replaces jax's "cpu" backend factory by one whose gloo collectives bind to ``interface``.
+# ---- fault timeouts: the one place --------------------------------------------------------------
 
-  jax's own factory (``xla_bridge.make_cpu_client``) builds the gloo collectives without an
-  interface; jaxlib's ``make_gloo_tcp_collectives`` takes one. The factory runs when the first
-  backend is created, after ``jax.distributed.initialize``, so it reads the distributed client then.
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+  """Every timeout that bounds how long a multi-process run outlives a lost process, in seconds.
+
+  Attributes:
+    heartbeat: a process that sends no heartbeat for this long (dead, SIGSTOPped, its host gone) is
+      declared dead by jax's coordination service, which then ends every other process. Also how
+      long the others wait once process 0 (which runs the service) is unreachable.
+      ``jax.distributed.initialize(heartbeat_timeout_seconds=)``; jax's default is 100.
+    collective: a collective across processes that waits longer than this for a peer raises in
+      Python (``Gloo ... Timed out``): the case of a peer that is alive and heartbeating but does
+      not reach the collective. XLA flag ``--xla_cpu_collective_timeout_seconds`` (default 30
+      minutes); on GPU also ``--xla_gpu_nccl_termination_timeout_seconds`` (NCCL clique rendezvous).
+      It bounds any wait inside a collective, so it must exceed the longest time processes can
+      legitimately be apart between two collectives (one compiling or writing alone).
+    shutdown: at exit, how long a process waits in jax's shutdown barrier for the others
+      (``shutdown_timeout_seconds``; jax's default 300).
+    initialization: how long processes wait for each other to join (``initialization_timeout``).
+
+  :meth:`from_env` fills the fields not given from ``QCOMM_*_TIMEOUT`` (set by the launcher's
+  ``--heartbeat-timeout`` / ``--collective-timeout``), else from these defaults.
   """
-  from jax._src import distributed as jax_distributed
-  from jax._src import xla_bridge
-  from jax._src.lib import _jax
 
-  def make_cpu_client_with_interface():
-    client = jax_distributed.global_state.client
-    if client is None:
-      raise RuntimeError("jax_qcomm.distributed: the gloo CPU backend needs jax.distributed to be "
-                         "initialised first (call jax_qcomm.distributed.initialize)")
-    collectives = _jax.make_gloo_tcp_collectives(distributed_client=client, hostname=hostname,
-                                                 interface=interface)
-    return xla_bridge.make_cpu_client(collectives=collectives)
+  heartbeat: int = 30
+  collective: int = 60
+  shutdown: int = 60
+  initialization: int = 120
 
-  xla_bridge.register_backend_factory("cpu", make_cpu_client_with_interface, priority=0,
-                                      fail_quietly=False)
+  ENV = {"heartbeat": ENV_HEARTBEAT_TIMEOUT, "collective": ENV_COLLECTIVE_TIMEOUT,
+         "shutdown": ENV_SHUTDOWN_TIMEOUT, "initialization": ENV_INITIALIZATION_TIMEOUT}
 
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      check_int(f"{field.name}_timeout", getattr(self, field.name), 1)
+
+  @classmethod
+  def from_env(cls, **given: int | None) -> "Timeouts":
+    """Timeouts with ``given`` fields (None: not given) over ``QCOMM_*_TIMEOUT`` over defaults."""
+    unknown = set(given) - set(cls.ENV)
+    if unknown:
+      raise TypeError(f"Timeouts.from_env: unknown timeout(s) {sorted(unknown)}; "
+                      f"known: {sorted(cls.ENV)}")
+    values = {}
+    for name, env in cls.ENV.items():
+      value = _env_int(env, given.get(name), "jax_qcomm.distributed timeouts")
+      if value is not None:
+        values[name] = value
+    return cls(**values)
+
+  def xla_flags(self, existing: str = "") -> str:
+    """``existing`` XLA_FLAGS with the collective timeout flags set to :attr:`collective`
+    (replacing any value they had there)."""
+    flags = [f for f in existing.split() if not re.match(
+        rf"--({XLA_CPU_COLLECTIVE_TIMEOUT_FLAG}|{XLA_GPU_NCCL_TIMEOUT_FLAG})=", f)]
+    flags += [f"--{XLA_CPU_COLLECTIVE_TIMEOUT_FLAG}={self.collective}",
+              f"--{XLA_GPU_NCCL_TIMEOUT_FLAG}={self.collective}"]
+    return " ".join(flags)
+
+
+# ---- fail fast on an uncaught exception ---------------------------------------------------------
+
+def _is_collective_failure(exc: BaseException) -> bool:
+  text = str(exc).lower()
+  return "gloo" in text or "nccl" in text or "collective" in text
+
+
+def _install_fail_fast(process_id: int, num_processes: int, timeouts: Timeouts) -> None:
+  """Makes an uncaught exception end this process at once with status 1 (130 for Ctrl-C).
+
+  Without this, Python's exit runs jax's atexit ``jax.distributed.shutdown()``, a barrier that
+  waits for every other process: with a peer dead it lasts until the heartbeat timeout and ends in
+  an abort (SIGABRT); with a peer alive but elsewhere, up to the shutdown timeout. The traceback is
+  printed first (by the previous hook), then one line saying what happened.
+  """
+  previous = sys.excepthook
+
+  def fail_fast_hook(exc_type, exc, tb):
+    previous(exc_type, exc, tb)
+    if _is_collective_failure(exc):
+      why = (f"a collective across processes failed: another process died, stopped, or did not "
+             f"reach the same collective within the collective timeout ({timeouts.collective} s)")
+    else:
+      why = f"uncaught {exc_type.__name__}"
+    status = 130 if issubclass(exc_type, KeyboardInterrupt) else FAIL_FAST_EXIT
+    try:
+      sys.stderr.write(f"jax_qcomm.distributed: process {process_id} of {num_processes} exits "
+                       f"with status {status}: {why}; not waiting in jax.distributed's shutdown "
+                       "barrier for the other processes\n")
+      sys.stdout.flush()
+      sys.stderr.flush()
+    finally:
+      os._exit(status)
+
+  sys.excepthook = fail_fast_hook
+
+
+# ---- initialize ---------------------------------------------------------------------------------
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, local_device_count: int | None = None,
                interface: str | None = None, *, hostname: str | None = None,
-               initialization_timeout: int = 120, heartbeat_timeout_seconds: int = 30) -> None:
+               heartbeat_timeout: int | None = None, collective_timeout: int | None = None,
+               shutdown_timeout: int | None = None, initialization_timeout: int | None = None,
+               fail_fast: bool = True, preemption_service: bool = False) -> Timeouts:
   """Joins this process to a multi-process CPU run: gloo collectives over ``jax.distributed``.
 
   Must be called before anything initialises a JAX backend (any computation, ``jax.devices()``,
-  ``jax.device_put``, ...): it changes the CPU backend's configuration, which JAX reads once when it
-  creates the backend. A RuntimeError says so if a backend already exists.
+  ``jax.device_put``, ...): it changes the CPU backend's configuration and XLA's flags, which are
+  read once when the backend is created. ``jax.distributed.initialize`` raises a RuntimeError if a
+  backend already exists.
 
   Arguments left as None come from the environment set by :mod:`jax_qcomm.launch`
   (``QCOMM_COORDINATOR``, ``QCOMM_NUM_PROCESSES``, ``QCOMM_PROCESS_ID``, ``QCOMM_LOCAL_DEVICES``,
-  ``QCOMM_GLOO_INTERFACE``).
+  ``QCOMM_GLOO_INTERFACE``, ``QCOMM_*_TIMEOUT``).
 
   Args:
     coordinator_address: ``host:port`` of the coordination service, which process 0 runs.
@@ -109,22 +214,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     local_device_count: host devices in this process (sets ``jax_num_cpu_devices``); None keeps
       JAX's default (one CPU device).
     interface: network interface for gloo's sockets (``"eth0"``, ``"lo"``, ...). By default gloo
-      binds to the address of the machine's hostname. Implemented by re-registering JAX's ``"cpu"``
-      backend factory with one that passes ``interface`` to jaxlib's ``make_gloo_tcp_collectives``
-      (JAX's own factory passes none), which is why this must happen before any backend exists.
+      binds to the address of the machine's hostname. JAX has no public option for it:
+      :func:`jax_qcomm._compat.register_gloo_cpu_backend` re-registers the ``"cpu"`` backend
+      factory with one that passes it to jaxlib's gloo constructor.
     hostname: alternatively, the host name or address gloo binds to (jaxlib's ``hostname``).
-    initialization_timeout: seconds to wait for all processes to join.
-    heartbeat_timeout_seconds: seconds without heartbeat after which the coordination service
-      declares a process dead (the others then fail instead of hanging).
-  """
-  from jax._src import xla_bridge
+    heartbeat_timeout, collective_timeout, shutdown_timeout, initialization_timeout: seconds; see
+      :class:`Timeouts` (defaults 30, 60, 60, 120). The collective timeout is written into
+      ``XLA_FLAGS`` of this process.
+    fail_fast: an uncaught exception prints its traceback and a line naming this process, then
+      exits at once with status 1 instead of waiting in jax's shutdown barrier (which, with a peer
+      lost, ends in SIGABRT after the heartbeat timeout).
+    preemption_service: keep jax's preemption service (``jax_enable_preemption_service``). It
+      turns SIGTERM into a preemption notice for ``multihost_utils.reached_preemption_sync_point``,
+      so that SIGTERM no longer ends the process; off by default, so SIGTERM ends it.
 
-  if xla_bridge.backends_are_initialized():
-    raise RuntimeError(
-        "jax_qcomm.distributed.initialize() must be called before any JAX backend is initialised "
-        "(before any computation, jax.devices(), jax.device_put(), ...): it configures the CPU "
-        "backend's gloo collectives and device count, which JAX reads only when it creates the "
-        "backend")
+  Returns:
+    The :class:`Timeouts` in force.
+  """
   what = "jax_qcomm.distributed.initialize"
   coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
   num_processes = _env_int(ENV_NUM_PROCESSES, num_processes, what)
@@ -148,23 +254,44 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
   if local_device_count is not None:
     check_int("local_device_count", local_device_count, 1)
-  if interface is not None and (not isinstance(interface, str) or not interface):
-    raise ValueError(f"interface must be a network interface name such as 'eth0', got {interface!r}")
-  if interface is not None and os.path.isdir("/sys/class/net") and not os.path.exists(
-      os.path.join("/sys/class/net", interface)):
-    raise ValueError(f"interface {interface!r} does not exist on this machine; available: "
-                     f"{sorted(os.listdir('/sys/class/net'))}")
+  _check_interface(interface)
+  if hostname is not None and (not isinstance(hostname, str) or not hostname):
+    raise ValueError(f"hostname must be a host name or address, got {hostname!r}")
+  timeouts = Timeouts.from_env(heartbeat=heartbeat_timeout, collective=collective_timeout,
+                               shutdown=shutdown_timeout, initialization=initialization_timeout)
 
+  # Read by jax.distributed.initialize below: without the preemption service, SIGTERM ends JAX.
+  jax.config.update("jax_enable_preemption_service", bool(preemption_service))
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=int(num_processes), process_id=int(process_id),
+                               cluster_detection_method="deactivate",
+                               initialization_timeout=timeouts.initialization,
+                               heartbeat_timeout_seconds=timeouts.heartbeat,
+                               shutdown_timeout_seconds=timeouts.shutdown)
+  except RuntimeError as e:
+    raise RuntimeError(f"{what}: {e}") from e
+  # No backend exists yet (jax.distributed.initialize refuses otherwise): the settings below are
+  # read when the first one is created.
+  os.environ["XLA_FLAGS"] = timeouts.xla_flags(os.environ.get("XLA_FLAGS", ""))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if local_device_count is not None:
     jax.config.update("jax_num_cpu_devices", int(local_device_count))
   if interface is not None or hostname is not None:
-    _register_gloo_cpu_backend(interface, hostname)
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=int(num_processes), process_id=int(process_id),
-                             cluster_detection_method="deactivate",
-                             initialization_timeout=initialization_timeout,
-                             heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+    _compat.register_gloo_cpu_backend(interface, hostname)
+  if fail_fast:
+    _install_fail_fast(int(process_id), int(num_processes), timeouts)
+  return timeouts
+
+
+def _check_interface(interface: str | None) -> None:
+  if interface is None:
+    return
+  if not isinstance(interface, str) or not interface:
+    raise ValueError(f"interface must be a network interface name such as 'eth0', got {interface!r}")
+  if os.path.isdir("/sys/class/net") and not os.path.exists(os.path.join("/sys/class/net", interface)):
+    raise ValueError(f"interface {interface!r} does not exist on this machine; available: "
+                     f"{sorted(os.listdir('/sys/class/net'))}")
 
 
 def global_devices() -> list[jax.Device]:

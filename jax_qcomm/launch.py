@@ -4,21 +4,29 @@ Usage::
 
     python -m jax_qcomm.launch -n 4 [--local-devices 2] [--port P] [--host 127.0.0.1]
                                [--interface eth0] [--timeout S] [--env K=V ...]
+                               [--heartbeat-timeout S] [--collective-timeout S]
                                (script.py [args...] | -m module [args...])
 
 Starts ``n`` copies of ``sys.executable script.py args`` (or ``-m module args``), each with the
 environment read by :func:`jax_qcomm.distributed.initialize`:
 
 * ``QCOMM_COORDINATOR=host:port`` (default port: a free one), ``QCOMM_NUM_PROCESSES=n``,
-  ``QCOMM_PROCESS_ID=rank``, and, when given, ``QCOMM_LOCAL_DEVICES`` and ``QCOMM_GLOO_INTERFACE``;
+  ``QCOMM_PROCESS_ID=rank``, and, when given, ``QCOMM_LOCAL_DEVICES``, ``QCOMM_GLOO_INTERFACE``,
+  ``QCOMM_HEARTBEAT_TIMEOUT`` and ``QCOMM_COLLECTIVE_TIMEOUT`` (see
+  :class:`jax_qcomm.distributed.Timeouts`);
 * ``PYTHONUNBUFFERED=1``, so that output arrives line by line;
 * ``QCOMM_LAUNCH_COMMAND``: the launcher's command line (recorded by the benchmarks).
 
 Every line a process prints is prefixed with ``[rank]`` (stdout to stdout, stderr to stderr). The
-launcher waits for all processes; if one fails it kills the others and exits with the first
-non-zero exit status (128 + signal number for a process killed by a signal). Ctrl-C, SIGTERM or
-``--timeout`` (exit status 124) kill them all. Each process runs in its own session, so killing
-them also kills anything they started.
+launcher waits for all processes. When one fails it says which (its exit status or signal; a
+process stopped by SIGSTOP is named too), stops the others (SIGTERM, then SIGKILL after
+``--kill-grace`` seconds), prints every process's final status and exits with the failed one's
+status (128 + signal number for a process killed by a signal). When several fail in the same
+instant, the one killed by an outside signal is taken as the cause (the others are most likely
+reacting to its loss). SIGINT (Ctrl-C) and SIGTERM sent to the launcher are forwarded to every
+process, which are killed if still alive ``--kill-grace`` seconds later; the launcher then exits
+with 130 or 143. ``--timeout`` (exit status 124) stops them all the same way. Each process runs in
+its own session, so stopping them also stops anything they started.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from jax_qcomm import distributed
 # Launcher options that take a value (the command line is split at the first token that is not
 # one of these options, or at -m / --).
 _VALUE_OPTIONS = {"-n", "--num-processes", "--local-devices", "--port", "--host", "--interface",
-                  "--timeout", "--env", "--kill-grace"}
+                  "--timeout", "--env", "--kill-grace", "--heartbeat-timeout",
+                  "--collective-timeout"}
 _FLAG_OPTIONS = {"-h", "--help"}
 TIMEOUT_EXIT = 124
 #: The launcher's own command line, for the processes' records (benchmarks' metadata).
@@ -74,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="extra environment variable for every process (repeatable)")
   parser.add_argument("--kill-grace", type=float, default=3.0,
                       help="seconds between SIGTERM and SIGKILL when stopping processes (default: 3)")
+  parser.add_argument("--heartbeat-timeout", type=int, default=None,
+                      help="seconds without heartbeat before a process is declared lost "
+                           "(QCOMM_HEARTBEAT_TIMEOUT; default: 30)")
+  parser.add_argument("--collective-timeout", type=int, default=None,
+                      help="seconds a collective waits for a peer before it fails "
+                           "(QCOMM_COLLECTIVE_TIMEOUT; default: 60)")
   return parser
 
 
@@ -118,18 +133,66 @@ def _exit_status(returncode: int) -> int:
   return 128 - returncode if returncode < 0 else returncode
 
 
+def _signal_name(signum: int) -> str:
+  try:
+    return signal.Signals(signum).name
+  except ValueError:
+    return f"signal {signum}"
+
+
+def describe_status(returncode: int) -> str:
+  """``exited with status 3`` or ``was killed by SIGKILL (signal 9)``."""
+  if returncode < 0:
+    return f"was killed by {_signal_name(-returncode)} (signal {-returncode})"
+  return f"exited with status {returncode}"
+
+
+def _is_stopped(pid: int) -> bool:
+  """Whether ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP, ...): /proc state ``T`` (Linux)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      # "pid (comm) state ...": comm may contain spaces and parentheses, the state follows the last ")".
+      return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+  except (OSError, IndexError):
+    return False
+
+
+def _cause_first(failed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+  """Failures seen in the same poll, the likely cause first: killed by an outside signal, then a
+  non-zero exit status, then SIGABRT (what XLA does when it learns that a peer is lost)."""
+  def rank_of(item):
+    rank, code = item
+    if code < 0 and -code != signal.SIGABRT:
+      return (0, rank)
+    return (1, rank) if code > 0 else (2, rank)
+  return sorted(failed, key=rank_of)
+
+
 class _Stop(Exception):
   """Raised by the SIGTERM handler to stop the launcher like Ctrl-C."""
 
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
 
-def _kill_all(procs: Sequence[subprocess.Popen], grace: float) -> None:
-  """SIGTERM to every live process group, then SIGKILL to those still alive after ``grace``."""
+
+def _signal_groups(procs: Sequence[subprocess.Popen], signum: int) -> None:
+  """``signum`` to the process group of every live process, then SIGCONT so that stopped ones
+  act on it now rather than when (if ever) they are continued."""
+  for p in procs:
+    if p.poll() is None:
+      for sig in (signum, signal.SIGCONT):
+        try:
+          os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+          pass
+
+
+def _kill_all(procs: Sequence[subprocess.Popen], grace: float,
+              signum: int = signal.SIGTERM) -> None:
+  """``signum`` to every live process group, then SIGKILL to those still alive after ``grace``."""
   live = [p for p in procs if p.poll() is None]
-  for p in live:
-    try:
-      os.killpg(p.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-      pass
+  _signal_groups(live, signum)
   deadline = time.monotonic() + grace
   for p in live:
     try:
@@ -145,20 +208,68 @@ def _kill_all(procs: Sequence[subprocess.Popen], grace: float) -> None:
       p.wait()
 
 
+class _Reporter:
+  """The launcher's own lines on stderr (``[launch] ...``), under the pumps' lock."""
+
+  def __init__(self, out: IO[str], lock: threading.Lock):
+    self.out, self.lock = out, lock
+
+  def __call__(self, text: str) -> None:
+    with self.lock:
+      self.out.write(f"[launch] {text}\n")
+      self.out.flush()
+
+
+def _report_failure(procs: Sequence[subprocess.Popen], failed: Sequence[tuple[int, int]],
+                    report: _Reporter) -> int:
+  """Reports the failures of one poll (the likely cause first) and any stopped process; returns
+  the exit status of the cause."""
+  ordered = _cause_first(failed)
+  rank, code = ordered[0]
+  live = [i for i, p in enumerate(procs) if p.poll() is None]
+  others = "; stopping the others" if live else ""
+  report(f"process {rank} {describe_status(code)}{others}")
+  for other, other_code in ordered[1:]:
+    report(f"process {other} {describe_status(other_code)} too")
+  for i in live:
+    if _is_stopped(procs[i].pid):
+      report(f"process {i} is stopped (SIGSTOP or SIGTSTP): it may be the process the others lost")
+  return _exit_status(code)
+
+
+def _report_final(procs: Sequence[subprocess.Popen], stopped: set[int], signals: set[int],
+                  report: _Reporter) -> None:
+  """One line with every process's exit status; ``stopped``: those alive when the launcher began
+  stopping them with ``signals`` (a status that is one of these is marked as the launcher's)."""
+  parts = []
+  for i, p in enumerate(procs):
+    code = p.returncode
+    text = "0" if code == 0 else (_signal_name(-code) if code < 0 else str(code))
+    if i in stopped and code < 0 and -code in signals:
+      text += " (stopped by the launcher)"
+    parts.append(f"{i}: {text}")
+  report("final status of each process: " + ", ".join(parts))
+
+
 def launch(command: Sequence[str], num_processes: int, *, local_devices: int | None = None,
            port: int | None = None, host: str = "127.0.0.1", interface: str | None = None,
            timeout: float | None = None, env: dict[str, str] | None = None,
            kill_grace: float = 3.0, stdout: IO[str] | None = None,
-           stderr: IO[str] | None = None, launch_command: str | None = None) -> int:
+           stderr: IO[str] | None = None, launch_command: str | None = None,
+           heartbeat_timeout: int | None = None, collective_timeout: int | None = None) -> int:
   """Runs ``sys.executable *command`` in ``num_processes`` processes; returns the exit status.
 
-  0 if all succeeded; else the first non-zero status (the others are killed); 124 on timeout;
-  130 on Ctrl-C.
+  0 if all succeeded; else the failed process's status (the others are stopped); 124 on timeout;
+  130 on SIGINT (Ctrl-C), 143 on SIGTERM (both forwarded to the processes).
   """
   if num_processes < 1:
     raise ValueError(f"num_processes must be >= 1, got {num_processes}")
   if local_devices is not None and local_devices < 1:
     raise ValueError(f"local_devices must be >= 1, got {local_devices}")
+  for name, value in (("heartbeat_timeout", heartbeat_timeout),
+                      ("collective_timeout", collective_timeout)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise ValueError(f"{name} must be a positive integer (seconds), got {value!r}")
   if not command:
     raise ValueError("nothing to run: give a script or -m module")
   stdout = sys.stdout if stdout is None else stdout
@@ -172,24 +283,28 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
                    "PYTHONUNBUFFERED": "1"})
   for name in (distributed.ENV_LOCAL_DEVICES, distributed.ENV_GLOO_INTERFACE):
     base_env.pop(name, None)
-  if local_devices is not None:
-    base_env[distributed.ENV_LOCAL_DEVICES] = str(local_devices)
-  if interface is not None:
-    base_env[distributed.ENV_GLOO_INTERFACE] = interface
+  for name, value in ((distributed.ENV_LOCAL_DEVICES, local_devices),
+                      (distributed.ENV_GLOO_INTERFACE, interface),
+                      (distributed.ENV_HEARTBEAT_TIMEOUT, heartbeat_timeout),
+                      (distributed.ENV_COLLECTIVE_TIMEOUT, collective_timeout)):
+    if value is not None:
+      base_env[name] = str(value)
 
   lock = threading.Lock()
+  report = _Reporter(stderr, lock)
   procs: list[subprocess.Popen] = []
   pumps: list[threading.Thread] = []
   width = len(str(num_processes - 1))
   previous_sigterm = signal.getsignal(signal.SIGTERM)
 
   def on_sigterm(signum, frame):
-    raise _Stop()
+    raise _Stop(signum)
 
   in_main_thread = threading.current_thread() is threading.main_thread()
   if in_main_thread:
     signal.signal(signal.SIGTERM, on_sigterm)
   status = 0
+  stop_signal = signal.SIGTERM
   try:
     for rank in range(num_processes):
       proc_env = dict(base_env)
@@ -207,32 +322,26 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
       codes = [p.poll() for p in procs]
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
       if failed:
-        rank, code = failed[0]
-        status = _exit_status(code)
-        if any(c is None for c in codes):
-          with lock:
-            stderr.write(f"[launch] process {rank} exited with status {status}; stopping the "
-                         "others\n")
-            stderr.flush()
+        status = _report_failure(procs, failed, report)
         break
       if all(c == 0 for c in codes):
         break
       if deadline is not None and time.monotonic() > deadline:
         status = TIMEOUT_EXIT
-        with lock:
-          stderr.write(f"[launch] timeout after {timeout:g} s; killing all processes\n")
-          stderr.flush()
+        report(f"timeout after {timeout:g} s; stopping all processes")
         break
       time.sleep(0.05)
   except (KeyboardInterrupt, _Stop) as e:
-    status = 130 if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM
-    with lock:
-      stderr.write("[launch] interrupted; killing all processes\n")
-      stderr.flush()
+    stop_signal = signal.SIGINT if isinstance(e, KeyboardInterrupt) else e.signum
+    status = 128 + stop_signal
+    report(f"received {_signal_name(stop_signal)}; forwarding it to all processes")
   finally:
-    _kill_all(procs, kill_grace)
+    live = {i for i, p in enumerate(procs) if p.poll() is None}
+    _kill_all(procs, kill_grace, stop_signal)
     for t in pumps:
       t.join(timeout=5)
+    if status != 0 and procs:
+      _report_final(procs, live, {stop_signal, signal.SIGKILL}, report)
     if in_main_thread:
       signal.signal(signal.SIGTERM, previous_sigterm)
   return status
@@ -251,6 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f"-n must be >= 1, got {args.num_processes}")
   if args.local_devices is not None and args.local_devices < 1:
     parser.error(f"--local-devices must be >= 1, got {args.local_devices}")
+  for option, value in (("--heartbeat-timeout", args.heartbeat_timeout),
+                        ("--collective-timeout", args.collective_timeout)):
+    if value is not None and value < 1:
+      parser.error(f"{option} must be >= 1 (seconds), got {value}")
   env = {}
   for item in args.env:
     key, sep, value = item.partition("=")
@@ -260,7 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   return launch(command, args.num_processes, local_devices=args.local_devices, port=args.port,
                 host=args.host, interface=args.interface, timeout=args.timeout, env=env,
                 kill_grace=args.kill_grace,
-                launch_command=shlex.join(["python", "-m", "jax_qcomm.launch", *argv]))
+                launch_command=shlex.join(["python", "-m", "jax_qcomm.launch", *argv]),
+                heartbeat_timeout=args.heartbeat_timeout,
+                collective_timeout=args.collective_timeout)
 
 
 if __name__ == "__main__":
