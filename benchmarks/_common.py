@@ -29,6 +29,16 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
+import jax
+import jaxlib
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_qcomm
+from jax_qcomm import _ffi, distributed
+from jax_qcomm.launch import ENV_LAUNCH_COMMAND
+
 #: glibc malloc tuning applied by re-exec: no mmap below 4 GiB, no trimming of the heap below 16 GiB.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
 # Not set: MALLOC_ARENA_MAX=1. Threads other than the main one allocate from secondary arenas whose
@@ -87,8 +97,6 @@ def median_time(fn: Callable[..., Any], *args: Any, repeats: int = 7, warmup: in
   call starts. The garbage collector is paused while timing. Returns the times and the minor
   page faults during each timed call.
   """
-  import jax  # not at module level: see the package docstring
-
   if repeats < 1 or warmup < 1:
     raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
   for _ in range(warmup):
@@ -173,12 +181,6 @@ def cpu_model() -> str:
 
 def run_metadata(command: Sequence[str]) -> dict[str, Any]:
   """Date, host, CPU, thread counts, versions, backend, kernel ISA, command line and malloc mode."""
-  import jax
-  import jaxlib
-
-  import jax_qcomm
-  from jax_qcomm import _ffi
-
   try:
     affinity = len(os.sched_getaffinity(0))
   except (AttributeError, OSError):  # pragma: no cover - not Linux
@@ -261,10 +263,6 @@ def int_list(text: str) -> list[int]:
 
 def init_devices(devices: int | None) -> None:
   """Multi-process (under the launcher) or single-process device setup; before any backend."""
-  import jax
-
-  from jax_qcomm import distributed
-
   if devices is not None and devices < 1:
     raise SystemExit(f"--devices must be >= 1, got {devices}")
   if distributed.under_launcher():
@@ -277,11 +275,6 @@ def mesh_and_metadata(benchmark: str, command: Sequence[str]):
   """The one-axis ``data`` mesh over every device of every process, and the run's metadata
   (:func:`run_metadata` plus the process layout; the launcher's command line when started
   by :mod:`jax_qcomm.launch`). Shared by the benchmarks that run over processes."""
-  import jax
-
-  from jax_qcomm import distributed
-  from jax_qcomm.launch import ENV_LAUNCH_COMMAND
-
   mesh = distributed.global_mesh(("data",))
   meta = run_metadata(command)
   if distributed.under_launcher() and os.environ.get(ENV_LAUNCH_COMMAND):
@@ -296,10 +289,6 @@ def mesh_and_metadata(benchmark: str, command: Sequence[str]):
 
 def global_input(mesh, n: int):
   """float32[D, n], row g (on device g) normal with a device-dependent seed."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
   d = mesh.devices.size
 
   def rows(idx):
@@ -311,19 +300,13 @@ def global_input(mesh, n: int):
 
 def collective_timing(t: Timing) -> Timing:
   """Across processes: call i takes the slowest process's time of call i."""
-  import jax
-  import numpy as np
-
   if jax.process_count() == 1:
     return t
-  from jax_qcomm import distributed
 
   all_times = np.asarray(distributed.process_allgather(np.asarray(t.times, np.float64)))
   return Timing(tuple(float(v) for v in all_times.max(axis=0)))
 
 
 def log(msg: str) -> None:
-  import jax
-
   if jax.process_index() == 0:
     print(msg, file=sys.stderr, flush=True)

@@ -49,16 +49,28 @@ sums the buffers the leaf policy makes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_qcomm as qcomm
+from jax_qcomm import _exchange, collectives, packing
+from jax_qcomm.codecs import Codec, NoCompression
 
 from benchmarks import _common
 from benchmarks.peers import data as peer_data, payloads as peer_payloads
 
 DEFAULT_SIZES = (1_000_000, 25_600_000)
 DEFAULT_OUT = "bench-results/allreduce.json"
-EXCHANGES = ("auto", "rounds", "all_to_all")  # jax_qcomm._exchange.METHODS (not imported: no jax here)
+EXCHANGES = _exchange.METHODS
 #: codec name -> (description, kind, arguments); kind "psum", "cast_pmean" or "sra".
 CODECS = {
     "fp32": ("NoCompression: lax.pmean of float32", "psum", {}),
@@ -105,10 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- setup ------------------------------------------------------------------------------------------
 
 def _make_codec(name: str, bucket: int, impl: str):
-  import jax.numpy as jnp
-
-  import jax_qcomm as qcomm
-
   _, kind, kw = CODECS[name]
   if kind == "psum":
     return qcomm.NoCompression()
@@ -122,12 +130,6 @@ def _make_codec(name: str, bucket: int, impl: str):
 def _allreduce_fn(name: str, codec, mesh, exchange: str = "auto") -> Callable:
   """jit(shard_map) of one allreduce of float32[n] (or a pytree of float32 leaves) per device;
   ``exchange``: the SRA's schedule."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import PartitionSpec as P
-
-  import jax_qcomm as qcomm
-
   key = jax.random.key(0)
   kind = CODECS[name][1]
 
@@ -164,8 +166,6 @@ def wire_bytes(name: str, codec, n: int, d: int, psum_itemsize: int = 4) -> tupl
   if kind in ("psum", "cast_pmean", "pmean_leaves"):
     payload = n * psum_itemsize
   else:
-    from jax_qcomm import collectives
-
     payload = d * codec.payload_size(collectives.sra_padded_size(n, d, codec) // d)
   return payload, (2 * (d - 1) * payload) // d
 
@@ -176,14 +176,6 @@ def tree_wire_bytes(name: str, codec, shapes: Sequence[Sequence[int]], d: int,
   leaf shapes: the flat buffers of its default leaf policy (exact ones as a ring psum of float32,
   compressed ones padded as :func:`wire_bytes` counts them); psum codecs: every value at
   ``psum_itemsize``."""
-  import math
-
-  import jax
-  import numpy as np
-
-  from jax_qcomm import packing
-  from jax_qcomm.codecs import NoCompression
-
   if d == 1:
     return 0, 0
   total = sum(math.prod(s) for s in shapes)
@@ -204,18 +196,12 @@ def tree_wire_bytes(name: str, codec, shapes: Sequence[Sequence[int]], d: int,
 
 
 def _comm_bucket_size() -> int:
-  from jax_qcomm import collectives
-
   return collectives.DEFAULT_COMM_BUCKET
 
 
 def payload_input(mesh, spec: dict[str, Any]):
   """Per leaf of the spec, float32[D, *shape] with row g (on device g) = rank g's value
   (:func:`benchmarks.peers.data.leaf_array`); a bare array for a ``flat:`` payload."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
   d = mesh.devices.size
   tree = []
   for i, shape in enumerate(peer_data.shapes(spec)):
@@ -245,8 +231,6 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
                warmup: int, link_gbps: float | None,
                exchanges: Sequence[str] = ("auto",)) -> list[dict[str, Any]]:
   """Times every codec's allreduce of n values per device; one row per codec (and exchange)."""
-  import jax
-
   d = mesh.devices.size
   x = _common.global_input(mesh, n)
   jax.block_until_ready(x)
@@ -279,8 +263,6 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
 
 def _first_row(a) -> "np.ndarray":
   """Device 0's row of a [D, ...] result (on process 0, which holds mesh position 0)."""
-  import numpy as np
-
   for shard in a.addressable_shards:
     if (shard.index[0].start or 0) == 0:
       return np.asarray(shard.data)[0]
@@ -291,8 +273,6 @@ def bench_payload(spec: dict[str, Any], mesh, names: Sequence[str], *, bucket: i
                   repeats: int, warmup: int, link_gbps: float | None) -> list[dict[str, Any]]:
   """Times every codec's allreduce of the spec's pytree; one row per codec, with the relative
   error of device 0's result against the exact mean of the D ranks' inputs."""
-  import jax
-
   d = mesh.devices.size
   shapes = peer_data.shapes(spec)
   n = peer_data.num_elements(spec)
@@ -309,11 +289,11 @@ def bench_payload(spec: dict[str, Any], mesh, names: Sequence[str], *, bucket: i
                      else tree_wire_bytes(name, codec, shapes, d, psum_itemsize))
     t = _common.collective_timing(_common.median_time(compiled, x, repeats=repeats, warmup=warmup))
     rel_error = None
+    out = jax.block_until_ready(compiled(x))  # a collective: every process runs it
     if jax.process_index() == 0:
-      out = compiled(x)
       rel_error = peer_data.relative_error(
           (_first_row(a) for a in jax.tree_util.tree_leaves(out)), spec, d)
-      del out
+    del out
     floor = peer_data.link_floor_s(sent, link_gbps)
     _common.log(f"  {spec['payload']} {name:<16} {1e3 * t.median:10.2f} ms  rel. error "
                 f"{rel_error if rel_error is None else f'{rel_error:.3g}'}")
@@ -346,12 +326,6 @@ def _relative_to_fp32(rows: list[dict[str, Any]]) -> None:
 def _transfer_fn(mesh, exchange: str = "auto") -> Callable:
   """The SRA's communication alone: the exchange (all-to-all, schedule ``exchange``) of uint8[D, p]
   and all_gather of uint8[p]."""
-  import jax
-  from jax import lax
-  from jax.sharding import PartitionSpec as P
-
-  from jax_qcomm import _exchange
-
   def per_device(a):
     rows = a[0]  # [D, p]
     received = _exchange.exchange(rows, "data", exchange)
@@ -374,14 +348,6 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
   * transfer alone: the same exchange (``exchange`` method) + all_gather of uint8 payload bytes,
     no codec.
   """
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  from jax_qcomm import collectives
-  from jax_qcomm.codecs import Codec
-
   d = mesh.devices.size
   dev = jax.local_devices()[0]
   rows = []
@@ -508,7 +474,6 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     raise SystemExit(f"--gradients {args.gradients}: no such file (python -m "
                      "benchmarks.peers.make_gradients writes it)")
   _common.init_devices(args.devices)
-  import jax
 
   mesh, meta = _common.mesh_and_metadata("allreduce", command)
   d = mesh.devices.size

@@ -29,6 +29,11 @@ import argparse
 import sys
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
+
+from jax_qcomm import QSGD
+
 from benchmarks import _common
 
 OPS = ("encode", "decode", "decode_sum")
@@ -63,8 +68,6 @@ def _row_label(n: int) -> str:
 
 def _jitted_op(codec: Any, op: str, shape: tuple[int, ...]) -> Any:
   """The jitted function of one op of one codec; see :func:`bench_size` for its arguments."""
-  import jax
-
   if op == "encode":
     return jax.jit(codec.encode)
   if op == "decode":
@@ -86,9 +89,6 @@ def bytes_moved(op: str, n: int, payload_bytes: int) -> int:
 def copy_bandwidth(n: int = COPY_BW_SIZE, *, repeats: int, warmup: int) -> dict[str, Any]:
   """Device-to-device copy bandwidth of the default backend: a jitted ``x + 1`` of n float32
   (read 4n bytes, write 4n bytes) -- the memory-bound elementwise op every kernel is held to."""
-  import jax
-  import jax.numpy as jnp
-
   x = jax.block_until_ready(jnp.zeros((n,), jnp.float32))
   t = _common.median_time(jax.jit(lambda a: a + jnp.float32(1)), x, repeats=repeats, warmup=warmup)
   del x
@@ -102,11 +102,6 @@ def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
 
   With ``copy_gb_per_s`` (GPU runs) each row also gets its bytes moved / time as a fraction of it.
   """
-  import jax
-  import jax.numpy as jnp
-
-  from jax_qcomm import QSGD
-
   codecs = {impl: QSGD(bits, bucket, scheme, rounding, impl=impl) for impl in impls}
   shape = (n,)
   x = jax.random.normal(jax.random.key(1), shape, jnp.float32)
@@ -196,8 +191,6 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark of the parsed ``args``, prints the table, writes the JSON; returns 0."""
-  from jax_qcomm import QSGD
-
   try:  # the codec's own validation, before any work
     for impl in args.impls:
       QSGD(args.bits, args.bucket, args.scheme, args.rounding, impl=impl)

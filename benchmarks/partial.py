@@ -24,6 +24,12 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_qcomm import efficiency
+
 from benchmarks import _common
 
 DEFAULT_OUT = "bench-results/partial.json"
@@ -49,10 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _psum_fn(mesh):
-  import jax
-  from jax import lax
-  from jax.sharding import PartitionSpec as P
-
   def per_device(x):
     return lax.pmean(x[0], "data")[None]
 
@@ -71,10 +73,6 @@ def find_knee(rows: Sequence[dict[str, Any]], threshold: float) -> int | None:
 
 
 def run(args: argparse.Namespace, mesh) -> list[dict[str, Any]]:
-  import jax
-
-  from jax_qcomm import efficiency
-
   d = mesh.devices.size
   fn = _psum_fn(mesh)
   rows = []
@@ -140,7 +138,6 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     raise SystemExit(f"--knee must be > 1, got {args.knee}")
 
   _common.init_devices(args.devices)
-  import jax
 
   mesh, meta = _common.mesh_and_metadata("partial", command)
   meta["config"] = dict(size=args.size, gammas=sorted(set(args.gammas)), repeats=args.repeats,

@@ -28,6 +28,14 @@ import argparse
 import re
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_qcomm import _exchange
+
 from benchmarks import _common
 
 DEFAULT_OUT = "bench-results/patterns.json"
@@ -58,12 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _fn(pattern: str, mesh) -> tuple[Callable, int]:
   """The jitted pattern over uint8[D, D, p] (device i holds [D, p]) and the rows each device sends."""
-  import jax
-  from jax import lax
-  from jax.sharding import PartitionSpec as P
-
-  from jax_qcomm import _exchange
-
   d = mesh.devices.size
   if pattern == "all_to_all":
     body, rows = (lambda a: lax.all_to_all(a, "data", 0, 0, tiled=True)), d - 1
@@ -89,10 +91,6 @@ def _fn(pattern: str, mesh) -> tuple[Callable, int]:
 
 
 def run(args: argparse.Namespace, mesh) -> list[dict[str, Any]]:
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
   d, p = mesh.devices.size, args.row_bytes
   buf = jax.make_array_from_callback(
       (d, d, p), NamedSharding(mesh, P("data")),
@@ -138,7 +136,6 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     raise SystemExit(f"--row-bytes must be >= 2, got {args.row_bytes}")
 
   _common.init_devices(args.devices)
-  import jax
 
   mesh, meta = _common.mesh_and_metadata("patterns", command)
   meta["config"] = dict(row_bytes=args.row_bytes, patterns=args.patterns, repeats=args.repeats,

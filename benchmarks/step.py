@@ -36,7 +36,21 @@ gives the codec throughput in elements per second. Model: ``Tstep = Ts + Tc_mode
 from __future__ import annotations
 
 import argparse
+import gc
+import time
 from typing import Any, Callable, Sequence
+
+import numpy as np
+import optax
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_qcomm as qcomm
+from jax_qcomm import efficiency
+from jax_qcomm.sync import codec_for_bits
 
 from benchmarks import _common
 
@@ -90,8 +104,6 @@ def layer_dims(in_dim: int, hidden: Sequence[int], out_dim: int) -> list[int]:
 
 def init_params(dims: Sequence[int], seed: int = 0) -> dict[str, Any]:
   """numpy float32 parameters {"layer_i": {"w": [a, b], "b": [b]}} (He-style scale)."""
-  import numpy as np
-
   rng = np.random.default_rng(seed)
   return {f"layer_{i}": {"w": (rng.standard_normal((a, b), dtype=np.float32)
                                * np.float32(np.sqrt(2.0 / a))),
@@ -101,9 +113,6 @@ def init_params(dims: Sequence[int], seed: int = 0) -> dict[str, Any]:
 
 def loss_fn(params: dict[str, Any], x, y):
   """Mean squared error of a ReLU MLP."""
-  import jax
-  import jax.numpy as jnp
-
   h = x
   n = len(params)
   for i in range(n):
@@ -117,20 +126,11 @@ def loss_fn(params: dict[str, Any], x, y):
 # -- step functions ---------------------------------------------------------------------------------
 
 def _inner(lr: float):
-  import optax
-
   return optax.sgd(lr, momentum=0.9)
 
 
 def make_sync_step(mesh, params_shape, bits: int, accum: int, bucket: int, lr: float):
   """(jitted step(params, state, x, y) -> (params, state), state init) with qcomm.sync."""
-  import jax
-  import optax
-  from jax import lax
-  from jax.sharding import PartitionSpec as P
-
-  import jax_qcomm as qcomm
-
   tx = qcomm.sync(_inner(lr), axis_name="data", bits=bits, bucket_size=bucket, accum_steps=accum)
   spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params_shape))
 
@@ -150,12 +150,6 @@ def make_local_step(mesh, accum: int, lr: float):
   """The same step without synchronisation: every device keeps its own parameters (global
   arrays with a leading device axis, ``P("data")``), accumulates its gradients locally and steps
   the inner optimizer on their mean every ``accum`` calls. No collective."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from jax import lax
-  from jax.sharding import PartitionSpec as P
-
   inner = _inner(lr)
   squeeze = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
   expand = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
@@ -196,9 +190,6 @@ def make_local_step(mesh, accum: int, lr: float):
 
 def _replicated(mesh, tree: Any) -> Any:
   """numpy pytree -> global arrays replicated over the mesh (works across processes)."""
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
   sharding = NamedSharding(mesh, P())
   return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx]),
                       tree)
@@ -206,10 +197,6 @@ def _replicated(mesh, tree: Any) -> Any:
 
 def _per_device(mesh, tree: Any) -> Any:
   """numpy pytree -> global arrays [D, ...] with the same copy on every device (``P("data")``)."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
   d = mesh.devices.size
   sharding = NamedSharding(mesh, P("data"))
 
@@ -224,10 +211,6 @@ def _per_device(mesh, tree: Any) -> Any:
 
 def _batch(mesh, batch: int, dim: int, seed: int):
   """float32[D * batch, dim], device g's rows normal with a device-dependent seed."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
   d = mesh.devices.size
 
   def rows(idx):
@@ -262,11 +245,6 @@ def time_interleaved(cyclers: dict[str, Cycler], *, repeats: int,
   to round), so that a change of machine load hits all of them alike and ``Tstep - Ts`` compares
   neighbouring cycles. Each cycle is waited for; across processes, cycle i of each cycler takes the
   slowest process's time."""
-  import gc
-  import time
-
-  import jax
-
   if repeats < 1 or warmup < 1:
     raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
   names = list(cyclers)
@@ -293,12 +271,6 @@ def codec_probe(mesh, buffers: Sequence[int], codec, *, repeats: int, warmup: in
   """Seconds of one device's codec work in one SRA allreduce of flat buffers of the given sizes,
   every device working at once (no communication): encode D chunks, decode-and-sum D payloads,
   re-encode the reduced chunk, decode D payloads."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  from jax_qcomm import efficiency
-
   d = mesh.devices.size
   sizes = [efficiency.sra_padded_elements(n, d, codec) for n in buffers]
 
@@ -330,11 +302,6 @@ def codec_probe(mesh, buffers: Sequence[int], codec, *, repeats: int, warmup: in
 
 def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """Measures every (accum, codec); returns the rows and a summary of the model's inputs."""
-  import jax
-
-  from jax_qcomm import efficiency
-  from jax_qcomm.sync import codec_for_bits
-
   d = mesh.devices.size
   dims = layer_dims(args.in_dim, args.hidden, args.out_dim)
   params_np = init_params(dims)
@@ -480,7 +447,6 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     raise SystemExit(f"--latency-us must be >= 0, got {args.latency_us}")
 
   _common.init_devices(args.devices)
-  import jax
 
   mesh, meta = _common.mesh_and_metadata("step", command)
   d = mesh.devices.size
