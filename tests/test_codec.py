@@ -1084,3 +1084,111 @@ def test_allreduce_fused_reencode_matches_unfused(config, cpu_devices):
 
     outs.append(np.asarray(f(x, key)))
   np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+# ---- 12. the CPU kernels of every instruction set give the same bytes ---------------------------
+
+ISA_ORDER = ("generic", "avx2", "avx512")
+ISA_CONFIGS = [(1, 8, "maxmin", "stochastic"), (2, 16, "norm", "nearest"),
+               (3, 24, "maxmin", "nearest"), (4, 128, "norm", "stochastic"),
+               (5, 40, "maxmin", "stochastic"), (6, 512, "norm", "nearest"),
+               (7, 128, "maxmin", "nearest"), (8, 8, "norm", "stochastic")]
+
+# Run with QCOMM_CPU_ISA set: the FFI encode, decode and fused reencode of each ISA_CONFIGS entry.
+_ISA_SCRIPT = r"""
+import sys
+import numpy as np
+import jax, jax.numpy as jnp
+import jax_qcomm as qcomm
+from jax_qcomm import _ffi
+x = jnp.asarray(np.load(sys.argv[1]))
+configs = eval(sys.argv[2])
+out = {"isa": np.array(_ffi.cpu_isa())}
+for i, config in enumerate(configs):
+  c = qcomm.QSGD(*config, impl="ffi")
+  key = jax.random.key(i)
+  p = c.encode(x, key)
+  out[f"p{i}"] = np.asarray(p)
+  out[f"d{i}"] = np.asarray(c.decode(p, x.shape))
+  out[f"r{i}"] = np.asarray(c.decode_sum_reencode(jnp.stack([p, p]), x.shape, key, 0.5))
+np.savez(sys.argv[3], **out)
+"""
+
+
+def _isa_input() -> np.ndarray:
+  """The sweep's buckets (extreme magnitudes included) and 1000 values of spread magnitudes."""
+  r = np.random.default_rng(19)
+  spread = r.standard_normal(1000) * np.exp(r.uniform(-20, 20, 1000))
+  return np.concatenate([_sweep_input(128), spread]).astype(np.float32)
+
+
+@functools.cache
+def _isa_reference():
+  """Per ISA_CONFIGS entry: the pure-JAX reference payload of _isa_input() under key i."""
+  x = jnp.asarray(_isa_input())
+  cs = [qcomm.QSGD(*config, impl="jax") for config in ISA_CONFIGS]
+  return jax.device_get(jax.jit(lambda x: [c.encode(x, jax.random.key(i))
+                                           for i, c in enumerate(cs)])(x))
+
+
+def _subprocess_env(**extra) -> dict:
+  import os
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+@pytest.mark.parametrize("isa", ISA_ORDER)
+def test_forced_isa_gives_the_same_bytes(isa, tmp_path):
+  """QCOMM_CPU_ISA=<isa> (read at import) runs that ISA's kernels: cpu_isa() reports it, and its
+  payloads equal the pure-JAX reference's; its decodes and fused reencodes equal the numpy model's.
+  Skipped only for ISAs this CPU lacks."""
+  import subprocess
+  import sys
+  from jax_qcomm import _ffi
+
+  detected = _ffi.cpu_isa_detected()
+  if detected is None:
+    pytest.skip("no CPU kernels built")
+  if ISA_ORDER.index(isa) > ISA_ORDER.index(detected):
+    pytest.skip(f"this CPU lacks {isa} (it supports up to {detected})")
+  x = _isa_input()
+  np.save(tmp_path / "x.npy", x)
+  proc = subprocess.run(
+      [sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "x.npy"), repr(ISA_CONFIGS),
+       str(tmp_path / "out.npz")],
+      env=_subprocess_env(QCOMM_CPU_ISA=isa), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = np.load(tmp_path / "out.npz")
+  assert str(got["isa"]) == isa
+  n = x.size
+  for i, (config, want) in enumerate(zip(ISA_CONFIGS, _isa_reference())):
+    bits, bucket, scheme, rounding = config
+    p = got[f"p{i}"]
+    np.testing.assert_array_equal(p, np.asarray(want), err_msg=f"{isa} payload {config}")
+    np.testing.assert_array_equal(got[f"d{i}"], _np_decode(p, n, bits, bucket, scheme),
+                                  err_msg=f"{isa} decode {config}")
+    with np.errstate(over="ignore"):  # d + d overflows near the float32 max, in the kernel too
+      reduced = _ftz(_np_decode(p, n, bits, bucket, scheme) * np.float32(2)) * np.float32(0.5)
+    np.testing.assert_array_equal(
+        got[f"r{i}"], _np_encode(_ftz(reduced), _seed(jax.random.key(i)), *config),
+        err_msg=f"{isa} reencode {config}")
+
+
+def test_bad_isa_override_raises_at_import():
+  """An unknown name, or an ISA this CPU lacks, is a ValueError naming QCOMM_CPU_ISA at import."""
+  import subprocess
+  import sys
+  from jax_qcomm import _ffi
+
+  detected = _ffi.cpu_isa_detected()
+  if detected is None:
+    pytest.skip("no CPU kernels built")
+  cases = [("avx9", "unknown instruction set 'avx9'")]
+  if detected != "avx512":
+    cases.append(("avx512", "does not support 'avx512'"))
+  for name, message in cases:
+    proc = subprocess.run([sys.executable, "-c", "import jax_qcomm"], capture_output=True,
+                          text=True, env=_subprocess_env(QCOMM_CPU_ISA=name), timeout=300)
+    assert proc.returncode != 0
+    assert "ValueError: QCOMM_CPU_ISA=" in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
