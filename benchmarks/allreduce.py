@@ -63,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
 from jax_qcomm import _exchange, collectives, packing
-from jax_qcomm.codecs import Codec, NoCompression
+from jax_qcomm.codecs import Codec
 
 from benchmarks import _common
 from benchmarks.peers import data as peer_data, payloads as peer_payloads
@@ -186,9 +186,8 @@ def tree_wire_bytes(name: str, codec, shapes: Sequence[Sequence[int]], d: int,
   codecs = [policy.codec_for(str(i), leaf, codec) for i, leaf in enumerate(abstract)]
   payload = 0
   for group in packing.plan(abstract, codecs, _comm_bucket_size()):
-    b = packing.quant_bucket(group.codec)
-    n = sum(-(-abstract[i].size // b) * b for i in group.leaves)
-    if isinstance(group.codec, NoCompression):  # the policy's exact leaves: a float32 psum
+    n = sum(packing.padded_size(abstract[i].size, group.codec) for i in group.leaves)
+    if group.codec.exact:  # the policy's exact leaves: a float32 psum
       payload += 4 * n
     else:
       payload += wire_bytes(name, group.codec, n, d)[0]

@@ -98,11 +98,6 @@ def check_float_leaves(tree: Any, name: str = "x") -> None:
       raise ValueError(f"{name} leaf '{where}' must be float32, bfloat16 or float16, got {dtype}")
 
 
-def quant_bucket(codec: Codec) -> int:
-  """Granularity a leaf is padded to inside a flat buffer: ``codec.pad_multiple``."""
-  return codec.pad_multiple
-
-
 def padded_size(n: int, codec: Codec) -> int:
   """Elements a leaf of ``n`` takes in a flat buffer: n rounded up to whole buckets."""
   return -(-n // codec.pad_multiple) * codec.pad_multiple
