@@ -40,8 +40,10 @@ def uniform01(bits: jax.Array) -> jax.Array:
   return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
-_SIGN = _U32(0x80000000)
-_ABS = _U32(0x7FFFFFFF)
+# numpy scalars, not jnp: a jnp constant made at import would start a JAX backend (and freeze
+# jax_num_cpu_devices) as a side effect of `import jax_qcomm` (tests/test_layers.py).
+_SIGN = np.uint32(0x80000000)
+_ABS = np.uint32(0x7FFFFFFF)
 _EXP_ONE = 0x00800000           # bits of the smallest normal float32, 2**-126
 _NON_FINITE = 0x7F800000        # bits of +Inf: |x| bits at or above are Inf or NaN
 _MAX_FINITE_BITS = 0x7F7FFFFF
