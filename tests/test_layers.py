@@ -48,9 +48,10 @@ EXTENSIONS = {"_qcomm_cpu", "_qcomm_cuda"}
 #: Packages outside jax_qcomm that the library must never import (tooling, optional extras).
 NEVER_IN_LIBRARY = {"benchmarks", "training", "configs", "matplotlib", "flax", "tensorflow",
                     "tensorflow_datasets", "orbax", "nbclient", "pytest", "torch"}
-#: Modules still allowed to import jax's private jax._src, with the reason. (The CPU-collectives
-#: registration of distributed.py is being moved behind jax_qcomm._compat by helper E.)
-JAX_PRIVATE_ALLOWED = {"distributed"}
+#: The one module allowed to reach jax's private modules (jax._src, jaxlib._jax): _compat, for the
+#: gloo-on-an-interface registration (its GLOO_PRIVATE_NAMES; tests/test_faults.py checks them).
+JAX_PRIVATE_ALLOWED = {"_compat"}
+_PRIVATE_PREFIXES = ("jax._src", "jaxlib._")
 
 
 def _modules(package: str) -> dict[str, pathlib.Path]:
@@ -149,8 +150,16 @@ def test_library_imports_no_tooling_and_no_jax_internals():
   for name, path in _modules(PACKAGE).items():
     outside = _imports(path, PACKAGE)[1]
     bad += [f"{name} imports {o}" for o in outside & NEVER_IN_LIBRARY]
-    if "jax._src" in outside and name not in JAX_PRIVATE_ALLOWED:
-      bad.append(f"{name} imports jax._src (version differences belong in jax_qcomm/_compat.py)")
+    if name in JAX_PRIVATE_ALLOWED:
+      continue
+    # import statements, and module names handed to importlib as strings
+    strings = {n.value for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    private = {o for o in outside if o.startswith(_PRIVATE_PREFIXES)}
+    private |= {s for s in strings if s.startswith(_PRIVATE_PREFIXES) and " " not in s}
+    if private:
+      bad.append(f"{name} reaches {sorted(private)} (jax-version differences belong in "
+                 f"jax_qcomm/_compat.py)")
   assert not bad, "\n".join(bad)
 
 
