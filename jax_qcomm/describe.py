@@ -22,11 +22,6 @@ from jax_qcomm.codecs import Codec
 from jax_qcomm.sync import config_of, num_devices
 
 
-def codec_name(codec: Codec) -> str:
-  """Short name: 'QSGD 4b/128 maxmin', 'Cast bfloat16', 'exact fp32' (the codec's own ``name``)."""
-  return codec.name
-
-
 def _sent(devices: int, payload: int) -> float:
   # Scatter-reduce-allgather (and a ring psum): each device sends (D-1)/D of the buffer in each
   # half, the nccl-tests "bus bandwidth" convention.
@@ -35,8 +30,9 @@ def _sent(devices: int, payload: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class LeafTraffic:
-  """One leaf: ``payload_bytes`` is ``codec.payload_size(elements)``; ``sent_bytes`` what each
-  device sends for it per synchronisation (2 (D-1)/D of the payload)."""
+  """One leaf: ``payload_bytes`` is the codec's ``payload_size`` of the leaf as packed (whole
+  buckets); ``sent_bytes`` what each device sends for it per synchronisation (2 (D-1)/D of the
+  payload)."""
 
   path: str
   shape: tuple[int, ...]
@@ -105,7 +101,7 @@ class Description:
 
   def table(self) -> str:
     rows = [(leaf.path, "x".join(map(str, leaf.shape)) or "()", f"{leaf.elements:,}",
-             codec_name(leaf.codec), f"{leaf.payload_bytes:,}", f"{leaf.sent_bytes:,.0f}",
+             leaf.codec.name, f"{leaf.payload_bytes:,}", f"{leaf.sent_bytes:,.0f}",
              f"{leaf.ratio:.2f}x") for leaf in self.leaves]
     total = ("total", "", f"{self.elements:,}", f"{self.exact_elements:,} elements exact",
              f"{self.payload_bytes:,}", f"{self.sent_bytes_per_sync:,.0f}", f"{self.ratio:.2f}x")
@@ -118,7 +114,7 @@ class Description:
 
     rule = "-" * len(line(head))
     out = [f"qcomm.sync over {self.axis_name!r}: {self.devices} devices, default codec "
-           f"{codec_name(self.default_codec)}, accum_steps={self.accum_steps}",
+           f"{self.default_codec.name}, accum_steps={self.accum_steps}",
            line(head), rule, *map(line, rows), rule, line(total),
            f"per device: {self.sent_bytes_per_sync:,.0f} B per sync, "
            f"{self.sent_bytes_per_call:,.0f} B per call; exact fp32 would send "
@@ -167,7 +163,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     codec = cfg.codec if bare else cfg.policy.codec_for(packing.path_str(path), _Shape(shape),
                                                          cfg.codec)
     n = math.prod(shape)
-    payload = codec.payload_size(n)
+    payload = codec.payload_size(packing.padded_size(n, codec))  # as packed: whole buckets
     leaves.append(LeafTraffic(path=name, shape=shape, elements=n, codec=codec,
                               payload_bytes=payload, sent_bytes=_sent(devices, payload)))
   return Description(leaves=tuple(leaves), devices=devices, accum_steps=cfg.accum_steps,
