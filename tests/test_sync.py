@@ -533,3 +533,27 @@ def test_describe_counts_bytes_from_the_codecs():
   assert f"{d.payload_bytes:,}" in text
   with pytest.raises(ValueError, match="qcomm.sync"):
     qcomm.describe(optax.chain(tx, optax.scale(1.0)), params)
+
+
+def test_hierarchical_axis_state_from_tx_init():
+  """Per-device parts over a Hierarchical axis: one row per device of both axes."""
+  m = Mesh(np.array(jax.devices()[:D]).reshape(2, 4), ("o", "i"))
+  axis = qcomm.Hierarchical(inner="i", outer="o")
+  tx = qcomm.sync(optax.sgd(0.1), axis_name=axis, bits=32, accum_steps=2)
+  params = _params()
+  state = tx.init(params)
+  spec = qcomm.state_partition_spec(state, axis)
+  assert state.acc["w"].shape == (D, 64, 32) and spec.acc["w"] == P(("i", "o"))
+
+  def two_calls(p, s, g1, g2):
+    _, s = tx.update(_first(g1), s, p)
+    u, s = tx.update(_first(g2), s, p)
+    return u, s
+
+  f = jax.jit(jax.shard_map(two_calls, mesh=m, in_specs=(P(), spec, P(("o", "i")), P(("o", "i"))),
+                            out_specs=(P(), spec)))
+  g1, g2 = _device_grads(1), _device_grads(2)
+  u, state = f(params, state, g1, g2)
+  want = -0.1 * (np.asarray(g1["w"]) + np.asarray(g2["w"])).mean(0) / 2
+  np.testing.assert_allclose(np.asarray(u["w"]), want, atol=1e-6)
+  assert int(state.gradient_step) == 1
