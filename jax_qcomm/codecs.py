@@ -242,6 +242,30 @@ class Codec(abc.ABC):
 class QSGD(Codec):
   """QSGD: quantisation of each bucket of ``bucket_size`` values to ``bits`` bits.
 
+  Each bucket is scaled by the power of two that brings its largest magnitude to [1, 2) (exact),
+  quantised there, and stores its step in those units with the exponent (docs/wire-format.md), so
+  every magnitude is handled alike. With ``L = 2**bits - 1`` (maxmin) or ``2**(bits-1) - 1``
+  (norm) levels and ``step`` the bucket's stored step:
+
+  * Valid range: any finite float32, from the smallest normal (2**-126 ~ 1.2e-38) to the largest
+    finite (3.4e38), mixed freely within a bucket; every decoded value is then finite.
+  * Error bound, per element: ``|decoded - x| <= step`` (stochastic; ``E[decoded] = x`` but for
+    values that clamp to the top level, within 2**-11 of the bucket's largest ``|x|``) or
+    ``<= step / 2`` (nearest), up to float32 rounding (2**-20 of the bucket's largest ``|x|``)
+    and the flush below 2**-126 (next point), where ``step <= (max - min) / L`` (maxmin) or
+    ``step <= min(||bucket||_2, 3.4e38) / L`` (norm), each times ``1 + 2**-14`` (the step has
+    16 significant bits, rounded up). For ``"norm"`` this is
+    QSGD's bound: ``||decoded - x||^2 <= n * step^2 ~ n / L^2 * ||x||^2`` per bucket of ``n``
+    values, and ``E||decoded - x||^2 <= min(n / L^2, sqrt(n) / L) * ||x||^2`` when stochastic.
+  * Below the smallest normal, all implementations flush denormals as XLA's CPU runtime does
+    (FTZ/DAZ): a subnormal input reads as 0 (a bucket of subnormals and zeros decodes to zeros) and
+    a decoded value below 2**-126 in magnitude is 0, so the bound above holds up to an absolute
+    2**-126. Values more than 2**126 times smaller than their bucket's largest count as 0.
+  * A bucket holding NaN or +-Inf decodes to NaN throughout (never to finite values).
+
+  The C++ kernels (each ISA), the CUDA kernels and the pure-JAX reference give the same payload
+  bytes and the same decoded float32 values for the same key.
+
   Args:
     bits: 1..8 bits per value (``"norm"`` needs at least 2: one is the sign).
     bucket_size: values sharing one set of scales; a positive multiple of 8.

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import subprocess
+import sys
 import zlib
 
 import ml_dtypes
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
+from jax_qcomm import _ffi
 
 D = 8
 BUCKETS = (8, 16, 24, 128, 512)
@@ -1132,7 +1136,6 @@ def _isa_reference():
 
 
 def _subprocess_env(**extra) -> dict:
-  import os
   env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
   env.pop("XLA_FLAGS", None)
   return env
@@ -1143,9 +1146,6 @@ def test_forced_isa_gives_the_same_bytes(isa, tmp_path):
   """QCOMM_CPU_ISA=<isa> (read at import) runs that ISA's kernels: cpu_isa() reports it, and its
   payloads equal the pure-JAX reference's; its decodes and fused reencodes equal the numpy model's.
   Skipped only for ISAs this CPU lacks."""
-  import subprocess
-  import sys
-  from jax_qcomm import _ffi
 
   detected = _ffi.cpu_isa_detected()
   if detected is None:
@@ -1177,9 +1177,6 @@ def test_forced_isa_gives_the_same_bytes(isa, tmp_path):
 
 def test_bad_isa_override_raises_at_import():
   """An unknown name, or an ISA this CPU lacks, is a ValueError naming QCOMM_CPU_ISA at import."""
-  import subprocess
-  import sys
-  from jax_qcomm import _ffi
 
   detected = _ffi.cpu_isa_detected()
   if detected is None:
@@ -1192,3 +1189,17 @@ def test_bad_isa_override_raises_at_import():
                           text=True, env=_subprocess_env(QCOMM_CPU_ISA=name), timeout=300)
     assert proc.returncode != 0
     assert "ValueError: QCOMM_CPU_ISA=" in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_cpu_module_is_the_requested_build():
+  """The kernels under test are the build asked for: with QCOMM_CPU_MODULE (scripts/sanitize.sh),
+  that file, built with exactly the sanitizers QCOMM_REQUIRE_SANITIZERS names; otherwise the
+  installed module, built without any."""
+  module = _ffi._qcomm_cpu
+  if module is None:
+    pytest.skip("no CPU kernels built")
+  path = os.environ.get(_ffi.CPU_MODULE_ENV)
+  if path:
+    assert os.path.samefile(module.__file__, path), (module.__file__, path)
+  assert module.sanitizers == os.environ.get("QCOMM_REQUIRE_SANITIZERS", "")
+  assert sys.modules["jax_qcomm._qcomm_cpu"] is module
