@@ -606,7 +606,9 @@ class Session:
                 launch_command: str | None = None, env: dict[str, str] | None = None) -> int:
     """Runs ``exe argv...`` once per node (rank i in namespace i, pinned to its CPU if pinning),
     joined by the launcher's environment (coordinator on node 0, gloo on eth0) plus ``env``;
-    returns the exit status. Each run's command, wall time, status and load averages go to ``meta["runs"]``."""
+    returns the exit status. Each run's command, wall time, status and load averages go to
+    ``meta["runs"]``. Raises :class:`_Stop` when the launcher was interrupted (Ctrl-C, SIGTERM), so
+    that the caller's body ends and :func:`run_in_cluster` tears down."""
     # Not at module level: launch imports jax (through jax_qcomm.distributed), and the benchmark
     # command line imports this module before it may re-execute itself (_common.ensure_malloc_env).
     from jax_qcomm import launch
@@ -627,6 +629,8 @@ class Session:
     record.update(wall_s=time.monotonic() - start, exit_status=status,
                   load_average_after=list(os.getloadavg()))
     self.meta.setdefault("runs", []).append(record)
+    if status in (130, 128 + signal.SIGTERM):  # launch() caught Ctrl-C / SIGTERM: stop the body too
+      raise _Stop(status - 128)
     if status != 0:
       cluster._log(f"`{label}` failed with exit status {status}")
     return status

@@ -48,6 +48,14 @@ def mb(nbytes: int | None) -> str:
   return "" if nbytes is None else f"{nbytes / 1e6:.2f}"
 
 
+def bytes_label(nbytes: int) -> str:
+  """4096 -> 4.1 kB, 4194304 -> 4.19 MB, 1073741824 -> 1.07 GB (decimal units)."""
+  for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+    if nbytes >= scale:
+      return f"{nbytes / scale:.3g} {unit}"
+  return f"{nbytes} B"
+
+
 def size_label(n: int) -> str:
   """Powers-of-two sizes as K/M/G (1024 -> 1K, 2**28 -> 256M), others in decimal (25.6M)."""
   for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
@@ -108,7 +116,7 @@ def peers_markdown(merged: dict[str, Any]) -> str:
       continue
     gloo = next((r for r in rows if r["method"] == "allreduce_fp32" and r.get("median_s")), None)
     first = rows[0]
-    out.append(f"*{payload}*: {first['elements']:,} float32 values in {first['leaves']} leaves, "
+    out.append(f"*{payload}*: {first['elements']:,} float32 values in {first['leaves']} leaf(s), "
                f"{first['gradients']} gradients")
     out.append("")
     table = []
@@ -157,16 +165,19 @@ def breakdown_markdown(result: dict[str, Any]) -> str:
       parts = b["codec_total_s"] + (b["transfer_s"] or 0)
       middle = (b["decode_sum_reencode_s"] if b.get("fused")
                 else b["decode_sum_s"] + b["encode_reduced_s"])
+      floor = full.get("link_floor_s") if full else None
       table.append([size_label(b["size"]), b["codec"], ms(b["encode_chunks_s"]), ms(middle),
                     ms(b["decode_chunks_s"]), ms(b["codec_total_s"]), ms(b.get("transfer_s")),
-                    ms(parts), ms(full["median_s"] if full else None),
-                    ms(full.get("link_floor_s") if full else None)])
+                    ratio(b["transfer_s"] / floor if floor and b.get("transfer_s") else None),
+                    ms(parts), ms(full["median_s"] if full else None), ms(floor),
+                    ratio(full["median_s"] / floor if full and floor else None)])
     out += ["", "Where the time goes (codec work of one device without communication, all "
             "processes at once; transfer = the same exchange + all_gather of the payload bytes, no "
             "codec):", "",
             markdown_table(["size", "codec", "encode ms", "decode-sum-reencode ms", "decode ms",
-                            "codec total ms", "transfer ms", "codec + transfer ms",
-                            "allreduce ms", "floor ms"], table)]
+                            "codec total ms", "transfer ms", "transfer/floor",
+                            "codec + transfer ms", "allreduce ms", "floor ms", "allreduce/floor"],
+                           table)]
   return "\n".join(out)
 
 
@@ -211,7 +222,7 @@ def crossover_markdown(results: Sequence[dict[str, Any]]) -> str:
         [f"{c} vs fp32" for c in codecs if c != "fp32"] + ["fp32 time/floor"]
     table = []
     for n in sizes:
-      line = [size_label(n), mb(4 * n) + " MB"]
+      line = [size_label(n), bytes_label(4 * n)]
       line += [ms(by[(n, c)]["median_s"], 2) if (n, c) in by else "" for c in codecs]
       line += [ratio(by[(n, c)].get("speedup_vs_fp32")) if (n, c) in by else ""
                for c in codecs if c != "fp32"]

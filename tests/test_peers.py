@@ -260,7 +260,7 @@ def test_breakdown_markdown():
                                 decode_chunks_s=0.04, codec_total_s=0.12, transfer_s=0.2)])
   text = report.breakdown_markdown(result)
   assert "| 25.6M | qsgd4 | 400.0 | 13.00 | 104.0 | 3.85x | 2.10x |" in text
-  assert "| 50.0 | 30.0 | 40.0 | 120.0 | 200.0 | 320.0 | 400.0 | 104.0 |" in text
+  assert "| 50.0 | 30.0 | 40.0 | 120.0 | 200.0 | 1.92x | 320.0 | 400.0 | 104.0 | 3.85x |" in text
 
 
 def test_report_cli(tmp_path):
