@@ -9,7 +9,7 @@ ROUNDINGS = ("stochastic", "nearest")
 
 
 def scales_per_bucket(scheme: str) -> int:
-  """float32 scales stored per bucket: maxmin (min, step), norm (step)."""
+  """4-byte header words per bucket: maxmin (min, step word), norm (step word); docs/wire-format.md."""
   return 2 if scheme == "maxmin" else 1
 
 

@@ -111,6 +111,12 @@ def _data(n, seed, special=True):
     x[540:560] = np.float32(1e-30)  # squares and steps that underflow
     x[560:600] = 0.0
     x[580] = -0.0
+  if special and n > 800:  # the ends of the float32 range (scaled buckets, capped norm steps)
+    x[600:700] = np.clip(r.standard_normal(100), -1, 1) * np.float32(3.4e38)
+    x[650] = np.finfo(np.float32).max
+    x[700:760] = (2.0 + 0.1 * r.standard_normal(60)) * np.float32(1e-37)
+    x[760:800] = r.standard_normal(40) * np.float32(2.0**-120)
+    x[780] = np.float32(1e30)
   return x
 
 
