@@ -68,6 +68,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from jax_qcomm import launch
+
 from benchmarks import _cli, _common
 
 #: Exit status when the machine cannot host the cluster (sysexits' EX_UNAVAILABLE).
@@ -609,10 +611,6 @@ class Session:
     returns the exit status. Each run's command, wall time, status and load averages go to
     ``meta["runs"]``. Raises :class:`_Stop` when the launcher was interrupted (Ctrl-C, SIGTERM), so
     that the caller's body ends and :func:`run_in_cluster` tears down."""
-    # Not at module level: launch imports jax (through jax_qcomm.distributed), and the benchmark
-    # command line imports this module before it may re-execute itself (_common.ensure_malloc_env).
-    from jax_qcomm import launch
-
     args, cluster = self.args, self.cluster
     cluster._log(f"running `{label}` on {args.nodes} nodes (coordinator {cluster.addresses[0]}:"
                  f"{args.port}, gloo on {NS_INTERFACE}; {self.meta['placement']})")

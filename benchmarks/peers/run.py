@@ -36,7 +36,7 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
-from benchmarks import _common, cluster
+from benchmarks import _common, allreduce, cluster, report
 from benchmarks.peers import data, payloads
 
 DEFAULT_OUT = "bench-results/peers.json"
@@ -92,8 +92,6 @@ def parse_gradients(items: Sequence[str], chosen: Sequence[str]) -> dict[str, st
 def validate(args: argparse.Namespace) -> dict[str, str]:
   """Checks everything that can be checked before building the cluster; returns the gradients
   map. ValueError names the option."""
-  from benchmarks import allreduce
-
   cluster.validate_cluster(args)
   if args.repeats < 1 or args.warmup < 1:
     raise ValueError("--repeats and --warmup must be >= 1")
@@ -177,8 +175,6 @@ def _load(path: str) -> dict[str, Any] | None:
 def run(args: argparse.Namespace, grads: dict[str, str], command: Sequence[str],
         torch_ver: str) -> int:
   """Builds the cluster, runs both sides per payload, writes the merged JSON and the table."""
-  from benchmarks import report
-
   tmpdir = tempfile.mkdtemp(prefix="qcomm-peers-")
   merged: dict[str, Any] = dict(metadata=dict(
       benchmark="peers", command=shlex.join(command), torch_version=torch_ver,
