@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -160,23 +161,40 @@ def num_devices(config: str, sets: Sequence[str]) -> int:
   return int((module.get_config(mode) if mode else module.get_config()).num_devices)
 
 
+def _die_with_parent() -> None:
+  """In the trainer's process (Linux): SIGKILL when the driver dies, even by SIGKILL."""
+  try:
+    import ctypes  # noqa: PLC0415
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    pass  # not Linux: the finally clause of run_trainer still covers Ctrl-C and SIGTERM
+
+
 def run_trainer(cmd: list[str], devices: int) -> dict[str, Any]:
   """Runs ``python <cmd>`` in the repository, echoing its output; returns its last line's JSON.
   stderr (the tqdm bar) goes straight to ours. The CPU device count also goes in the environment,
   so that it holds even if an import starts a JAX backend before the trainer's main runs."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_NUM_CPU_DEVICES"] = str(devices)
+  env["PYTHONUNBUFFERED"] = "1"  # its log lines as they happen, not when a pipe buffer fills
   proc = subprocess.Popen([sys.executable, *cmd], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          text=True, bufsize=1)
+                          text=True, bufsize=1, preexec_fn=_die_with_parent)
   last = ""
-  assert proc.stdout is not None
-  for line in proc.stdout:
-    if line.strip():
-      last = line
-    if not line.startswith("{"):
-      print(line, end="", flush=True)
-  if proc.wait() != 0:
-    raise RuntimeError(f"the trainer failed (exit {proc.returncode}): python {' '.join(cmd)}")
+  try:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+      if line.strip():
+        last = line
+      if not line.startswith("{"):
+        print(line, end="", flush=True)
+    if proc.wait() != 0:
+      raise RuntimeError(f"the trainer failed (exit {proc.returncode}): python {' '.join(cmd)}")
+  finally:
+    # Ctrl-C / SIGTERM of the driver: no orphan trainer may keep writing to the run's workdir
+    # while a restarted driver resumes it. (Its checkpoints are written atomically by orbax.)
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
   return json.loads(last)
 
 
@@ -247,24 +265,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     r = run_trainer(cmd, num_devices(args.config, args.set))
     wall = time.monotonic() - t0
-    rates[name] = r["steps_per_s"]
+    rates[name] = (r["steps_per_s"], r["cpu_s_per_step"])
     startup.append(wall - args.steps / r["steps_per_s"])
-  print(f"\n{'run':<11} {'opt. steps/s':>12} {'projected min / run':>20}")
-  total = 0.0
+  cores = os.cpu_count() or 1
+  print(f"\n{'run':<11} {'opt. steps/s':>12} {'CPU s/step':>10} {'min/run now':>11} "
+        f"{'min/run idle':>12}")
+  total = idle_lo = idle_hi = 0.0
   for name, settings in RUNS.items():
-    rate = rates.get(name) or _closest_rate(settings["bits"], rates)
+    rate, cpu = rates.get(name) or _closest(settings["bits"], rates)
     minutes = (study_steps / rate + max(startup)) / 60
-    total += minutes
-    mark = "" if name in rates else "  (rate of a similar run)"
-    print(f"{name:<11} {rate:>12.2f} {minutes:>20.1f}{mark}")
-  print(f"whole study ({len(RUNS)} runs x {study_steps} optimizer steps): about {total:.0f} min "
-        f"on this machine at its current load ({os.cpu_count()} cores, load average "
-        f"{os.getloadavg()[0]:.1f})")
+    lo, hi = study_steps * cpu / cores / 60, study_steps * cpu / 60
+    total, idle_lo, idle_hi = total + minutes, idle_lo + lo, idle_hi + hi
+    mark = "" if name in rates else "  (rates of a similar run)"
+    print(f"{name:<11} {rate:>12.2f} {cpu:>10.3f} {minutes:>11.1f} {lo:>5.1f} - {hi:<5.1f}{mark}")
+  print(f"whole study ({len(RUNS)} runs x {study_steps} optimizer steps): about {total:.0f} min on "
+        f"this machine at its current load ({cores} cores, load average {os.getloadavg()[0]:.1f}); "
+        f"on the same machine idle, {idle_lo:.0f} - {idle_hi:.0f} min of training (CPU time / "
+        f"cores .. CPU time; compilation not included)")
   return 0
 
 
-def _closest_rate(bits: int, rates: dict[str, float]) -> float:
-  """A calibrated rate for an uncalibrated run: QSGD runs take a QSGD run's, others fp32's."""
+def _closest(bits: int, rates: dict[str, tuple[float, float]]) -> tuple[float, float]:
+  """Calibrated rates for an uncalibrated run: QSGD runs take a QSGD run's, others fp32's (the
+  slowest such, to stay pessimistic)."""
   quantised = [r for n, r in rates.items() if RUNS[n]["bits"] <= 8]
   exact = [r for n, r in rates.items() if RUNS[n]["bits"] > 8]
   pool = (quantised or exact) if bits <= 8 else (exact or quantised)
@@ -375,6 +398,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
+  # SIGTERM ends the driver through SystemExit, so run_trainer's cleanup runs.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
   return {"run": cmd_run, "status": cmd_status, "plot": cmd_plot,
           "calibrate": cmd_calibrate}[args.command](args)
 

@@ -577,7 +577,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
     if not math.isfinite(loss):
       raise FloatingPointError(f"training diverged at optimizer step {step + 1}: loss {loss}")
     done = step + 1
-    t_first = t_first or (time.perf_counter(), done)
+    t_first = t_first or (time.perf_counter(), done, time.process_time())
     loss_sum, loss_n = loss_sum + loss, loss_n + 1
     if bar:
       bar.set_postfix({"loss": f"{loss:.3f}"}, refresh=False)
@@ -616,6 +616,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
       # Optimizer steps per second of this process, after the first (compiling) step.
       "steps_per_s": ((done - t_first[1]) / (time.perf_counter() - t_first[0])
                       if t_first and done > t_first[1] else None),
+      # CPU seconds (all threads) per optimizer step, same window: what a busy machine's wall
+      # clock hides. On an idle machine with c cores the step takes between this / c and this.
+      "cpu_s_per_step": ((time.process_time() - t_first[2]) / (done - t_first[1])
+                         if t_first and done > t_first[1] else None),
       "curve": meta["curve"],
       "params": int(n_params), "model": {f: config[f] for f in (
           "d_model", "num_layers", "num_heads", "mlp_ratio", "seq_len")},
