@@ -350,7 +350,6 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-  finals = [r["val_loss"] for r in results.values()]
   for i, (name, r) in enumerate(results.items()):
     steps, losses = zip(*r["curve"])
     style = "--" if r.get("seed", 0) else "-"
@@ -361,8 +360,9 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
                   ls=":", label="unigram entropy")
   last = max(r["curve"][-1][0] for r in results.values())
   axes[1].set_xlim(last / 2, last * 1.01)
-  spread = max(finals) - min(finals)
-  axes[1].set_ylim(min(finals) - 0.3 * spread - 0.01, max(finals) + 1.5 * spread + 0.02)
+  late = [v for r in results.values() for s, v in r["curve"] if s >= last / 2]
+  margin = 0.05 * (max(late) - min(late)) + 0.002
+  axes[1].set_ylim(min(late) - margin, max(late) + margin)
   axes[1].set_title("second half of training (zoom)")
   for ax in axes:
     ax.set_xlabel("optimizer step")
