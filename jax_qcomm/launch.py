@@ -379,4 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  _status = main()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # The processes are all gone and waited for; what remains is the interpreter's teardown of the
+  # jax that ``import jax_qcomm`` brought in, seconds on a busy machine, which would delay the
+  # launcher's exit after a failure for nothing.
+  os._exit(_status)

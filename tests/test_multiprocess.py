@@ -245,4 +245,18 @@ def test_initialize_after_backend_raises():
           "    print('RuntimeError', e)\n")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
-  assert "RuntimeError" in proc.stdout and "before any JAX backend" in proc.stdout
+  assert "RuntimeError jax_qcomm.distributed.initialize:" in proc.stdout, proc.stdout
+  assert "must be called before any JAX calls" in proc.stdout, proc.stdout
+
+
+def test_importing_jax_qcomm_creates_no_backend():
+  """distributed.initialize must run before any backend exists, and users import jax_qcomm first:
+  nothing at import time may create one (e.g. a jnp constant at module level)."""
+  # jax refuses to change jax_num_cpu_devices once a backend exists.
+  code = ("import jax, jax_qcomm, jax_qcomm.distributed, jax_qcomm.launch\n"
+          "jax.config.update('jax_num_cpu_devices', 3)\n"
+          "print(len(jax.devices()))\n")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                        env=env)
+  assert proc.returncode == 0 and proc.stdout.split() == ["3"], proc.stdout + proc.stderr[-3000:]
