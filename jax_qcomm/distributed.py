@@ -39,7 +39,8 @@ import dataclasses
 import os
 import re
 import sys
-from typing import Any, Sequence
+import types
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -120,8 +121,10 @@ class Timeouts:
   shutdown: int = 60
   initialization: int = 120
 
-  ENV = {"heartbeat": ENV_HEARTBEAT_TIMEOUT, "collective": ENV_COLLECTIVE_TIMEOUT,
-         "shutdown": ENV_SHUTDOWN_TIMEOUT, "initialization": ENV_INITIALIZATION_TIMEOUT}
+  #: field -> the environment variable it is read from.
+  ENV: ClassVar[Mapping[str, str]] = types.MappingProxyType(
+      {"heartbeat": ENV_HEARTBEAT_TIMEOUT, "collective": ENV_COLLECTIVE_TIMEOUT,
+       "shutdown": ENV_SHUTDOWN_TIMEOUT, "initialization": ENV_INITIALIZATION_TIMEOUT})
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
