@@ -62,6 +62,7 @@ import optax
 
 import jax_qcomm as qcomm
 from jax_qcomm.packing import LeafPolicy
+from training.replicas import params_checksum, replicas_identical
 
 AXIS = "data"
 VOCAB = 256
@@ -431,19 +432,6 @@ def _global(mesh: Mesh, windows: np.ndarray) -> jax.Array:
   rows = len(windows) // n
   return jax.make_array_from_process_local_data(NamedSharding(mesh, P(AXIS)),
                                                 windows[i * rows:(i + 1) * rows])
-
-
-def params_checksum(params: Any) -> float:
-  """float64 sum of every parameter (first local replica): equal iff runs match, in practice."""
-  return float(sum(np.asarray(x.addressable_shards[0].data, np.float64).sum()
-                   for x in jax.tree_util.tree_leaves(params)))
-
-
-def replicas_identical(params: Any) -> bool:
-  """Whether every local device holds bit-identical parameters."""
-  return all(len({np.asarray(s.data).tobytes()
-                  for s in x.addressable_shards}) == 1
-             for x in jax.tree_util.tree_leaves(params))
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

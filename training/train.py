@@ -35,6 +35,7 @@ import optax
 import jax_qcomm as qcomm
 from jax_qcomm import distributed
 from training import input_pipeline, models
+from training.replicas import params_checksum, replicas_identical
 
 AXIS = "data"
 VALID_BITS = tuple(range(1, 9)) + (16, 32)
@@ -481,22 +482,6 @@ def _save(mngr, call: int, state: TrainState) -> None:
   import orbax.checkpoint as ocp
   if mngr.latest_step() != call:
     mngr.save(call, args=ocp.args.StandardSave(state))
-
-
-def params_checksum(params: Any) -> float:
-  """float64 sum of every parameter of this process's first device (replicas are identical)."""
-  leaves = [np.asarray(x.addressable_shards[0].data, np.float64)
-            for x in jax.tree_util.tree_leaves(params)]
-  return float(sum(leaf.sum() for leaf in leaves))
-
-
-def replicas_identical(params: Any) -> bool:
-  """Whether every device of this process holds bit-identical copies of every parameter."""
-  for x in jax.tree_util.tree_leaves(params):
-    shards = [np.asarray(s.data) for s in x.addressable_shards]
-    if any(s.tobytes() != shards[0].tobytes() for s in shards[1:]):
-      return False
-  return True
 
 
 def main(argv) -> None:
