@@ -327,7 +327,9 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         f"| {name} | {r['bits']} | {'yes' if r['error_feedback'] else 'no'} | {r.get('seed', 0)} "
         f"| {r['val_loss']:.4f} | {gap} | {r['wire_bytes']:,} | {r['wire_bytes'] / r['fp32_bytes']:.3f} "
         f"| {r['steps']} | {r['wall_s'] / 60:.1f} |")
-  lines = ["\n".join(rows), ""]
+  lines = ["\n".join(rows), "",
+           "Wall minutes are those of the machine as it was during each run (summed over the "
+           "pieces), not a speed comparison of the settings."]
   for a, b in (("fp32", "fp32_seed1"), ("q4", "q4_seed1")):
     if a in results and b in results:
       x, y = results[a]["val_loss"], results[b]["val_loss"]
