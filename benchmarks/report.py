@@ -85,6 +85,12 @@ def _cluster_line(meta: dict[str, Any]) -> str:
   return "; ".join(parts)
 
 
+def _heading(title: str, meta: dict[str, Any], *details: str) -> list[str]:
+  """A table's heading: the bold title, then where it ran and the run's details in parentheses;
+  and a blank line."""
+  return [f"**{title}** ({'; '.join([_cluster_line(meta), *details])})", ""]
+
+
 # -- peers ---------------------------------------------------------------------------------------------
 
 def _peer_note(r: dict[str, Any]) -> str:
@@ -106,9 +112,9 @@ def peers_markdown(merged: dict[str, Any]) -> str:
   """The peers table(s), one per payload, with a header saying where and how it ran."""
   meta = merged["metadata"]
   cfg = meta["config"]
-  out = [f"**Peers on the same links** ({_cluster_line(meta)}; torch {meta.get('torch_version')}, "
-         f"{cfg['repeats']} timed runs after {cfg['warmup']} warmup, median; per call the slowest "
-         "node)", ""]
+  out = _heading("Peers on the same links", meta,
+                 f"torch {meta.get('torch_version')}, {cfg['repeats']} timed runs after "
+                 f"{cfg['warmup']} warmup, median; per call the slowest node")
   for payload in cfg["payloads"]:
     rows = [r for r in merged["rows"] if r["payload"] == payload]
     if not rows:
@@ -148,9 +154,8 @@ def breakdown_markdown(result: dict[str, Any]) -> str:
   """The allreduce rows against the floor, then the breakdown of each compressed codec."""
   meta = result["metadata"]
   cfg = meta["config"]
-  out = [f"**Allreduce, {meta['num_devices']} devices in {meta['num_processes']} processes** "
-         f"({_cluster_line(meta)}; link {cfg.get('link_gbps')} Gbit/s; median of {cfg['repeats']})",
-         ""]
+  out = _heading(f"Allreduce, {meta['num_devices']} devices in {meta['num_processes']} processes",
+                 meta, f"link {cfg.get('link_gbps')} Gbit/s", f"median of {cfg['repeats']}")
   out.append(markdown_table(
       ["size", "codec", "median ms", "wire MB/node", "floor ms", "time/floor", "vs fp32"],
       [[size_label(r["size"]), r["codec"], ms(r["median_s"]), mb(r["wire_bytes_per_device"]),
@@ -217,7 +222,7 @@ def crossover_markdown(results: Sequence[dict[str, Any]]) -> str:
     sizes = sorted({r["size"] for r in rows})
     by = {(r["size"], r["codec"]): r for r in rows}
     label = _rate_label(result)
-    out += [f"**Allreduce time against size, {label}** ({_cluster_line(result['metadata'])})", ""]
+    out += _heading(f"Allreduce time against size, {label}", result["metadata"])
     headers = ["size", "bytes fp32"] + [f"{c} ms" for c in codecs] + \
         [f"{c} vs fp32" for c in codecs if c != "fp32"] + ["fp32 time/floor"]
     table = []
