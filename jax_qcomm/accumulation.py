@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm._checks import check_int
+from jax_qcomm._checks import check_array_leaves, check_callable, check_int
 
 
 def accumulate_gradients(grad_fn: Callable[[Any, Any], tuple[jax.Array, Any]], params: Any,
@@ -27,7 +27,9 @@ def accumulate_gradients(grad_fn: Callable[[Any, Any], tuple[jax.Array, Any]], p
     (loss, grads): means over the micro-batches; grads have the dtypes grad_fn returns, summed in
     float32.
   """
+  check_callable("grad_fn", grad_fn)
   check_int("accum_steps", accum_steps)
+  check_array_leaves("batch", batch)
   leaves = jax.tree_util.tree_leaves(batch)
   if not leaves:
     raise ValueError("batch must contain at least one array")

@@ -28,6 +28,8 @@ from jax import lax
 from jax_qcomm import _ffi, _reference, wire
 
 Shape = Sequence[int]
+from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int, check_key,
+                               check_real, check_shape)
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 IMPLS = ("auto", "ffi", "jax")
 
@@ -43,15 +45,13 @@ def _check_float(x: jax.Array, name: str = "x") -> None:
 
 
 def _check_out_dtype(dtype: Any) -> jnp.dtype:
-  dtype = jnp.dtype(dtype)
-  if not is_float_dtype(dtype):
-    raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-  return dtype
+  return check_float_dtype("dtype", dtype)
 
 
 def _check_payload(payload: jax.Array, expected: int, lead: tuple[int, ...] = ()) -> None:
   if payload.dtype != jnp.uint8:
     raise ValueError(f"payload must be a uint8 array, got dtype {payload.dtype}")
+  check_array("payload" if not lead else "payloads", payload)
   if tuple(payload.shape) != lead + (expected,):
     raise ValueError(f"payload must have shape {lead + (expected,)} for this shape and codec, "
                      f"got {tuple(payload.shape)}")
@@ -193,13 +193,15 @@ class Codec(abc.ABC):
 
   def encode(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """Encodes x (any shape; float32/bfloat16/float16) to uint8[payload_size(x.size)]."""
-    x = jnp.asarray(x)
+    x = as_array("x", x)
     _check_float(x)
     return self._to_bytes(self.wire_encode(x.reshape(-1).astype(jnp.float32), key))
 
   def decode(self, payload: jax.Array, shape: Shape, dtype: Any = jnp.float32) -> jax.Array:
     """Decodes a payload made by ``encode`` of an array of ``shape``; returns ``dtype``."""
-    shape = tuple(int(d) for d in shape)
+    shape = check_shape("shape", shape)
+    check_key("key", key)
+    scale = check_real("scale", scale)
     dtype = _check_out_dtype(dtype)
     n = math.prod(shape)
     _check_payload(payload, self.payload_size(n))
@@ -207,7 +209,7 @@ class Codec(abc.ABC):
 
   def decode_sum(self, payloads: jax.Array, shape: Shape, dtype: Any = jnp.float32) -> jax.Array:
     """Sum of the decodes of payloads[k, P] (float32 accumulation, in order 0..k-1)."""
-    shape = tuple(int(d) for d in shape)
+    shape = check_shape("shape", shape)
     dtype = _check_out_dtype(dtype)
     n = math.prod(shape)
     self._check_payloads(payloads, n)
@@ -220,15 +222,15 @@ class Codec(abc.ABC):
     (scaled) sum. The bytes are those of the three steps done apart (the multiplication is skipped
     where ``scale == 1``, as the collectives do); a codec may fuse them (QSGD's FFI kernels do).
     """
-    shape = tuple(int(d) for d in shape)
+    shape = check_shape("shape", shape)
     n = math.prod(shape)
     self._check_payloads(payloads, n)
-    wire = self.wire_decode_sum_reencode(self._from_bytes(payloads), n, key, float(scale))
+    wire = self.wire_decode_sum_reencode(self._from_bytes(payloads), n, key, scale)
     return self._to_bytes(wire)
 
   def roundtrip(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """decode(encode(x, key)): what the receiver sees, in x's shape and dtype."""
-    x = jnp.asarray(x)
+    x = as_array("x", x)
     return self.decode(self.encode(x, key), x.shape, x.dtype)
 
   def _check_payloads(self, payloads: jax.Array, n: int) -> None:
@@ -239,6 +241,7 @@ class Codec(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True)
+    check_key("key", key)
 class QSGD(Codec):
   """QSGD: quantisation of each bucket of ``bucket_size`` values to ``bits`` bits.
 
@@ -276,6 +279,7 @@ class QSGD(Codec):
       or ``"jax"``.
   """
 
+    check_array("payloads", payloads)
   bits: int = 4
   bucket_size: int = 128
   scheme: str = "maxmin"
@@ -325,7 +329,7 @@ class QSGD(Codec):
     return jnp.float32(0)
 
   def payload_size(self, n: int) -> int:
-    return wire.qsgd_payload_bytes(n, **self._fmt)
+    return wire.qsgd_payload_bytes(check_int("n", n, 0), **self._fmt)
 
   def wire_bits(self) -> float:
     return 32.0 / wire.qsgd_compression_ratio(**self._fmt)
@@ -395,13 +399,17 @@ class Cast(Codec):
   dtype: Any = jnp.bfloat16
 
   def __post_init__(self):
-    dtype = jnp.dtype(self.dtype)
+    try:
+      dtype = jnp.dtype(self.dtype)
+    except Exception:  # "foo", an object: not a dtype at all
+      dtype = None
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-      raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
+      raise ValueError(f"dtype must be bfloat16 or float16, got "
+                       f"{dtype if dtype is not None else repr(self.dtype)}")
     object.__setattr__(self, "dtype", dtype)
 
   def payload_size(self, n: int) -> int:
-    return 2 * n
+    return 2 * check_int("n", n, 0)
 
   def wire_bits(self) -> float:
     return 16.0
@@ -433,7 +441,7 @@ class NoCompression(Codec):
     return "exact fp32"
 
   def payload_size(self, n: int) -> int:
-    return 4 * n
+    return 4 * check_int("n", n, 0)
 
   def wire_bits(self) -> float:
     return 32.0
@@ -459,3 +467,5 @@ def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
   if bits == 16:
     return Cast(jnp.bfloat16)
   return QSGD(bits=bits, bucket_size=bucket_size, scheme=scheme, rounding=rounding)
+  if bits in (16, 32):  # the QSGD settings are checked even where they do not apply
+    QSGD(bits=4, bucket_size=bucket_size, scheme=scheme, rounding=rounding)

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import _exchange, _varying, packing
-from jax_qcomm._checks import check_int
+from jax_qcomm._checks import (check_array, check_axis_name, check_bool, check_float_dtype, check_instance,
+                               check_int, check_key)
 from jax_qcomm.codecs import QSGD, Codec
 
 AxisName = Union[Hashable, tuple]
@@ -40,6 +41,14 @@ class Hierarchical:
 
   inner: AxisName
   outer: AxisName
+
+  def __post_init__(self):
+    for name in ("inner", "outer"):
+      check_axis_name(name, getattr(self, name))
+    overlap = set(axis_names(self.inner)) & set(axis_names(self.outer))
+    if overlap:
+      raise ValueError(f"outer must name other axes than inner, got inner={self.inner!r} and "
+                       f"outer={self.outer!r} (both name {sorted(map(repr, overlap))})")
 
 
 def axis_names(axis_name: AxisName) -> tuple:
@@ -59,9 +68,17 @@ def axis_size(axis_name: AxisName) -> int:
       size *= lax.axis_size(name)
     except NameError:
       raise ValueError(
-          f"axis_name {name!r} is not bound here: call jax_qcomm collectives inside jax.shard_map "
-          f"or jax.pmap over a mesh axis of that name") from None
+          f"axis_name must name a mesh axis bound here, got {name!r}, which is not bound: call "
+          f"jax_qcomm collectives inside jax.shard_map or jax.pmap over a mesh axis of that "
+          f"name") from None
   return size
+
+
+def _check_axis(axis_name: Any, hierarchical: bool = True) -> None:
+  if hierarchical:
+    check_axis_name("axis_name", axis_name, (Hierarchical,), "qcomm.Hierarchical(inner, outer)")
+  else:
+    check_axis_name("axis_name", axis_name)
 
 
 def _check_common(codec: Any, op: str) -> None:
@@ -228,6 +245,12 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
 
 
 def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
+  check_key("key", key)
+  if policy is not None:
+    check_instance("policy", policy, packing.LeafPolicy, "None or a qcomm.LeafPolicy")
+  return_residual = check_bool("return_residual", return_residual)
+  check_varying = check_bool("check_varying", check_varying)
+  _check_axis(axis_name)
                    key: jax.Array | None = None, op: str = "mean", *,
                    check_varying: bool = True, exchange: str = "auto") -> jax.Array:
   """Compressed reduce-scatter along axis 0 (``lax.psum_scatter(..., tiled=True)`` semantics).
@@ -269,9 +292,13 @@ def all_gather(x: jax.Array, axis_name: AxisName,
 
   Every device (itself included) sees the decoded payloads, so all end with identical arrays. The
   default codec, 8-bit nearest rounding, suits weights (FSDP parameter gathering).
+  check_key("key", key)
+  check_varying = check_bool("check_varying", check_varying)
   """
   _check_common(codec, "mean")
+  _check_axis(axis_name, hierarchical=False)
   if isinstance(axis_name, Hierarchical):
+  check_array("x", x)
     raise ValueError("axis_name must be a name or tuple of names for all_gather, not Hierarchical")
   d = axis_size(axis_name)
   packing.check_float_leaves(x)
@@ -302,3 +329,10 @@ def cast_pmean(x: Any, axis_name: AxisName, dtype: Any = jnp.bfloat16, *,
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.cast_pmean")
   return jax.tree_util.tree_map(lambda v: lax.pmean(v.astype(dtype), axis_name).astype(v.dtype), x)
+  check_key("key", key)
+  tiled = check_bool("tiled", tiled)
+  _check_axis(axis_name, hierarchical=False)
+  check_array("x", x)
+  dtype = check_float_dtype("dtype", dtype)
+  check_varying = check_bool("check_varying", check_varying)
+  _check_axis(axis_name, hierarchical=False)

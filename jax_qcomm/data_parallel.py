@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat, collectives
+from jax_qcomm._checks import check_axis_name, check_bool, check_choice, check_key
 from jax_qcomm.sync import state_partition_spec
 
 AUX_REDUCTIONS = ("mean", "sum", "stack")
@@ -49,6 +50,10 @@ class DataParallel:
   aux_reduce: str = "mean"
   batch_spec: P | None = None
   donate: bool = False
+
+  def __post_init__(self):  # the checks of data_parallel, also for DataParallel(...) made directly
+    _check(self.loss_fn, self.tx, self.mesh, self.axis_name, self.has_aux, self.aux_reduce,
+           self.batch_spec, self.donate)
 
   # -- specs and shardings ------------------------------------------------------------------------
   @property
@@ -88,6 +93,7 @@ class DataParallel:
   def step(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
            key: jax.Array | None = None) -> tuple[Any, Any, jax.Array, Any]:
     """One train step: ``(params, opt_state, loss, aux)``; see :func:`data_parallel`."""
+    check_key("key", key)
     spec = self.state_spec(opt_state)
     fn = self._step_fn(_SpecKey(spec), len(extra), key is not None)
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
@@ -186,21 +192,26 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     a new one every step. ``loss`` is the mean of the devices' losses; ``aux`` is ``None`` without
     ``has_aux``.
   """
+  return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                      aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)
+
+
+def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate) -> None:
+  """ValueError naming the first bad argument of :func:`data_parallel` / :class:`DataParallel`."""
   if not callable(loss_fn):
     raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
   if not (hasattr(tx, "init") and hasattr(tx, "update")):
     raise ValueError(f"tx must be an optax.GradientTransformation, got {tx!r}")
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+  check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
+                  "qcomm.Hierarchical(inner, outer)")
   missing = [n for n in collectives.axis_names(axis_name) if n not in mesh.axis_names]
   if missing:
     raise ValueError(f"axis_name {axis_name!r} must name axes of the mesh {mesh.axis_names}; "
                      f"missing {missing}")
-  if aux_reduce not in AUX_REDUCTIONS:
-    raise ValueError(f"aux_reduce must be one of {AUX_REDUCTIONS}, got {aux_reduce!r}")
-  if not isinstance(has_aux, bool):
-    raise ValueError(f"has_aux must be True or False, got {has_aux!r}")
+  check_choice("aux_reduce", aux_reduce, AUX_REDUCTIONS)
+  check_bool("has_aux", has_aux)
   if batch_spec is not None and not isinstance(batch_spec, P):
-    raise ValueError(f"batch_spec must be a PartitionSpec, got {batch_spec!r}")
-  return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                      aux_reduce=aux_reduce, batch_spec=batch_spec, donate=bool(donate))
+    raise ValueError(f"batch_spec must be None or a PartitionSpec, got {batch_spec!r}")
+  check_bool("donate", donate)

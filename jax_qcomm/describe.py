@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_qcomm import collectives, packing
-from jax_qcomm._checks import check_int
+from jax_qcomm._checks import check_array_leaves, check_axis_name, check_instance, check_int
 from jax_qcomm.codecs import Codec
 from jax_qcomm.sync import config_of, num_devices
 
@@ -64,6 +64,14 @@ class Description:
   accum_steps: int
   axis_name: Any
   default_codec: Codec
+
+  def __post_init__(self):  # made by describe(); checked for a Description made by hand
+    if not (isinstance(self.leaves, tuple) and all(isinstance(x, LeafTraffic) for x in self.leaves)):
+      raise ValueError(f"leaves must be a tuple of LeafTraffic, got {self.leaves!r}")
+    check_int("devices", self.devices)
+    check_int("accum_steps", self.accum_steps)
+    check_axis_name("axis_name", self.axis_name)
+    check_instance("default_codec", self.default_codec, Codec, "a jax_qcomm codec")
 
   @property
   def elements(self) -> int:
@@ -154,6 +162,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     devices, _ = num_devices(cfg.axis_name)
   else:
     devices = check_int("devices", devices)
+  check_array_leaves("params", params)
   with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   bare = treedef.num_leaves == 1 and treedef.num_nodes == 1  # allreduce: a bare array gets the codec
   leaves = []

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm._checks import check_int
+from jax_qcomm._checks import check_bool, check_int, shown
 from jax_qcomm.codecs import Codec, NoCompression, is_float_dtype
 
 
@@ -56,18 +56,34 @@ class LeafPolicy:
                exclude: str | Sequence[str] = (),
                overrides: Mapping[str, Codec] | Sequence[tuple[str, Codec]] = ()):
     min_size = check_int("min_size", min_size, minimum=0)
+    compress_1d = check_bool("compress_1d", compress_1d)
     if isinstance(exclude, str):
       exclude = (exclude,)
+    if isinstance(exclude, (bytes, Mapping)) or not hasattr(exclude, "__iter__"):
+      raise ValueError(f"exclude must be a regular expression or a sequence of them, "
+                       f"got {shown(exclude)}")
     exclude = tuple(exclude)
     for pat in exclude:
       _compile(pat, "exclude")
-    items = tuple(overrides.items()) if isinstance(overrides, Mapping) else tuple(overrides)
+    if overrides is None:
+      overrides = ()
+    if isinstance(overrides, Mapping):
+      items = tuple(overrides.items())
+    elif isinstance(overrides, (str, bytes)) or not hasattr(overrides, "__iter__"):
+      items = None
+    else:
+      items = tuple(overrides)
+    if items is None or not all(
+        isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
+      raise ValueError(f"overrides must be a mapping of regular expression -> codec (or a sequence "
+                       f"of (regex, codec) pairs), got {shown(overrides)}")
+    items = tuple(tuple(it) for it in items)
     for pat, codec in items:
       _compile(pat, "overrides")
       if not isinstance(codec, Codec):
         raise ValueError(f"overrides[{pat!r}] must be a jax_qcomm codec, got {codec!r}")
     object.__setattr__(self, "min_size", min_size)
-    object.__setattr__(self, "compress_1d", bool(compress_1d))
+    object.__setattr__(self, "compress_1d", compress_1d)
     object.__setattr__(self, "exclude", exclude)
     object.__setattr__(self, "overrides", items)
 
@@ -83,6 +99,8 @@ class LeafPolicy:
 
 
 def _compile(pattern: str, name: str) -> None:
+  if not isinstance(pattern, str):
+    raise ValueError(f"{name} entries must be regular expressions (strings), got {pattern!r}")
   try:
     re.compile(pattern)
   except (re.error, TypeError) as e:

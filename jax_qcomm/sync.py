@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_qcomm import _compat, _varying, collectives, packing
-from jax_qcomm._checks import check_int
+from jax_qcomm._checks import check_array_leaves, check_axis_name, check_int
 from jax_qcomm.codecs import Codec, codec_for_bits
 
 
@@ -198,12 +198,14 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   check_int("accum_steps", accum_steps)
   if not isinstance(error_feedback, bool):
     raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+  check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
+                  "qcomm.Hierarchical(inner, outer)")
   if not isinstance(check_varying, bool):
     raise ValueError(f"check_varying must be True or False, got {check_varying!r}")
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"seed must be an integer, got {seed!r}")
   policy = packing.LeafPolicy(min_size=min_size, compress_1d=compress_1d, exclude=exclude,
-                              overrides=overrides or {})
+                              overrides={} if overrides is None else overrides)
   check_int("comm_bucket_size", comm_bucket_size)
   use_ef = error_feedback and codec.lossy
   names = collectives.axis_names(axis_name)
@@ -216,6 +218,7 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       # Bound: this device's own part (1, ...), typed as varying like what update returns.
       # Elsewhere: the global array of all D devices' parts, to be split by state_partition_spec.
       z = jnp.zeros((1 if bound else d,) + jnp.shape(p), jnp.float32)
+    check_array_leaves("params", params)
       return _compat.make_varying(z, frozenset(names)) if tracked else z
 
     return SyncState(
@@ -276,7 +279,11 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       residual = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old[0])[None],
                                         lost, state.residual)
     if params is not None:  # inner sees gradients in the parameters' dtypes
-      synced = jax.tree_util.tree_map(lambda g, p: g.astype(jnp.result_type(p)), synced, params)
+      try:
+        synced = jax.tree_util.tree_map(lambda g, p: g.astype(jnp.result_type(p)), synced, params)
+      except (ValueError, TypeError) as e:
+        raise ValueError(f"params must be None or the parameters, a pytree with the structure of "
+                         f"grads, got {jax.tree_util.tree_structure(params)}: {e}") from None
     updates, inner_state = inner.update(synced, state.inner, params)
     return updates, SyncState(
         inner=inner_state, step=jnp.zeros((), jnp.int32),
@@ -415,3 +422,5 @@ def state_partition_spec(tree: Any, axis_name: collectives.AxisName = "data") ->
   """
   names = collectives.axis_names(axis_name)
   return _specs(tree, P(names[0] if len(names) == 1 else names))
+  check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
+                  "qcomm.Hierarchical(inner, outer)")
