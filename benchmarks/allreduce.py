@@ -71,7 +71,8 @@ from benchmarks.peers import data as peer_data, payloads as peer_payloads
 DEFAULT_SIZES = (1_000_000, 25_600_000)
 DEFAULT_OUT = "bench-results/allreduce.json"
 EXCHANGES = _exchange.METHODS
-#: codec name -> (description, kind, arguments); kind "psum", "cast_pmean" or "sra".
+#: codec name -> (description, kind, arguments); kind "psum", "cast_pmean", "sra" or "summable"
+#: (one pmax of the bucket scales + one psum of uint32 words, qcomm.Summable).
 CODECS = {
     "fp32": ("NoCompression: lax.pmean of float32", "psum", {}),
     "cast_pmean_bf16": ("cast_pmean(bfloat16): cast, lax.pmean, cast back", "cast_pmean", {}),
@@ -80,6 +81,10 @@ CODECS = {
     "qsgd4": ("QSGD 4 bits maxmin, SRA", "sra", {"bits": 4}),
     "qsgd2": ("QSGD 2 bits maxmin, SRA", "sra", {"bits": 2}),
     "pmean_leaves": ("lax.pmean of every leaf (one all-reduce per leaf)", "pmean_leaves", {}),
+    "sum8": ("Summable 8 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 8}),
+    "sum4": ("Summable 4 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 4}),
+    "sum3": ("Summable 3 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 3}),
+    "sum2": ("Summable 2 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 2}),
 }
 #: Timed unless --codecs says otherwise (pmean_leaves only means something with --payload).
 DEFAULT_CODECS = ("fp32", "cast_pmean_bf16", "cast_bf16", "qsgd8", "qsgd4", "qsgd2")
@@ -116,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- setup ------------------------------------------------------------------------------------------
 
-def _make_codec(name: str, bucket: int, impl: str):
+def make_codec(name: str, bucket: int = 128, impl: str = "auto"):
+  """The library codec of a benchmark codec name (None for cast_pmean / pmean_leaves, which are
+  not codecs); also the cost model check's (benchmarks.model)."""
   _, kind, kw = CODECS[name]
   if kind == "psum":
     return qcomm.NoCompression()
@@ -124,6 +131,8 @@ def _make_codec(name: str, bucket: int, impl: str):
     return None
   if "dtype" in kw:
     return qcomm.Cast(getattr(jnp, kw["dtype"]))
+  if kind == "summable":
+    return qcomm.Summable(bits=kw["bits"], bucket_size=bucket, impl=impl)
   return qcomm.QSGD(bits=kw["bits"], bucket_size=bucket, scheme="maxmin", impl=impl)
 
 
@@ -165,6 +174,8 @@ def wire_bytes(name: str, codec, n: int, d: int, psum_itemsize: int = 4) -> tupl
   kind = CODECS[name][1]
   if kind in ("psum", "cast_pmean", "pmean_leaves"):
     payload = n * psum_itemsize
+  elif kind == "summable":  # words (psum) + scale words (pmax), both ring all-reduces
+    payload = codec.payload_size(n, d)
   else:
     payload = d * codec.payload_size(collectives.sra_padded_size(n, d, codec) // d)
   return payload, (2 * (d - 1) * payload) // d
@@ -179,7 +190,7 @@ def tree_wire_bytes(name: str, codec, shapes: Sequence[Sequence[int]], d: int,
   if d == 1:
     return 0, 0
   total = sum(math.prod(s) for s in shapes)
-  if CODECS[name][1] != "sra":
+  if CODECS[name][1] not in ("sra", "summable"):
     return wire_bytes(name, codec, total, d, psum_itemsize)
   abstract = [jax.ShapeDtypeStruct(tuple(s), np.float32) for s in shapes]
   policy = packing.LeafPolicy()
@@ -235,7 +246,7 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
   jax.block_until_ready(x)
   rows = []
   for name, label, method in _variants(names, exchanges):
-    codec = _make_codec(name, bucket, impl)
+    codec = make_codec(name, bucket, impl)
     fn = _allreduce_fn(name, codec, mesh, method or "auto")
     compiled = fn.lower(x).compile()
     itemsizes = collective_itemsizes(compiled.as_text())
@@ -245,7 +256,7 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
     _common.log(f"  {n:>13,} {label:<16} {1e3 * t.median:10.2f} ms")
     rows.append(dict(
         codec=label, description=CODECS[name][0], exchange=method, size=n, devices=d,
-        processes=jax.process_count(), bucket_size=bucket if name.startswith("qsgd") else None,
+        processes=jax.process_count(), bucket_size=bucket if name.startswith(("qsgd", "sum")) else None,
         psum_wire_itemsize=psum_itemsize if CODECS[name][1] != "sra" else None,
         payload_bytes=payload, wire_bytes_per_device=sent,
         **t.as_dict(),
@@ -280,7 +291,7 @@ def bench_payload(spec: dict[str, Any], mesh, names: Sequence[str], *, bucket: i
   flat = peer_payloads.is_flat(spec["payload"])
   rows = []
   for name in names:
-    codec = _make_codec(name, bucket, impl)
+    codec = make_codec(name, bucket, impl)
     compiled = _allreduce_fn(name, codec, mesh).lower(x).compile()
     itemsizes = collective_itemsizes(compiled.as_text())
     psum_itemsize = max(itemsizes) if itemsizes else 4
@@ -298,7 +309,7 @@ def bench_payload(spec: dict[str, Any], mesh, names: Sequence[str], *, bucket: i
                 f"{rel_error if rel_error is None else f'{rel_error:.3g}'}")
     rows.append(dict(
         codec=name, description=CODECS[name][0], exchange=None, size=n, devices=d,
-        processes=jax.process_count(), bucket_size=bucket if name.startswith("qsgd") else None,
+        processes=jax.process_count(), bucket_size=bucket if name.startswith(("qsgd", "sum")) else None,
         psum_wire_itemsize=psum_itemsize if CODECS[name][1] != "sra" else None,
         payload=spec["payload"], leaves=len(shapes),
         gradients="real (npz)" if spec.get("gradients") else "random normal",
@@ -351,9 +362,13 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
   dev = jax.local_devices()[0]
   rows = []
   for name in names:
+    if CODECS[name][1] == "summable":
+      rows.append(_summable_breakdown(n, mesh, name, bucket=bucket, impl=impl, repeats=repeats,
+                                      warmup=warmup))
+      continue
     if CODECS[name][1] != "sra":
       continue
-    codec = _make_codec(name, bucket, impl)
+    codec = make_codec(name, bucket, impl)
     c = collectives.sra_padded_size(n, d, codec) // d  # chunk length per device, as the allreduce pads
     key = jax.random.key(1)
     chunks = jax.device_put(jax.random.normal(jax.random.key(2), (d, c), jnp.float32), dev)
@@ -393,6 +408,49 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
     _common.log(f"  {n:>13,} {name:<16} codec work {1e3 * total:10.2f} ms")
     rows.append(row)
   return rows
+
+
+def _summable_breakdown(n: int, mesh, name: str, *, bucket: int, impl: str, repeats: int,
+                        warmup: int) -> dict[str, Any]:
+  """Where a summable allreduce of n values over D devices spends its time: the codec work of one
+  device without communication (bucket scales, encode, decode of the sum; the decode of its own
+  words, for the error-feedback residual, only runs with error feedback) and the transfer alone
+  (pmax of int32[nb] + psum of uint32[W], no codec)."""
+  d = mesh.devices.size
+  dev = jax.local_devices()[0]
+  codec = make_codec(name, bucket, impl)
+  key = jax.random.key(1)
+  x = jax.device_put(jax.random.normal(jax.random.key(2), (n,), jnp.float32), dev)
+  shared = jax.block_until_ready(jax.jit(codec.bucket_scale)(x))
+  words = jax.block_until_ready(jax.jit(lambda a, m, k: codec.wire_encode_summable(a, m, k, d))(
+      x, shared, key))
+  stages = {
+      "scale": (jax.jit(codec.bucket_scale), (x,)),
+      "encode": (jax.jit(lambda a, m, k: codec.wire_encode_summable(a, m, k, d)), (x, shared, key)),
+      "decode": (jax.jit(lambda w, m: codec.wire_decode_summed(w, m, d, d, n, 1.0 / d)),
+                 (words, shared)),
+      "decode_own": (jax.jit(lambda w, m: codec.wire_decode_summed(w, m, d, 1, n)), (words, shared)),
+  }
+  row = dict(codec=name, exchange=None, size=n, devices=d, summable=True, words=int(words.shape[0]))
+  for stage, (fn, args) in stages.items():
+    t = _common.collective_timing(_common.median_time(fn, *args, repeats=repeats, warmup=warmup))
+    row[f"{stage}_s"] = t.median
+  row["codec_total_s"] = row["scale_s"] + row["encode_s"] + row["decode_s"]
+  row["transfer_s"] = None
+  if d > 1:
+    nb, nw = int(shared.shape[0]), int(words.shape[0])
+    scales = jax.make_array_from_callback((d, nb), NamedSharding(mesh, P("data")),
+                                          lambda idx: np.ones((len(range(*idx[0].indices(d))), nb), np.int32))
+    wbuf = jax.make_array_from_callback((d, nw), NamedSharding(mesh, P("data")),
+                                        lambda idx: np.full((len(range(*idx[0].indices(d))), nw), 7, np.uint32))
+    transfer = jax.jit(jax.shard_map(
+        lambda m, w: (lax.pmax(m, "data"), lax.psum(w, "data")), mesh=mesh,
+        in_specs=(P("data"), P("data")), out_specs=(P(), P()))).lower(scales, wbuf).compile()
+    t = _common.collective_timing(_common.median_time(transfer, scales, wbuf, repeats=repeats,
+                                                      warmup=warmup))
+    row["transfer_s"] = t.median
+  _common.log(f"  {n:>13,} {name:<16} codec work {1e3 * row['codec_total_s']:10.2f} ms")
+  return row
 
 
 def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str, Any]],
@@ -440,6 +498,22 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
   if has_floor:
     lines.append(f"floor = wire bytes / link rate ({cfg['link_gbps']:g} Gbit/s): the time the bytes "
                  "each device sends take on its link alone; time/floor = median / floor.")
+  summable = [r for r in breakdown if r.get("summable")]
+  breakdown = [r for r in breakdown if not r.get("summable")]
+  if summable:
+    med = {(r["size"], r["codec"].split("/")[0]): r["median_s"] for r in rows}
+    sh = ["size", "codec", "words", "scale ms", "encode ms", "decode ms", "decode own ms",
+          "codec total ms", "transfer ms", "allreduce ms"]
+    st = [[f"{r['size']:,}", r["codec"], f"{r['words']:,}", f"{1e3 * r['scale_s']:.1f}",
+           f"{1e3 * r['encode_s']:.1f}", f"{1e3 * r['decode_s']:.1f}",
+           f"{1e3 * r['decode_own_s']:.1f}", f"{1e3 * r['codec_total_s']:.1f}",
+           "" if r["transfer_s"] is None else f"{1e3 * r['transfer_s']:.1f}",
+           f"{1e3 * med.get((r['size'], r['codec']), float('nan')):.1f}"] for r in summable]
+    lines += ["", "summable breakdown: codec work of one device without communication (scale = the "
+              "per-bucket statistic, encode = the words, decode = the summed words; codec total = "
+              "the three; decode own = the error-feedback residual's decode, run only with error "
+              "feedback) and the transfer alone (pmax of the scales + psum of the uint32 words):",
+              _common.format_table(sh, st, align="rl" + "r" * (len(sh) - 2))]
   if breakdown:
     bh = ["size", "codec", "chunk", "encode D ms", "decode_sum ms", "re-encode ms", "fused ms",
           "decode D ms", "codec total ms", "transfer ms", "allreduce ms"]

@@ -13,6 +13,8 @@ Patterns (p = ``--row-bytes``, D devices):
 * ``rounds``: the same exchange as ppermute rounds (4 devices: six half-row rounds along the
   directed Hamiltonian cycles of K4; otherwise D-1 shift rounds);
 * ``all_gather``: ``lax.all_gather`` of uint8[p] (each device sends p bytes to D-1 peers);
+* ``psum``: ``lax.psum`` of uint8[p], XLA's all-reduce (a ring: each device sends 2 (D-1)/D p
+  bytes; on CPU it runs at the same rate per byte as float32, see docs/benchmarks.md);
 * ``shift<s>``: one ``lax.ppermute`` of uint8[p], device i to i+s (``shift2`` at D = 4 is made of
   swaps: 0<->2, 1<->3);
 * ``cycle<t>`` (D = 4 only): one ppermute along the t-th Hamiltonian cycle of the rounds schedule.
@@ -40,13 +42,13 @@ from benchmarks import _common
 
 DEFAULT_OUT = "bench-results/patterns.json"
 DEFAULT_PATTERNS = ("all_to_all", "rounds", "all_gather", "shift1", "shift2")
-_PATTERN = re.compile(r"all_to_all|rounds|all_gather|shift[1-9][0-9]*|cycle[0-5]")
+_PATTERN = re.compile(r"all_to_all|rounds|all_gather|psum|shift[1-9][0-9]*|cycle[0-5]")
 
 
 def _pattern(text: str) -> str:
   if not _PATTERN.fullmatch(text):
     raise argparse.ArgumentTypeError(
-        f"expected all_to_all, rounds, all_gather, shift<s> or cycle<0-5>, got {text!r}")
+        f"expected all_to_all, rounds, all_gather, psum, shift<s> or cycle<0-5>, got {text!r}")
   return text
 
 
@@ -73,6 +75,8 @@ def _fn(pattern: str, mesh) -> tuple[Callable, int]:
     body, rows = (lambda a: _exchange.exchange_rounds(a, "data")), d - 1
   elif pattern == "all_gather":
     body, rows = (lambda a: lax.all_gather(a[0], "data")), d - 1
+  elif pattern == "psum":  # XLA's all-reduce (a ring sends 2 (D-1)/D of the row); uint8 wraps
+    body, rows = (lambda a: lax.psum(a[0], "data")), 2 * (d - 1) / d
   else:
     if pattern.startswith("cycle"):
       if d != 4:
@@ -119,8 +123,7 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             "" if r["time_vs_floor"] is None else f"{r['time_vs_floor']:.2f}x"] for r in rows]
   return "\n".join([
       f"transfer patterns of uint8 rows of {cfg['row_bytes']:,} bytes over D={meta['num_devices']} "
-      f"devices in {meta['num_processes']} process(es)  |  {meta['backend']}  {meta['cpu_model']}  "
-      f"nproc={meta['nproc']}  jax {meta['jax_version']}",
+      f"devices in {meta['num_processes']} process(es)  |  {_common.machine_line(meta)}",
       "",
       _common.format_table(headers, table, align="l" + "r" * (len(headers) - 1)),
       "",

@@ -11,6 +11,9 @@ Bytes each device sends per allreduce of ``n`` float32 values over ``D`` devices
   ``D * bucket`` elements (``Cast``: ``D``), its payload ``P`` is ``D`` chunk payloads (codes, scales
   per bucket, :mod:`jax_qcomm.wire`), and each device sends ``D-1`` chunk payloads in the all_to_all
   and its reduced chunk payload to ``D-1`` peers in the all_gather: ``2 (D-1)/D * P``;
+* summable codecs (``Summable``): XLA's ring all-reduce of the uint32 words and of the per-bucket
+  scale words (:meth:`jax_qcomm.Summable.payload_size` with ``devices=D``, no padding):
+  ``2 (D-1)/D * P``;
 * :class:`jax_qcomm.Hierarchical` (``D_in`` fast x ``D_out`` slow devices,
   :func:`hierarchical_allreduce_bytes`): exact float32 reduce-scatter + all-gather on the fast links
   (``2 (D_in-1)/D_in * 4 n``), an SRA of the ``n / D_in`` shard on the slow links.
@@ -49,6 +52,7 @@ reduce-scatter, all-gather and all-to-all, 1 for broadcast and reduce. For a com
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Iterable
 
@@ -63,7 +67,7 @@ from jax_qcomm.codecs import Codec, codec_for_bits
 __all__ = [
     "DEFAULT_COMM_BUCKET", "codec_of", "sra_padded_elements", "payload_bytes", "ring_allreduce_bytes",
     "sra_allreduce_bytes", "allreduce_bytes", "hierarchical_allreduce_bytes", "tree_allreduce_bytes",
-    "messages_per_allreduce", "transfer_time", "codec_time", "comm_time", "optimizer_step_time",
+    "messages_per_allreduce", "transfer_time", "codec_time", "Transport", "comm_time", "optimizer_step_time",
     "micro_step_time", "scaling_efficiency", "speedup", "algbw", "busbw", "BUS_FACTORS", "eta_table",
 ]
 
@@ -129,6 +133,8 @@ def payload_bytes(n: int, codec: Any, devices: int = 1) -> int:
   d = check_int("devices", devices, 1)
   if codec.exact:
     return 4 * n
+  if codec.summable:  # one psum of uint32 words + one pmax of a word per bucket, no SRA padding
+    return codec.payload_size(n, d)
   c = sra_padded_elements(n, d, codec) // d
   return d * codec.payload_size(c)
 
@@ -155,6 +161,8 @@ def allreduce_bytes(n: int, devices: int, codec: Any = 32) -> float:
   codec = codec_of(codec)
   if codec.exact:
     return ring_allreduce_bytes(n, devices, 4)
+  if codec.summable:  # XLA's ring all-reduces (psum of the words, pmax of the scales)
+    return ring_allreduce_bytes(payload_bytes(n, codec, devices), devices, 1)
   return sra_allreduce_bytes(n, devices, codec)
 
 
@@ -173,6 +181,11 @@ def hierarchical_allreduce_bytes(n: int, inner: int, outer: int, codec: Any = 4)
   n = check_int("n", n, 0)
   if codec.exact:
     return {"inner": 0.0, "outer": ring_allreduce_bytes(n, di * do, 4)}
+  if codec.summable:  # padded to inner * bucket; the shard's summable allreduce over outer
+    m = di * codec.pad_multiple
+    n_pad = -(-n // m) * m
+    return {"inner": 2 * (di - 1) / di * 4 * n_pad,
+            "outer": allreduce_bytes(n_pad // di, do, codec)}
   n_pad = collectives.sra_padded_size(n, di * do, codec)
   return {"inner": 2 * (di - 1) / di * 4 * n_pad,
           "outer": sra_allreduce_bytes(n_pad // di, do, codec)}
@@ -242,11 +255,39 @@ def codec_time(coded_elements: float, codec_elems_per_s: float | None) -> float:
   return 0.0 if tput is None or coded_elements == 0 else coded_elements / tput
 
 
+@dataclasses.dataclass(frozen=True)
+class Transport:
+  """How close a transport's collectives come to the link rate, and its per-message latency.
+
+  Each factor multiplies the link-floor time of the bytes a collective carries (1.0: at the link
+  rate). ``allreduce``: XLA's all-reduce (``psum`` / ``pmax``: exact float32 and the summable
+  codecs); ``all_to_all`` and ``all_gather``: the two halves of a scatter-reduce-allgather (SRA).
+  The default is the ideal transport (every collective at the link rate, full duplex: NCCL's
+  rings); a transport that runs a collective at half the rate, as XLA's gloo CPU collectives do
+  for ``all_to_all`` / ``all_gather`` across processes (docs/benchmarks.md), has factor ~2 there.
+  ``python -m benchmarks.model`` measures them on a cluster.
+  """
+  allreduce: float = 1.0
+  all_to_all: float = 1.0
+  all_gather: float = 1.0
+  latency_s: float = 0.0
+
+  def __post_init__(self):
+    for name in ("allreduce", "all_to_all", "all_gather"):
+      _num(name, getattr(self, name), positive=True)
+    _num("latency_s", self.latency_s)
+
+
 def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: float = 0.0,
-              codec_elems_per_s: float | None = None, overlap_codec: bool = False) -> float:
+              codec_elems_per_s: float | None = None, overlap_codec: bool = False,
+              transport: Transport | None = None) -> float:
   """Tc, seconds of one allreduce of ``n`` float32 values as one flat buffer: transfer of
   :func:`allreduce_bytes` at ``link_gbps`` + ``2 (D-1)`` messages x ``latency_s`` + codec work
   ``n / codec_elems_per_s`` (lossy codecs only). 0 on one device.
+
+  ``transport`` (default: ideal) scales each collective's share of the bytes by its factor and
+  adds its per-message latency to ``latency_s``: exact and summable codecs travel in all-reduces;
+  an SRA sends half of its bytes in an ``all_to_all`` and half in an ``all_gather``.
 
   ``overlap_codec=True``: the codec work fully overlaps the transfer (several buffers pipelined:
   one is encoded while another travels), ``Tc = max(transfer, codec)`` -- the lower bound to the
@@ -256,9 +297,18 @@ def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: 
   n = check_int("n", n, 0)
   if not isinstance(overlap_codec, bool):
     raise ValueError(f"overlap_codec must be True or False, got {overlap_codec!r}")
+  if transport is None:
+    transport = Transport()
+  elif not isinstance(transport, Transport):
+    raise ValueError(f"transport must be an efficiency.Transport or None, got {transport!r}")
   if d == 1:
     return 0.0
-  t = transfer_time(allreduce_bytes(n, d, codec), link_gbps, latency_s=latency_s,
+  nbytes = allreduce_bytes(n, d, codec)
+  if codec.exact or codec.summable:
+    nbytes *= transport.allreduce
+  else:
+    nbytes *= (transport.all_to_all + transport.all_gather) / 2
+  t = transfer_time(nbytes, link_gbps, latency_s=latency_s + transport.latency_s,
                     messages=messages_per_allreduce(d) if n else 0)
   c = 0.0 if codec.exact else codec_time(n, codec_elems_per_s)
   return max(t, c) if overlap_codec else t + c
