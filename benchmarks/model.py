@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   breakdown = _load(args.breakdown)
   cal = calibrate(_load(args.patterns), opt(args.latency), breakdown)
   points = check(cal, breakdown, opt(args.crossover), opt(args.peers))
-  codecs = ["fp32", "cast_bf16", "qsgd4"] + [c for c in ("sum4",) if c in cal["codec_elems_per_s"]]
+  codecs = ["fp32"] + [c for c in ("cast_bf16", "qsgd4", "sum4") if c in cal["codec_elems_per_s"]]
   out = dict(calibration=dict(transport=dataclasses.asdict(cal["transport"]),
                               codec_elems_per_s=cal["codec_elems_per_s"], link_gbps=cal["link_gbps"],
                               sources={k: str(getattr(args, k)) for k in DEFAULTS if k != "out"}),

@@ -177,3 +177,20 @@ def test_numpy_scalars_accepted():
   assert eff.allreduce_bytes(np.int64(1000), np.int32(4), 32) == pytest.approx(6000)
   assert eff.allreduce_bytes(1000, 4, np.int64(16)) == pytest.approx(3000)
   assert eff.scaling_efficiency(np.float32(0.1), np.float64(0.3), np.int64(2)) == pytest.approx(0.4)
+
+
+def test_transport_scales_each_collectives_share():
+  n, d, gbps = 25_600_000, 2, 1.0
+  ideal_fp32 = eff.comm_time(n, d, 32, gbps)
+  slow = eff.Transport(allreduce=1.5, all_to_all=2.0, all_gather=3.0, latency_s=0.001)
+  # exact: every byte in the all-reduce; + 2 (D-1) messages of latency
+  assert eff.comm_time(n, d, 32, gbps, transport=slow) == pytest.approx(1.5 * ideal_fp32 + 0.002)
+  # SRA: half the bytes in the all_to_all, half in the all_gather (mean factor 2.5); codec work adds
+  ideal_q4 = eff.comm_time(n, d, 4, gbps)
+  got = eff.comm_time(n, d, 4, gbps, transport=slow, codec_elems_per_s=1e8)
+  assert got == pytest.approx(2.5 * ideal_q4 + 0.002 + n / 1e8)
+  assert eff.comm_time(n, 1, 4, gbps, transport=slow) == 0.0
+  with pytest.raises(ValueError, match="transport"):
+    eff.comm_time(n, d, 4, gbps, transport="gloo")
+  with pytest.raises(ValueError, match="all_gather"):
+    eff.Transport(all_gather=0.0)
