@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import _common, allreduce, codec, partial, patterns, step
+from benchmarks import _common, allreduce, codec, overlap, partial, patterns, step
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -36,6 +36,7 @@ BENCHMARKS = {
     "partial": (partial, "fp32 psum of N/gamma elements: where time stops falling with gamma"),
     "patterns": (patterns, "uint8 rows moved by all_to_all, ppermute rounds, all_gather, single "
                            "shifts: vs floor"),
+    "overlap": (overlap, "does the runtime run codec work while a psum is on the wire?"),
 }
 
 

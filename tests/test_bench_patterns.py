@@ -28,16 +28,17 @@ def _bench(*argv: str, tmp_path: pathlib.Path) -> tuple[subprocess.CompletedProc
 def test_every_pattern_is_timed(tmp_path):
   proc, out = _bench("--devices", "4", "--row-bytes", "4096", "--repeats", "2", "--warmup", "1",
                      "--link-gbps", "1", "--patterns", "all_to_all", "rounds", "all_gather",
-                     "shift1", "shift2", "cycle3", tmp_path=tmp_path)
+                     "shift1", "shift2", "cycle3", "psum", tmp_path=tmp_path)
   assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
   rows = {r["pattern"]: r for r in json.loads(out.read_text())["rows"]}
-  assert list(rows) == ["all_to_all", "rounds", "all_gather", "shift1", "shift2", "cycle3"]
+  assert list(rows) == ["all_to_all", "rounds", "all_gather", "shift1", "shift2", "cycle3", "psum"]
   for name, r in rows.items():
     assert math.isfinite(r["median_s"]) and r["median_s"] > 0, name
     assert r["time_vs_floor"] > 0
   assert rows["all_to_all"]["sent_bytes_per_device"] == 3 * 4096 == rows["rounds"]["sent_bytes_per_device"]
   assert rows["all_gather"]["sent_bytes_per_device"] == 3 * 4096
   assert rows["shift1"]["sent_bytes_per_device"] == 4096
+  assert rows["psum"]["sent_bytes_per_device"] == 2 * 3 / 4 * 4096  # a ring all-reduce
   assert "time/floor" in proc.stdout
 
 
