@@ -6,7 +6,7 @@ same wire format, and the collectives built from them (inside ``jax.shard_map`` 
 
 from jax_qcomm import _ffi
 from jax_qcomm._ffi import implementation
-from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression
+from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression, Summable
 from jax_qcomm.collectives import Hierarchical, all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
 from jax_qcomm.accumulation import accumulate_gradients
@@ -18,7 +18,7 @@ from jax_qcomm import efficiency
 _ffi.register()
 
 __all__ = [
-    "QSGD", "Cast", "Codec", "NoCompression",
+    "QSGD", "Cast", "Codec", "NoCompression", "Summable",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
     "accumulate_gradients", "sync", "SyncState", "codec_for_bits", "state_partition_spec",
     "data_parallel", "DataParallel", "describe", "Description",

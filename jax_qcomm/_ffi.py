@@ -148,3 +148,26 @@ def qsgd_decode_sum_reencode(payloads: jax.Array, seed: jax.Array, n: int, scale
   out = call(payloads, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)), n=np.int64(n),
              scale=np.float32(scale), **_attrs(bits, bucket_size, scheme))
   return _compat.make_varying(out, _compat.vma_of(payloads) | _compat.vma_of(seed))
+
+
+def summable_encode(x: jax.Array, shared: jax.Array, seed: jax.Array, *, bits: int,
+                    bucket_size: int, devices: int, rounding: str) -> jax.Array:
+  """x: float32[n], shared: int32[num_buckets], seed: uint32[2] -> uint32[num_words] (the summable
+  codec's words for `devices` summed payloads; docs/wire-format.md)."""
+  size = wire.summable_words(x.shape[-1], bits, devices)
+  call = jax.ffi.ffi_call("qcomm_summable_encode", jax.ShapeDtypeStruct((size,), jnp.uint32),
+                          vmap_method="broadcast_all")
+  out = call(x, shared, seed, bits=np.int32(bits), bucket_size=np.int32(bucket_size),
+             devices=np.int32(devices), rounding=np.int32(wire.ROUNDINGS.index(rounding)))
+  return _compat.make_varying(out, _compat.vma_of(x) | _compat.vma_of(shared) | _compat.vma_of(seed))
+
+
+def summable_decode(words: jax.Array, shared: jax.Array, n: int, *, bits: int, bucket_size: int,
+                    devices: int, count: int, scale: float) -> jax.Array:
+  """words: uint32[num_words] (the sum of `count` payloads), shared: int32[num_buckets] ->
+  float32[n], the sum of their decodes times float32(scale)."""
+  call = jax.ffi.ffi_call("qcomm_summable_decode", jax.ShapeDtypeStruct((n,), jnp.float32),
+                          vmap_method="broadcast_all")
+  out = call(words, shared, bits=np.int32(bits), bucket_size=np.int32(bucket_size),
+             devices=np.int32(devices), count=np.int32(count), scale=np.float32(scale))
+  return _compat.make_varying(out, _compat.vma_of(words) | _compat.vma_of(shared))

@@ -244,3 +244,77 @@ def decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
   for j in range(1, payloads.shape[0]):
     out = out + decode(payloads[j], n, bits=bits, bucket_size=bucket_size, scheme=scheme)
   return out
+
+
+# ---- the summable codec (kernels/summable_math.h) ------------------------------------------------
+
+def summable_bucket_scale(x: jax.Array, bucket_size: int) -> jax.Array:
+  """float32[n] -> int32[num_buckets]: the bits of each bucket's largest |x| (NaN > Inf > finite,
+  as integers: what lax.pmax shares exactly). A partial last bucket takes its valid values."""
+  n = x.shape[0]
+  nb = wire.num_buckets(n, bucket_size)
+  a = lax.bitcast_convert_type(_bits(x) & _ABS, jnp.int32)
+  pad = nb * bucket_size - n
+  if pad:
+    a = jnp.concatenate([a, jnp.zeros((pad,), jnp.int32)])
+  return jnp.max(a.reshape(nb, bucket_size), axis=1)
+
+
+def _summable_scales(shared: jax.Array, bits: int):
+  """int32[nb] -> (k, step, inv, finite) per bucket, as summable::bucket_scales."""
+  m = lax.bitcast_convert_type(shared, _U32)
+  finite = m < _NON_FINITE
+  k = _scale_exponent(m)
+  m_y = jnp.where(m < _EXP_ONE, jnp.float32(0), _ldexp(_float(m), -k))
+  recip = np.float32(1) / np.float32(wire.summable_levels(bits))  # fl(1/L), as recip_levels
+  s = _round_up16(m_y * recip)
+  inv = jnp.where(finite & (s > 0), jnp.float32(1) / s, jnp.float32(0))
+  return k, s, inv, finite
+
+
+def summable_encode(x: jax.Array, shared: jax.Array, seed: jax.Array, *, bits: int,
+                    bucket_size: int, devices: int, rounding: str) -> jax.Array:
+  """float32[n], int32[num_buckets], uint32[2] -> uint32[num_words]: element e is field e // nw
+  of word e % nw; elements past n are 0."""
+  n = x.shape[0]
+  lv = wire.summable_levels(bits)
+  w = wire.summable_field_bits(bits, devices)
+  f = 32 // w
+  nw = wire.summable_words(n, bits, devices)
+  k, _, inv, _ = _summable_scales(shared, bits)
+  nb = shared.shape[0]
+  xb = jnp.pad(x, (0, nb * bucket_size - n)).reshape(nb, bucket_size)
+  t = (_ldexp(xb, -k[:, None]) * inv[:, None]).reshape(-1)[:n]
+  if rounding == "stochastic":
+    r = uniform01(random_bits(seed, jnp.arange(n, dtype=_U32)))
+  else:
+    r = jnp.float32(0.5)
+  fl = jnp.floor(t)
+  q = fl + jnp.where(t > fl + r, jnp.float32(1), jnp.float32(0))
+  q = jnp.where(q >= -lv, q, jnp.float32(-lv))
+  q = jnp.where(q <= lv, q, jnp.float32(lv))
+  codes = (q.astype(jnp.int32) + lv).astype(_U32)
+  codes = jnp.concatenate([codes, jnp.full((f * nw - n,), lv, _U32)]).reshape(f, nw)
+  shifts = (jnp.arange(f, dtype=_U32) * _U32(w))[:, None]
+  out = codes[0] << shifts[0]
+  for i in range(1, f):  # disjoint fields: OR == sum
+    out = out | (codes[i] << shifts[i])
+  return out
+
+
+def summable_decode(words: jax.Array, shared: jax.Array, n: int, *, bits: int, bucket_size: int,
+                    devices: int, count: int, scale: float) -> jax.Array:
+  """uint32[num_words] (the sum of `count` payloads), int32[num_buckets] -> float32[n]: per element
+  ldexp(((field - count L) * s) * scale, k); NaN in a non-finite bucket."""
+  lv = wire.summable_levels(bits)
+  w = wire.summable_field_bits(bits, devices)
+  f = 32 // w
+  mask = _U32(0xFFFFFFFF if w >= 32 else (1 << w) - 1)
+  shifts = (jnp.arange(f, dtype=_U32) * _U32(w))[:, None]
+  fields = ((words[None, :] >> shifts) & mask).reshape(-1)[:n]
+  q = lax.bitcast_convert_type(fields - _U32(count * lv), jnp.int32).astype(jnp.float32)
+  k, s, _, finite = _summable_scales(shared, bits)
+  nb = shared.shape[0]
+  qb = jnp.pad(q, (0, nb * bucket_size - n)).reshape(nb, bucket_size)
+  v = _ldexp((qb * s[:, None]) * jnp.float32(scale), k[:, None])
+  return jnp.where(finite[:, None], v, jnp.float32(jnp.nan)).reshape(-1)[:n]

@@ -10,6 +10,8 @@ from a codec, and the four methods a new codec implements.
   two implementations of one format: the C++/CUDA FFI kernels and a pure-JAX reference.
 * :class:`Cast` -- bfloat16 / float16 bits on the wire, float32 accumulation.
 * :class:`NoCompression` -- float32 bytes (collectives use plain ``psum`` for it).
+* :class:`Summable` -- levels with a scale shared by all devices, packed into uint32 words that
+  XLA's own all-reduce sums (one ``psum``; C++ kernel on CPU, pure JAX elsewhere).
 """
 
 from __future__ import annotations
@@ -112,6 +114,25 @@ class Codec(abc.ABC):
     ``wire_encode(wire_decode_sum(wires, n) * float32(scale), key)`` (no multiplication where
     ``scale == 1``); a codec may fuse it into one kernel with the same bytes (QSGD does).
 
+  **Summable codecs** (:attr:`summable` True, e.g. :class:`Summable`): the payloads of all
+  devices add up as integers, so the allreduce is one ``lax.psum`` of uint32 words (XLA's own
+  all-reduce) instead of the scatter-reduce-allgather. The collectives then call, with ``D`` the
+  number of devices summed (static):
+
+  * ``bucket_scale(x: float32[n]) -> int32[nb]``: this device's statistic per group of values
+    sharing a scale, combined across devices by ``lax.pmax`` into ``shared`` (the same everywhere);
+  * ``wire_encode_summable(x: float32[n], shared, key, devices) -> uint32[W]``: words whose
+    element-wise uint32 sum over ``devices`` payloads is the payload of the sum;
+  * ``wire_decode_summed(words, shared, devices, count, n, scale=1.0) -> float32[n]``: the decode
+    of the sum of ``count`` payloads (1 <= count <= devices; 1: this device's own, for the
+    error-feedback residual), times ``float32(scale)``;
+  * ``check_devices(devices)``: ValueError where the sum of ``devices`` payloads does not fit.
+
+  Their sizes depend on D: ``payload_size(n, devices=1)``, ``wire_size(n, devices=1)`` and
+  ``wire_bits(devices=1)`` take it (default 1: the standalone payload of :meth:`encode`); the
+  cost model and ``describe`` pass it where :attr:`summable` is True. A summable codec still
+  implements the wire API above (its standalone payload), so that the array API works.
+
   **Adding a codec**: subclass as a frozen dataclass and implement :meth:`payload_size`,
   :meth:`wire_bits`, :meth:`wire_encode` and :meth:`wire_decode_sum`; override the stated
   attributes where the defaults (lossy, no key, no padding, ``uint8`` words) do not hold.
@@ -146,6 +167,29 @@ class Codec(abc.ABC):
     """The float32 scalar that pads float32[n] ``x`` without changing its last group's scales."""
     del x
     return jnp.float32(0)
+
+  @property
+  def summable(self) -> bool:
+    """True if payloads add up in a ``lax.psum`` (see "Summable codecs" above)."""
+    return False
+
+  def check_devices(self, devices: int) -> int:
+    """Summable codecs: ``devices`` if that many payloads can be summed, else ValueError."""
+    raise NotImplementedError(f"{self.name} is not a summable codec")
+
+  def bucket_scale(self, x: jax.Array) -> jax.Array:
+    """Summable codecs: float32[n] -> int32[nb], this device's statistic, combined by lax.pmax."""
+    raise NotImplementedError(f"{self.name} is not a summable codec")
+
+  def wire_encode_summable(self, x: jax.Array, shared: jax.Array, key: jax.Array | None,
+                           devices: int) -> jax.Array:
+    """Summable codecs: float32[n] -> uint32[W], words that add up across ``devices`` payloads."""
+    raise NotImplementedError(f"{self.name} is not a summable codec")
+
+  def wire_decode_summed(self, words: jax.Array, shared: jax.Array, devices: int, count: int,
+                         n: int, scale: float = 1.0) -> jax.Array:
+    """Summable codecs: uint32[W], the sum of ``count`` payloads -> float32[n] (times scale)."""
+    raise NotImplementedError(f"{self.name} is not a summable codec")
 
   @abc.abstractmethod
   def payload_size(self, n: int) -> int:
@@ -454,12 +498,185 @@ class NoCompression(Codec):
     return _sum_in_order(lax.bitcast_convert_type(payloads.reshape(k, n, 4), jnp.float32))
 
 
+@dataclasses.dataclass(frozen=True)
+class Summable(Codec):
+  """A summable (homomorphic) codec: payloads that XLA's own all-reduce sums (IntSGD / THC style).
+
+  Every device quantises each bucket of ``bucket_size`` values with the same scale, the bucket's
+  largest ``|x|`` over all devices (one small ``lax.pmax`` of :meth:`bucket_scale`), to signed
+  levels ``q`` in ``[-L, L]``, ``L = 2**(bits-1) - 1`` (stochastic rounding: ``q = floor(x/s + u)``;
+  or nearest). The offset codes ``q + L`` are packed as fields of uint32 words, wide enough for
+  the sum over ``D`` devices (``bit_length(2 L D)`` bits); the words go through one ``lax.psum``
+  (XLA's all-reduce, at link rate on every backend) and the sum is decoded once. Each value is
+  quantised once (the scatter-reduce-allgather of :class:`QSGD` quantises twice), and every device
+  ends with the same result. Wire bits per element: ``32 / (32 // bit_length(2 L D)) +
+  32 / bucket_size`` (4 bits, D = 2: 5.58; docs/wire-format.md "Summable" has the table).
+
+  With ``step = s * 2**k`` the bucket's step (``s`` the shared max, brought to [1, 2) by the power
+  of two ``2**k``, over ``L``, rounded up to 16 significant bits: ``step <= max|x| / L * (1 +
+  2**-15)``):
+
+  * Error bound, per element and device: ``|decoded - x| <= step`` (stochastic; unbiased,
+    ``E[decoded] = x``, but for values that clamp to the top level, within ``2**-15`` of the
+    bucket's largest ``|x|``) or ``<= step / 2`` (nearest), up to float32 rounding (``2**-22`` of
+    the shared max); so the decoded sum of D devices is within ``D * step`` (the mean within
+    ``step``), and with independent stochastic roundings its standard deviation is at most
+    ``sqrt(D) * step / 2`` (the mean's ``step / (2 sqrt(D))``).
+  * Valid range: any finite float32, mixed freely (scaling by powers of two as QSGD, docs
+    /wire-format.md); subnormals read as 0 (FTZ/DAZ, as XLA CPU), an all-zero bucket decodes to
+    exact zeros; a decoded value beyond the largest float32 (a sum of D values near 3.4e38)
+    saturates to +-3.4e38. A bucket holding NaN or +-Inf on any device decodes to NaN throughout,
+    on every device.
+  * D is limited by the word: ``2 L D < 2**32`` (``wire.summable_max_devices(bits)``; 4 bits:
+    306 783 378 devices), ValueError beyond.
+
+  The C++ CPU kernel (each ISA) and the pure-JAX reference give the same words and decoded values
+  for the same key. There is no CUDA kernel: on GPUs (and any platform without a compiled kernel)
+  the pure-JAX reference runs.
+
+  Args:
+    bits: 2..8 bits per level (``2 L + 1`` levels, ``L = 2**(bits-1) - 1``; 2 bits: ternary).
+    bucket_size: values sharing one scale; a positive multiple of 8.
+    rounding: ``"stochastic"`` (unbiased; needs a key) or ``"nearest"`` (error feedback).
+    impl: ``"auto"`` (the C++ kernel on CPU, the pure-JAX reference elsewhere), ``"ffi"`` or
+      ``"jax"``.
+  """
+
+  bits: int = 4
+  bucket_size: int = 128
+  rounding: str = "stochastic"
+  impl: str = "auto"
+
+  def __post_init__(self):
+    if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or not 2 <= self.bits <= 8:
+      raise ValueError(f"bits must be an integer in 2..8 for Summable, got {self.bits!r}")
+    if (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, (int, np.integer))
+        or self.bucket_size <= 0 or self.bucket_size % 8):
+      raise ValueError(f"bucket_size must be a positive multiple of 8, got {self.bucket_size!r}")
+    if self.rounding not in wire.ROUNDINGS:
+      raise ValueError(f"rounding must be one of {wire.ROUNDINGS}, got {self.rounding!r}")
+    if self.impl not in IMPLS:
+      raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+    if self.impl == "ffi" and not _ffi.has_cpu_kernels():
+      raise ValueError("impl='ffi' but no compiled CPU kernels were found (build the package)")
+    object.__setattr__(self, "bits", int(self.bits))
+    object.__setattr__(self, "bucket_size", int(self.bucket_size))
+
+  @property
+  def summable(self) -> bool:
+    return True
+
+  @property
+  def needs_key(self) -> bool:
+    return self.rounding == "stochastic"
+
+  @property
+  def pad_multiple(self) -> int:
+    return self.bucket_size
+
+  @property
+  def name(self) -> str:
+    rounding = "" if self.rounding == "stochastic" else f" {self.rounding}"
+    return f"Summable {self.bits}b/{self.bucket_size}{rounding}"
+
+  def check_devices(self, devices: int) -> int:
+    """``devices`` as an int; ValueError unless 1 <= devices and the sum of that many payloads
+    fits the fields of a uint32 word (``2 L D < 2**32``)."""
+    top = wire.summable_max_devices(self.bits)
+    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or not 1 <= devices <= top:
+      raise ValueError(f"devices must be an integer in 1..{top} for {self.name} (the sum over the "
+                       f"devices of a field must fit a uint32 word: 2 L D < 2**32), got {devices!r}")
+    return int(devices)
+
+  def payload_size(self, n: int, devices: int = 1) -> int:
+    """Bytes per device per summable allreduce of n elements over ``devices`` devices (the uint32
+    words of the psum and one int32 scale statistic per bucket, the pmax); ``devices=1`` is the
+    standalone payload of :meth:`encode`."""
+    return wire.summable_payload_bytes(int(n), self.bits, self.bucket_size, self.check_devices(devices))
+
+  def wire_size(self, n: int, devices: int = 1) -> int:
+    return self.payload_size(n, devices)
+
+  def wire_bits(self, devices: int = 1) -> float:
+    """Bits per element for whole words and buckets, ``devices`` summed payloads."""
+    return wire.summable_wire_bits(self.bits, self.bucket_size, self.check_devices(devices))
+
+  def _select(self, ffi_fn, jax_fn, *args):
+    """The C++ kernel on CPU where built (unless impl='jax'); the pure-JAX reference elsewhere."""
+    if self.impl == "jax" or not _ffi.has_cpu_kernels():
+      return jax_fn(*args)
+    if self.impl == "ffi":
+      return lax.platform_dependent(*args, cpu=ffi_fn)
+    return lax.platform_dependent(*args, cpu=ffi_fn, default=jax_fn)
+
+  def _seed(self, key):
+    if self.rounding == "stochastic":
+      if key is None:
+        raise ValueError("key is required for rounding='stochastic' (pass a jax.random key)")
+      return seed_words(key)
+    return jnp.zeros((2,), jnp.uint32) if key is None else seed_words(key)
+
+  # -- summable wire API ---------------------------------------------------------------------------
+  def bucket_scale(self, x: jax.Array) -> jax.Array:
+    return _reference.summable_bucket_scale(x, self.bucket_size)
+
+  def wire_encode_summable(self, x, shared, key, devices):
+    devices = self.check_devices(devices)
+    seed = self._seed(key)
+    if x.shape[0] == 0:
+      return jnp.zeros((0,), jnp.uint32)
+    kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, rounding=self.rounding)
+    return self._select(lambda a, m, s: _ffi.summable_encode(a, m, s, **kw),
+                        lambda a, m, s: _reference.summable_encode(a, m, s, **kw), x, shared, seed)
+
+  def wire_decode_summed(self, words, shared, devices, count, n, scale=1.0):
+    devices = self.check_devices(devices)
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or not 1 <= count <= devices:
+      raise ValueError(f"count must be an integer in 1..devices={devices}, got {count!r}")
+    if n == 0:
+      return jnp.zeros((0,), jnp.float32)
+    kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, count=int(count),
+              scale=float(scale))
+    return self._select(lambda w, m: _ffi.summable_decode(w, m, n, **kw),
+                        lambda w, m: _reference.summable_decode(w, m, n, **kw), words, shared)
+
+  # -- the standalone payload (array API): [int32 scale statistic x nb][uint32 words, D = 1] -------
+  def wire_encode(self, x, key):
+    shared = self.bucket_scale(x)
+    words = self.wire_encode_summable(x, shared, key, 1)
+    return jnp.concatenate([self._to_bytes(shared), self._to_bytes(words)])
+
+  def wire_decode_sum(self, payloads, n):
+    if n == 0:
+      return jnp.zeros((0,), jnp.float32)
+    nb = wire.num_buckets(n, self.bucket_size)
+    out = None
+    for j in range(payloads.shape[0]):  # in order
+      p = payloads[j]
+      shared = lax.bitcast_convert_type(p[:4 * nb].reshape(nb, 4), jnp.int32)
+      words = lax.bitcast_convert_type(p[4 * nb:].reshape(-1, 4), jnp.uint32)
+      v = self.wire_decode_summed(words, shared, 1, 1, n)
+      out = v if out is None else out + v
+    return out
+
+
 def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
-                   rounding: str = "stochastic") -> Codec:
+                   rounding: str = "stochastic", summable: bool = False) -> Codec:
   """32 -> NoCompression, 16 -> Cast(bfloat16), 1..8 -> QSGD(bits, bucket_size, scheme, rounding).
 
   The ``bits`` of :func:`jax_qcomm.sync` and of the cost model; ``bucket_size``, ``scheme`` and
-  ``rounding`` apply to QSGD only."""
+  ``rounding`` apply to QSGD only. ``summable=True``: 2..8 -> Summable(bits, bucket_size,
+  rounding) instead (one psum of uint32 words; ``scheme`` must then be left "maxmin", and bits
+  32/16 or 1 are a ValueError)."""
+  if not isinstance(summable, bool):
+    raise ValueError(f"summable must be True or False, got {summable!r}")
+  if summable:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+      raise ValueError(f"bits must be an integer in 2..8 with summable=True, got {bits!r}")
+    if scheme != "maxmin":
+      raise ValueError(f"scheme applies to QSGD only: leave it 'maxmin' with summable=True, "
+                       f"got {scheme!r}")
+    return Summable(bits=bits, bucket_size=bucket_size, rounding=rounding)
   if isinstance(bits, bool) or not isinstance(bits, int) or not (bits in (16, 32) or 1 <= bits <= 8):
     raise ValueError(f"bits must be 32 (exact), 16 (bf16 on the wire) or 1..8 (QSGD), got {bits!r}")
   if bits == 32:

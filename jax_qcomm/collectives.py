@@ -136,6 +136,21 @@ def _sra(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
   return _decode_rows(codec, gathered, c).reshape(-1), residual
 
 
+def _summable_allreduce(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
+                        scale: float) -> tuple[jax.Array, jax.Array]:
+  """Allreduce of float32[n] with a summable codec: one lax.pmax of the per-bucket statistic (the
+  shared scales), one lax.psum of the uint32 words (XLA's all-reduce), one decode. Result times
+  `scale`, the same on every device; also this device's residual (x minus its own decode)."""
+  n = x.shape[0]
+  d = codec.check_devices(axis_size(axis_name))
+  shared = lax.pmax(codec.bucket_scale(x), axis_name)  # the same on every device
+  words = codec.wire_encode_summable(x, shared, _device_key(key, axis_name, 0), d)
+  total = lax.psum(words, axis_name)
+  out = codec.wire_decode_summed(total, shared, d, d, n, scale)
+  residual = x - codec.wire_decode_summed(words, shared, d, 1, n)
+  return out, residual
+
+
 def _pad_to(x: jax.Array, size: int) -> jax.Array:
   """float32[n] -> float32[size], zeros appended (size >= n)."""
   pad = size - x.shape[0]
@@ -158,6 +173,20 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
     out = lax.pmean(x, names) if op == "mean" else lax.psum(x, names)
     return out, jnp.zeros_like(x)
   scale = 1.0 / size if op == "mean" else 1.0
+  if codec.summable and isinstance(axis_name, Hierarchical):
+    # Exact reduce-scatter inside, the summable allreduce of each shard across the outer axis.
+    d_in = lax.axis_size(axis_name.inner)
+    x = _pad_to(x, -(-n // (d_in * codec.pad_multiple)) * d_in * codec.pad_multiple)
+    shard = lax.psum_scatter(x, axis_name.inner, scatter_dimension=0, tiled=True)  # exact
+    inner_index = lax.axis_index(axis_name.inner)
+    shard_key = None if key is None else jax.random.fold_in(key, inner_index)
+    shard, shard_residual = _summable_allreduce(shard, axis_name.outer, codec, shard_key, scale)
+    residual = lax.dynamic_update_slice(jnp.zeros_like(x), shard_residual,
+                                        (inner_index * shard.shape[0],))
+    full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
+    return full[:n], residual[:n]
+  if codec.summable:
+    return _summable_allreduce(x, axis_name, codec, key, scale)
   if isinstance(axis_name, Hierarchical):
     d_in, d_out = lax.axis_size(axis_name.inner), lax.axis_size(axis_name.outer)
     x = _pad_to(x, sra_padded_size(n, d_in * d_out, codec))
@@ -278,6 +307,20 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
     return (out / d if op == "mean" else out).astype(x.dtype)
   block = (x.shape[0] // d,) + x.shape[1:]
   m = math.prod(block)
+  if codec.summable:
+    # Block i's words summed onto device i: one psum_scatter of [D, W] words (whole rows), the
+    # scales of every block shared by one pmax.
+    codec.check_devices(d)
+    rows = x.reshape(d, m).astype(jnp.float32)
+    shared = lax.pmax(jax.vmap(codec.bucket_scale)(rows), axis_name)
+    row_key = _device_key(key, axis_name, 0)
+    keys = None if row_key is None else jax.random.split(row_key, d)
+    words = jax.vmap(lambda r, sh, k: codec.wire_encode_summable(r, sh, k, d),
+                     in_axes=(0, 0, None if keys is None else 0))(rows, shared, keys)
+    mine = lax.psum_scatter(words, axis_name, scatter_dimension=0, tiled=True)[0]
+    own = lax.dynamic_index_in_dim(shared, lax.axis_index(axis_name), keepdims=False)
+    reduced = codec.wire_decode_summed(mine, own, d, d, m, 1.0 / d if op == "mean" else 1.0)
+    return reduced.reshape(block).astype(x.dtype)
   payloads = _encode_rows(codec, x.reshape(d, m).astype(jnp.float32), _device_key(key, axis_name, 0))
   reduced = codec.wire_decode_sum(_exchange.exchange(payloads, axis_name, exchange), m)
   if op == "mean":

@@ -172,7 +172,8 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     codec = cfg.codec if bare else cfg.policy.codec_for(packing.path_str(path), _Shape(shape),
                                                          cfg.codec)
     n = math.prod(shape)
-    payload = codec.payload_size(packing.padded_size(n, codec))  # as packed: whole buckets
+    payload = (codec.payload_size(packing.padded_size(n, codec), devices) if codec.summable
+               else codec.payload_size(packing.padded_size(n, codec)))  # as packed: whole buckets
     leaves.append(LeafTraffic(path=name, shape=shape, elements=n, codec=codec,
                               payload_bytes=payload, sent_bytes=_sent(devices, payload)))
   return Description(leaves=tuple(leaves), devices=devices, accum_steps=cfg.accum_steps,

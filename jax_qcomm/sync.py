@@ -143,7 +143,8 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
          exclude: str | Sequence[str] = (), scheme: str = "maxmin", error_feedback: bool = False,
          compress_1d: bool = False, overrides: dict[str, Codec] | None = None,
          comm_bucket_size: int = collectives.DEFAULT_COMM_BUCKET,
-         seed: int = 0, check_varying: bool = True) -> optax.GradientTransformation:
+         seed: int = 0, check_varying: bool = True,
+         summable: bool = False) -> optax.GradientTransformation:
   """Wraps ``inner`` so that it sees gradients averaged across ``axis_name``.
 
   Args:
@@ -160,6 +161,12 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       under ``min_size`` elements, 1-D leaves (unless ``compress_1d``) and leaves whose path matches
       an ``exclude`` regex travel exact; ``overrides`` maps path regexes to codecs.
     scheme: QSGD scheme, ``"maxmin"`` or ``"norm"``.
+    summable: with ``bits`` 2..8, use :class:`qcomm.Summable` instead of QSGD: a scale shared by
+      all devices (one small ``pmax``) and integer levels packed into uint32 words that XLA's own
+      all-reduce sums (one ``psum``), each value quantised once; where the all-gather and
+      all-to-all of QSGD's scatter-reduce-allgather run slower than the all-reduce (gloo on CPU),
+      the faster choice at the same bits. ``scheme`` must stay ``"maxmin"``; bits 32/16/1 with
+      ``summable=True`` are a ValueError. Error feedback works alike (rounding to nearest).
     error_feedback: keep, per device, what its own quantisation lost and add it to the next
       gradient; QSGD then rounds to nearest (EF-SGD's deterministic compressor). Costs one float32
       copy of the gradients per device (plus, with accumulation, the accumulator: another copy).
@@ -194,7 +201,7 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit the
   # residual (up to a whole bucket range) feeds the next range and training diverged.
   codec = codec_for_bits(bits, bucket_size, scheme,
-                         rounding="nearest" if error_feedback else "stochastic")
+                         rounding="nearest" if error_feedback else "stochastic", summable=summable)
   check_int("accum_steps", accum_steps)
   if not isinstance(error_feedback, bool):
     raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")

@@ -36,3 +36,42 @@ def qsgd_payload_bytes(n: int, bits: int, bucket_size: int, scheme: str) -> int:
 def qsgd_compression_ratio(bits: int, bucket_size: int, scheme: str) -> float:
   """float32 bytes / payload bytes for whole buckets."""
   return 4 * bucket_size / (4 * scales_per_bucket(scheme) + bucket_size * bits / 8)
+
+
+# ---- the summable codec (docs/wire-format.md, "Summable") ----------------------------------------
+
+def summable_levels(bits: int) -> int:
+  """Highest level L of the summable codec: signed levels in [-L, L], L = 2**(bits-1) - 1."""
+  return (1 << (bits - 1)) - 1
+
+
+def summable_field_bits(bits: int, devices: int) -> int:
+  """Bits of one field when ``devices`` payloads are summed: bit_length(2 L D) (> 32: no room)."""
+  return (2 * summable_levels(bits) * devices).bit_length()
+
+
+def summable_fields(bits: int, devices: int) -> int:
+  """Fields (elements) per uint32 word: 32 // field bits."""
+  return 32 // summable_field_bits(bits, devices)
+
+
+def summable_max_devices(bits: int) -> int:
+  """The most devices whose summed fields still fit a uint32 word: 2 L D < 2**32."""
+  return ((1 << 32) - 1) // (2 * summable_levels(bits))
+
+
+def summable_words(n: int, bits: int, devices: int) -> int:
+  """uint32 words of the summable payload of n elements for ``devices`` summed payloads."""
+  f = summable_fields(bits, devices)
+  return -(-n // f)
+
+
+def summable_payload_bytes(n: int, bits: int, bucket_size: int, devices: int) -> int:
+  """Bytes one device contributes per summable allreduce of n elements: the uint32 words (psum)
+  and one 4-byte scale statistic per bucket (pmax)."""
+  return 4 * (summable_words(n, bits, devices) + num_buckets(n, bucket_size))
+
+
+def summable_wire_bits(bits: int, bucket_size: int, devices: int) -> float:
+  """Bits per element on the wire for whole words and buckets: 32 / fields + 32 / bucket."""
+  return 32.0 / summable_fields(bits, devices) + 32.0 / bucket_size

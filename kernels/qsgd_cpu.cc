@@ -18,6 +18,10 @@ namespace qcomm::cpu {
   void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* out);  \
   void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p, \
                   float* out);                                                                    \
+  void summable_encode(const float* x, int64_t n, const int32_t* shared, const uint32_t seed[2],  \
+                       const SummableParams& p, uint32_t* words);                                 \
+  void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,    \
+                       float scale, const SummableParams& p, float* out);                         \
   }
 QCOMM_DECLARE_ISA(generic)
 #if defined(QCOMM_HAVE_X86_VARIANTS)
@@ -99,6 +103,28 @@ void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, c
   if (which == Isa::kAvx2) return avx2::decode_sum(payloads, k, stride, n, p, out);
 #endif
   generic::decode_sum(payloads, k, stride, n, p, out);
+}
+
+void summable_encode(const float* x, int64_t n, const int32_t* shared, const uint32_t seed[2],
+                     const SummableParams& p, uint32_t* words) {
+  FlushDenormals ftz;
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::summable_encode(x, n, shared, seed, p, words);
+  if (which == Isa::kAvx2) return avx2::summable_encode(x, n, shared, seed, p, words);
+#endif
+  generic::summable_encode(x, n, shared, seed, p, words);
+}
+
+void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,
+                     float scale, const SummableParams& p, float* out) {
+  FlushDenormals ftz;
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::summable_decode(words, shared, n, count, scale, p, out);
+  if (which == Isa::kAvx2) return avx2::summable_decode(words, shared, n, count, scale, p, out);
+#endif
+  generic::summable_decode(words, shared, n, count, scale, p, out);
 }
 
 void decode(const uint8_t* payload, int64_t n, const Params& p, float* out) {

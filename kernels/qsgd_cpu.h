@@ -27,6 +27,21 @@ void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, c
 void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
                          const uint32_t seed[2], const Params& p, uint8_t* payload);
 
+// ---- the summable codec (kernels/summable_math.h, docs/wire-format.md "Summable") ----------------
+struct SummableParams {
+  int32_t bits;      // 2..8
+  int32_t bucket;    // positive multiple of 8
+  int32_t devices;   // payloads summed (sets the field width); >= 1, 2 L devices < 2^32
+  int32_t rounding;  // Rounding
+};
+// x[n], shared[num_buckets(n)] (the bits of each bucket's largest |x| over all devices) ->
+// words[ceil(n / fields)].
+void summable_encode(const float* x, int64_t n, const int32_t* shared, const uint32_t seed[2],
+                     const SummableParams& p, uint32_t* words);
+// words (the sum of `count` payloads) -> out[n] = the sum of their decodes times `scale`.
+void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,
+                     float scale, const SummableParams& p, float* out);
+
 // Name of the instruction set the kernels run ("avx512", "avx2" or "generic").
 const char* isa();
 // The widest instruction set this CPU supports (and this build has kernels for).

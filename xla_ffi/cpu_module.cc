@@ -9,6 +9,7 @@
 
 #include "kernels/qsgd_cpu.h"
 #include "kernels/qsgd_math.h"
+#include "kernels/summable_math.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla/ffi/api/ffi.h"
@@ -76,7 +77,88 @@ ffi::Error DecodeSumReencodeImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// ---- the summable codec: x[rows, n] f32, shared[rows, nb] s32, seed[rows, 2] u32 -> words[rows, W]
+
+ffi::Error CheckSummable(int32_t bits, int32_t bucket_size, int32_t devices, int32_t rounding,
+                          qcomm::cpu::SummableParams* p) {
+  if (bits < 2 || bits > 8)
+    return ffi::Error::InvalidArgument("bits must be in 2..8, got " + std::to_string(bits));
+  if (bucket_size <= 0 || bucket_size % 8 != 0)
+    return ffi::Error::InvalidArgument("bucket_size must be a positive multiple of 8");
+  if (devices < 1 || qcomm::summable::field_bits(bits, devices) > 32)
+    return ffi::Error::InvalidArgument("devices must be >= 1 with 2 L devices < 2^32");
+  if (rounding != qcomm::kStochastic && rounding != qcomm::kNearest)
+    return ffi::Error::InvalidArgument("rounding must be 0 (stochastic) or 1 (nearest)");
+  *p = qcomm::cpu::SummableParams{bits, bucket_size, devices, rounding};
+  return ffi::Error::Success();
+}
+
+ffi::Error SummableEncodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> shared,
+                              ffi::Buffer<ffi::U32> seed, ffi::ResultBuffer<ffi::U32> words,
+                              int32_t bits, int32_t bucket_size, int32_t devices, int32_t rounding) {
+  qcomm::cpu::SummableParams p;
+  if (ffi::Error e = CheckSummable(bits, bucket_size, devices, rounding, &p); e.failure()) return e;
+  const int64_t n = common::LastDim(x.dimensions());
+  const int64_t rows = n == 0 ? 0 : x.element_count() / n;
+  const int64_t nb = qcomm::num_buckets(n, bucket_size);
+  const int64_t nw = qcomm::summable::num_words(n, qcomm::summable::fields_per_word(bits, devices));
+  if (common::LastDim(words->dimensions()) != nw || words->element_count() != rows * nw)
+    return ffi::Error::InvalidArgument("words shape does not match the input size");
+  if (shared.element_count() != rows * nb)
+    return ffi::Error::InvalidArgument("shared must hold one int32 per bucket and row");
+  if (seed.element_count() != 2 * rows)
+    return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per row");
+  for (int64_t r = 0; r < rows; ++r)
+    qcomm::cpu::summable_encode(x.typed_data() + r * n, n, shared.typed_data() + r * nb,
+                                seed.typed_data() + 2 * r, p, words->typed_data() + r * nw);
+  return ffi::Error::Success();
+}
+
+// words[rows, W] u32, shared[rows, nb] s32 -> out[rows, n] f32.
+ffi::Error SummableDecodeImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32> shared,
+                              ffi::ResultBuffer<ffi::F32> out, int32_t bits, int32_t bucket_size,
+                              int32_t devices, int32_t count, float scale) {
+  qcomm::cpu::SummableParams p;
+  if (ffi::Error e = CheckSummable(bits, bucket_size, devices, qcomm::kNearest, &p); e.failure())
+    return e;
+  if (count < 1 || count > devices)
+    return ffi::Error::InvalidArgument("count must be in 1..devices");
+  const int64_t n = common::LastDim(out->dimensions());
+  const int64_t rows = n == 0 ? 0 : out->element_count() / n;
+  const int64_t nb = qcomm::num_buckets(n, bucket_size);
+  const int64_t nw = qcomm::summable::num_words(n, qcomm::summable::fields_per_word(bits, devices));
+  if (common::LastDim(words.dimensions()) != nw || words.element_count() != rows * nw)
+    return ffi::Error::InvalidArgument("words shape does not match the output size");
+  if (shared.element_count() != rows * nb)
+    return ffi::Error::InvalidArgument("shared must hold one int32 per bucket and row");
+  for (int64_t r = 0; r < rows; ++r)
+    qcomm::cpu::summable_decode(words.typed_data() + r * nw, shared.typed_data() + r * nb, n, count,
+                                scale, p, out->typed_data() + r * n);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableEncode, SummableEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("devices")
+                                  .Attr<int32_t>("rounding"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecode, SummableDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("devices")
+                                  .Attr<int32_t>("count")
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
                               common::BindEncode(ffi::Ffi::Bind()));
@@ -93,6 +175,8 @@ NB_MODULE(_qcomm_cpu, m) {
     d["qcomm_qsgd_decode_sum"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSum));
     d["qcomm_qsgd_decode_sum_reencode"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencode));
+    d["qcomm_summable_encode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableEncode));
+    d["qcomm_summable_decode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableDecode));
     return d;
   });
   m.def("isa", []() { return std::string(qcomm::cpu::isa()); },

@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="real gradients for a payload (make_gradients), e.g. "
                            "resnet50=bench-results/peers/resnet50_grads.npz; others: seeded normal")
   parser.add_argument("--jax-codecs", nargs="+", default=list(JAX_CODECS),
-                      help=f"jax_qcomm codecs (default: {' '.join(JAX_CODECS)})")
+                      help=f"jax_qcomm codecs (default: {' '.join(JAX_CODECS)}; any codec of "
+                           "python -m benchmarks allreduce, e.g. sum4, the summable codec)")
   parser.add_argument("--torch-methods", type=_torch_method, nargs="+",
                       default=list(data.TORCH_METHODS),
                       help=f"torch methods (default: {' '.join(data.TORCH_METHODS)})")
