@@ -17,8 +17,9 @@ On a GPU backend (the CUDA kernels) the default sizes are 25M and 256M, a fourth
 * ``decode_sum_reencode``  payloads[4, P] + key -> payload: the middle of the allreduce
   (decode-and-sum, scale by 1/4, re-encode; one fused kernel for ``ffi``),
 
-and the device-to-device copy bandwidth is measured in the same run (a jitted ``x + 1`` of 256M
-float32: 8 bytes moved per element / time). Each op's bytes moved (input read + output written:
+and the copy bandwidth is measured in the same run on every backend (a jitted ``x + 1`` of 256M
+float32 on a GPU, 64M on CPU: 8 bytes moved per element / time; pin the process to one core with
+``taskset -c 0`` for a one-core CPU figure). Each op's bytes moved (input read + output written:
 4n + P for encode, P + 4n for decode, 4P + 4n for decode_sum, 4P + P for decode_sum_reencode) /
 time is reported as a fraction of that copy bandwidth, the physical limit.
 """
@@ -43,6 +44,7 @@ NUM_PAYLOADS = 4  # decode_sum sums this many payloads, as a 4-worker allreduce 
 DEFAULT_SIZES = (1_000_000, 25_000_000)
 DEFAULT_GPU_SIZES = (25_000_000, 256_000_000)
 COPY_BW_SIZE = 256_000_000  # float32 elements of the device-to-device copy measurement
+CPU_COPY_BW_SIZE = 64_000_000  # on CPU: 256 MB in, 256 MB out, far beyond the caches
 DEFAULT_OUT = "bench-results/codec.json"
 
 
@@ -165,13 +167,11 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
              for row, r in zip(table, rows)]
   lines = [
       f"QSGD bits={cfg['bits']} bucket={cfg['bucket_size']} scheme={cfg['scheme']} "
-      f"rounding={cfg['rounding']}  |  {meta['backend']}  {meta['cpu_model']}  nproc={nproc}  "
-      f"isa={meta['cpu_isa']}  jax {meta['jax_version']}",
+      f"rounding={cfg['rounding']}  |  {_common.machine_line(meta, isa=True)}",
       "",
       _common.format_table(headers, table, align="rll" + "r" * (len(headers) - 3)),
       "",
-      f"times: median (min, max) of {cfg['repeats']} runs after {cfg['warmup']} warmup runs; "
-      "ffi/jax = jax median / ffi median.",
+      _common.times_line(cfg) + "; ffi/jax = jax median / ffi median.",
       "Melem/s counts input elements (encode) or output elements (decode, decode_sum of "
       f"{NUM_PAYLOADS} payloads); GB/s is of those float32 bytes; faults: median minor page "
       "faults per call (4 KiB each).",
@@ -205,17 +205,18 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
                         scheme=args.scheme, rounding=args.rounding, impls=args.impls,
                         num_payloads=NUM_PAYLOADS, repeats=args.repeats, warmup=args.warmup)
   print(_common.malloc_note(meta["malloc"]), file=sys.stderr, flush=True)
-  meta["copy_bandwidth"] = None
-  if gpu:
-    meta["copy_bandwidth"] = copy_bandwidth(repeats=args.repeats, warmup=args.warmup)
-    print(f"  copy bandwidth {meta['copy_bandwidth']['gb_per_s']:.1f} GB/s", file=sys.stderr,
-          flush=True)
+  # The memory limit every kernel is held to, in the same process (on CPU: the cores this process
+  # may use; pin it with taskset for a one-core figure).
+  meta["copy_bandwidth"] = copy_bandwidth(COPY_BW_SIZE if gpu else CPU_COPY_BW_SIZE,
+                                          repeats=args.repeats, warmup=args.warmup)
+  print(f"  copy bandwidth {meta['copy_bandwidth']['gb_per_s']:.1f} GB/s", file=sys.stderr,
+        flush=True)
   rows = []
   for n in sizes:
     rows += bench_size(n, bits=args.bits, bucket=args.bucket, scheme=args.scheme,
                        rounding=args.rounding, impls=args.impls, repeats=args.repeats,
                        warmup=args.warmup, ops=ops,
-                       copy_gb_per_s=meta["copy_bandwidth"]["gb_per_s"] if gpu else None)
+                       copy_gb_per_s=meta["copy_bandwidth"]["gb_per_s"])
   print(format_results(rows, meta))
   path = _common.write_json(args.out, dict(metadata=meta, rows=rows))
   print(f"wrote {path}")
