@@ -171,3 +171,11 @@ def summable_decode(words: jax.Array, shared: jax.Array, n: int, *, bits: int, b
   out = call(words, shared, bits=np.int32(bits), bucket_size=np.int32(bucket_size),
              devices=np.int32(devices), count=np.int32(count), scale=np.float32(scale))
   return _compat.make_varying(out, _compat.vma_of(words) | _compat.vma_of(shared))
+
+
+def summable_scale(x: jax.Array, *, bucket_size: int) -> jax.Array:
+  """x: float32[n] -> int32[num_buckets]: the bits of each bucket's largest |x|."""
+  nb = wire.num_buckets(x.shape[-1], bucket_size)
+  call = jax.ffi.ffi_call("qcomm_summable_scale", jax.ShapeDtypeStruct((nb,), jnp.int32),
+                          vmap_method="broadcast_all")
+  return _compat.make_varying(call(x, bucket_size=np.int32(bucket_size)), _compat.vma_of(x))

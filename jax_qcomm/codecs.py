@@ -592,7 +592,8 @@ class Summable(Codec):
     """Bytes per device per summable allreduce of n elements over ``devices`` devices (the uint32
     words of the psum and one int32 scale statistic per bucket, the pmax); ``devices=1`` is the
     standalone payload of :meth:`encode`."""
-    return wire.summable_payload_bytes(int(n), self.bits, self.bucket_size, self.check_devices(devices))
+    n = check_int("n", n, 0)
+    return wire.summable_payload_bytes(n, self.bits, self.bucket_size, self.check_devices(devices))
 
   def wire_size(self, n: int, devices: int = 1) -> int:
     return self.payload_size(n, devices)
@@ -618,7 +619,10 @@ class Summable(Codec):
 
   # -- summable wire API ---------------------------------------------------------------------------
   def bucket_scale(self, x: jax.Array) -> jax.Array:
-    return _reference.summable_bucket_scale(x, self.bucket_size)
+    if x.shape[0] == 0:
+      return jnp.zeros((0,), jnp.int32)
+    return self._select(lambda a: _ffi.summable_scale(a, bucket_size=self.bucket_size),
+                        lambda a: _reference.summable_bucket_scale(a, self.bucket_size), x)
 
   def wire_encode_summable(self, x, shared, key, devices):
     devices = self.check_devices(devices)

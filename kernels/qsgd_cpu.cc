@@ -22,6 +22,7 @@ namespace qcomm::cpu {
                        const SummableParams& p, uint32_t* words);                                 \
   void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,    \
                        float scale, const SummableParams& p, float* out);                         \
+  void summable_scale(const float* x, int64_t n, int32_t bucket, int32_t* out);                   \
   }
 QCOMM_DECLARE_ISA(generic)
 #if defined(QCOMM_HAVE_X86_VARIANTS)
@@ -125,6 +126,15 @@ void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, in
   if (which == Isa::kAvx2) return avx2::summable_decode(words, shared, n, count, scale, p, out);
 #endif
   generic::summable_decode(words, shared, n, count, scale, p, out);
+}
+
+void summable_scale(const float* x, int64_t n, int32_t bucket, int32_t* out) {
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::summable_scale(x, n, bucket, out);
+  if (which == Isa::kAvx2) return avx2::summable_scale(x, n, bucket, out);
+#endif
+  generic::summable_scale(x, n, bucket, out);
 }
 
 void decode(const uint8_t* payload, int64_t n, const Params& p, float* out) {

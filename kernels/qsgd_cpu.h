@@ -38,6 +38,8 @@ struct SummableParams {
 // words[ceil(n / fields)].
 void summable_encode(const float* x, int64_t n, const int32_t* shared, const uint32_t seed[2],
                      const SummableParams& p, uint32_t* words);
+// x[n] -> out[num_buckets(n)]: the bits of each bucket's largest |x| as int32 (NaN > Inf > finite).
+void summable_scale(const float* x, int64_t n, int32_t bucket, int32_t* out);
 // words (the sum of `count` payloads) -> out[n] = the sum of their decodes times `scale`.
 void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,
                      float scale, const SummableParams& p, float* out);

@@ -19,17 +19,41 @@ namespace {
 constexpr int64_t kSummableBlock = 1024;  // words per block: 4 KiB
 
 // acc[j] |= code(x[j]) << shift for one run of `len` values of one bucket, indices base.. .
+// (uint32 induction variables: the element index is a uint32 lane, no 64-bit lanes to narrow.)
 inline void summable_codes_run(const float* __restrict x, int64_t len, float down, float inv,
                                bool stochastic, uint32_t seed0, uint32_t seed1, uint32_t base,
                                int32_t lv, uint32_t shift, uint32_t* __restrict acc) {
+  const uint32_t m = static_cast<uint32_t>(len);  // <= kSummableBlock
   if (stochastic) {
-    for (int64_t j = 0; j < len; ++j) {
-      const float r = qcomm::uniform01(qcomm::random_bits(seed0, seed1, base + static_cast<uint32_t>(j)));
+    uint32_t h = base * qcomm::summable::kIndexMul + seed0;  // index * C + seed0, index = base + j
+    for (uint32_t j = 0; j < m; ++j) {
+      const float r = qcomm::uniform01(qcomm::summable::random_bits_at(h, seed1));
       acc[j] |= qcomm::summable::encode_value(x[j], down, inv, r, lv) << shift;
+      h += qcomm::summable::kIndexMul;
     }
   } else {
-    for (int64_t j = 0; j < len; ++j)
+    for (uint32_t j = 0; j < m; ++j)
       acc[j] |= qcomm::summable::encode_value(x[j], down, inv, 0.5f, lv) << shift;
+  }
+}
+
+// out[b] = the bits of the largest |x| of bucket b (an exact integer max; NaN > Inf > finite).
+void summable_scale_impl(const float* __restrict x, int64_t n, int64_t B, int32_t* out) {
+  const int64_t nb = qcomm::num_buckets(n, B);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * B;
+    const int64_t len = std::min<int64_t>(B, n - b * B);
+    uint32_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8)
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t a = qcomm::abs_bits(xb[i + j]);
+        acc[j] = a > acc[j] ? a : acc[j];
+      }
+    uint32_t m = 0;
+    for (; i < len; ++i) m = std::max(m, qcomm::abs_bits(xb[i]));
+    for (int j = 0; j < 8; ++j) m = std::max(m, acc[j]);
+    out[b] = static_cast<int32_t>(m);
   }
 }
 
@@ -103,6 +127,10 @@ void summable_encode(const float* x, int64_t n, const int32_t* shared, const uin
 void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,
                      float scale, const SummableParams& p, float* out) {
   summable_decode_impl(words, shared, n, count, scale, p, out);
+}
+
+void summable_scale(const float* x, int64_t n, int32_t bucket, int32_t* out) {
+  summable_scale_impl(x, n, bucket, out);
 }
 
 }  // namespace qcomm::cpu::QCOMM_ISA

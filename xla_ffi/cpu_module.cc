@@ -114,6 +114,21 @@ ffi::Error SummableEncodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> sha
   return ffi::Error::Success();
 }
 
+// x[rows, n] f32 -> shared[rows, nb] s32: the bits of each bucket's largest |x|.
+ffi::Error SummableScaleImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out,
+                             int32_t bucket_size) {
+  if (bucket_size <= 0)
+    return ffi::Error::InvalidArgument("bucket_size must be positive");
+  const int64_t n = common::LastDim(x.dimensions());
+  const int64_t rows = n == 0 ? 0 : x.element_count() / n;
+  const int64_t nb = qcomm::num_buckets(n, bucket_size);
+  if (common::LastDim(out->dimensions()) != nb || out->element_count() != rows * nb)
+    return ffi::Error::InvalidArgument("output shape does not match the number of buckets");
+  for (int64_t r = 0; r < rows; ++r)
+    qcomm::cpu::summable_scale(x.typed_data() + r * n, n, bucket_size, out->typed_data() + r * nb);
+  return ffi::Error::Success();
+}
+
 // words[rows, W] u32, shared[rows, nb] s32 -> out[rows, n] f32.
 ffi::Error SummableDecodeImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32> shared,
                               ffi::ResultBuffer<ffi::F32> out, int32_t bits, int32_t bucket_size,
@@ -149,6 +164,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableEncode, SummableEncodeImpl,
                                   .Attr<int32_t>("bucket_size")
                                   .Attr<int32_t>("devices")
                                   .Attr<int32_t>("rounding"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableScale, SummableScaleImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("bucket_size"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecode, SummableDecodeImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()
@@ -177,6 +197,7 @@ NB_MODULE(_qcomm_cpu, m) {
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencode));
     d["qcomm_summable_encode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableEncode));
     d["qcomm_summable_decode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableDecode));
+    d["qcomm_summable_scale"] = nb::capsule(reinterpret_cast<void*>(QcommSummableScale));
     return d;
   });
   m.def("isa", []() { return std::string(qcomm::cpu::isa()); },
