@@ -471,3 +471,16 @@ def test_bad_summable_arguments_elsewhere():
     c.encode(jnp.ones(8))
   with pytest.raises(NotImplementedError, match="not a summable codec"):
     qcomm.QSGD().bucket_scale(jnp.ones(8))
+
+
+def test_all_gather_uses_the_standalone_payload():
+  """all_gather has nothing to sum: it gathers each device's standalone payload (devices=1)."""
+  codec = qcomm.Summable(bits=8, bucket_size=16)
+  xs = np.random.default_rng(8).standard_normal((2, 48)).astype(np.float32)
+
+  def body(x, key):
+    return qcomm.all_gather(x[0], AX, codec=codec, key=key)[None]
+  f = jax.jit(jax.shard_map(body, mesh=_mesh(2), in_specs=(P(AX), P()), out_specs=P(AX)))
+  out = np.asarray(f(jnp.asarray(xs), jax.random.key(3)))  # [2 devices, 2 rows, 48]
+  np.testing.assert_array_equal(out[0], out[1])
+  assert np.max(np.abs(out[0] - xs)) <= np.abs(xs).max() / 127 * 1.01
