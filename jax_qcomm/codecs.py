@@ -28,10 +28,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import _ffi, _reference, wire
-
-Shape = Sequence[int]
 from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int, check_key,
                                check_real, check_shape)
+
+Shape = Sequence[int]
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 IMPLS = ("auto", "ffi", "jax")
 
@@ -51,9 +51,9 @@ def _check_out_dtype(dtype: Any) -> jnp.dtype:
 
 
 def _check_payload(payload: jax.Array, expected: int, lead: tuple[int, ...] = ()) -> None:
+  check_array("payload" if not lead else "payloads", payload)
   if payload.dtype != jnp.uint8:
     raise ValueError(f"payload must be a uint8 array, got dtype {payload.dtype}")
-  check_array("payload" if not lead else "payloads", payload)
   if tuple(payload.shape) != lead + (expected,):
     raise ValueError(f"payload must have shape {lead + (expected,)} for this shape and codec, "
                      f"got {tuple(payload.shape)}")
@@ -239,13 +239,12 @@ class Codec(abc.ABC):
     """Encodes x (any shape; float32/bfloat16/float16) to uint8[payload_size(x.size)]."""
     x = as_array("x", x)
     _check_float(x)
+    check_key("key", key)
     return self._to_bytes(self.wire_encode(x.reshape(-1).astype(jnp.float32), key))
 
   def decode(self, payload: jax.Array, shape: Shape, dtype: Any = jnp.float32) -> jax.Array:
     """Decodes a payload made by ``encode`` of an array of ``shape``; returns ``dtype``."""
     shape = check_shape("shape", shape)
-    check_key("key", key)
-    scale = check_real("scale", scale)
     dtype = _check_out_dtype(dtype)
     n = math.prod(shape)
     _check_payload(payload, self.payload_size(n))
@@ -267,6 +266,8 @@ class Codec(abc.ABC):
     where ``scale == 1``, as the collectives do); a codec may fuse them (QSGD's FFI kernels do).
     """
     shape = check_shape("shape", shape)
+    check_key("key", key)
+    scale = check_real("scale", scale)
     n = math.prod(shape)
     self._check_payloads(payloads, n)
     wire = self.wire_decode_sum_reencode(self._from_bytes(payloads), n, key, scale)
@@ -278,6 +279,7 @@ class Codec(abc.ABC):
     return self.decode(self.encode(x, key), x.shape, x.dtype)
 
   def _check_payloads(self, payloads: jax.Array, n: int) -> None:
+    check_array("payloads", payloads)
     if payloads.ndim != 2 or payloads.shape[0] < 1:
       raise ValueError(f"payloads must have shape [k >= 1, {self.payload_size(n)}], "
                        f"got {payloads.shape}")
@@ -285,7 +287,6 @@ class Codec(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True)
-    check_key("key", key)
 class QSGD(Codec):
   """QSGD: quantisation of each bucket of ``bucket_size`` values to ``bits`` bits.
 
@@ -323,7 +324,6 @@ class QSGD(Codec):
       or ``"jax"``.
   """
 
-    check_array("payloads", payloads)
   bits: int = 4
   bucket_size: int = 128
   scheme: str = "maxmin"
@@ -683,10 +683,10 @@ def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
     return Summable(bits=bits, bucket_size=bucket_size, rounding=rounding)
   if isinstance(bits, bool) or not isinstance(bits, int) or not (bits in (16, 32) or 1 <= bits <= 8):
     raise ValueError(f"bits must be 32 (exact), 16 (bf16 on the wire) or 1..8 (QSGD), got {bits!r}")
+  if bits in (16, 32):  # the QSGD settings are checked even where they do not apply
+    QSGD(bits=4, bucket_size=bucket_size, scheme=scheme, rounding=rounding)
   if bits == 32:
     return NoCompression()
   if bits == 16:
     return Cast(jnp.bfloat16)
   return QSGD(bits=bits, bucket_size=bucket_size, scheme=scheme, rounding=rounding)
-  if bits in (16, 32):  # the QSGD settings are checked even where they do not apply
-    QSGD(bits=4, bucket_size=bucket_size, scheme=scheme, rounding=rounding)

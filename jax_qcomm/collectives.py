@@ -245,6 +245,12 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   _check_common(codec, op)
   _exchange.check_method(exchange, "exchange")
   check_int("comm_bucket_size", comm_bucket_size)
+  check_key("key", key)
+  if policy is not None:
+    check_instance("policy", policy, packing.LeafPolicy, "None or a qcomm.LeafPolicy")
+  return_residual = check_bool("return_residual", return_residual)
+  check_varying = check_bool("check_varying", check_varying)
+  _check_axis(axis_name)
   axis_size(axis_name)
   packing.check_float_leaves(x)
   if check_varying:
@@ -274,12 +280,6 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
 
 
 def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
-  check_key("key", key)
-  if policy is not None:
-    check_instance("policy", policy, packing.LeafPolicy, "None or a qcomm.LeafPolicy")
-  return_residual = check_bool("return_residual", return_residual)
-  check_varying = check_bool("check_varying", check_varying)
-  _check_axis(axis_name)
                    key: jax.Array | None = None, op: str = "mean", *,
                    check_varying: bool = True, exchange: str = "auto") -> jax.Array:
   """Compressed reduce-scatter along axis 0 (``lax.psum_scatter(..., tiled=True)`` semantics).
@@ -292,9 +292,13 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
   """
   _check_common(codec, op)
   _exchange.check_method(exchange, "exchange")
+  check_key("key", key)
+  check_varying = check_bool("check_varying", check_varying)
   if isinstance(axis_name, Hierarchical):
     raise ValueError("axis_name must be a name or tuple of names for reduce_scatter, not Hierarchical")
+  _check_axis(axis_name, hierarchical=False)
   d = axis_size(axis_name)
+  check_array("x", x)
   packing.check_float_leaves(x)
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.reduce_scatter")
@@ -335,15 +339,15 @@ def all_gather(x: jax.Array, axis_name: AxisName,
 
   Every device (itself included) sees the decoded payloads, so all end with identical arrays. The
   default codec, 8-bit nearest rounding, suits weights (FSDP parameter gathering).
-  check_key("key", key)
-  check_varying = check_bool("check_varying", check_varying)
   """
   _check_common(codec, "mean")
-  _check_axis(axis_name, hierarchical=False)
+  check_key("key", key)
+  tiled = check_bool("tiled", tiled)
   if isinstance(axis_name, Hierarchical):
-  check_array("x", x)
     raise ValueError("axis_name must be a name or tuple of names for all_gather, not Hierarchical")
+  _check_axis(axis_name, hierarchical=False)
   d = axis_size(axis_name)
+  check_array("x", x)
   packing.check_float_leaves(x)
   if codec.needs_key and key is None:
     raise ValueError("key is required for stochastic rounding: pass key=jax.random.key(...)")
@@ -367,15 +371,11 @@ def cast_pmean(x: Any, axis_name: AxisName, dtype: Any = jnp.bfloat16, *,
   :func:`allreduce` (ValueError for a leaf that is the same on every device; not checked under
   ``jax.pmap``).
   """
+  dtype = check_float_dtype("dtype", dtype)
+  check_varying = check_bool("check_varying", check_varying)
+  _check_axis(axis_name, hierarchical=False)
   axis_size(axis_name)
   packing.check_float_leaves(x)
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.cast_pmean")
   return jax.tree_util.tree_map(lambda v: lax.pmean(v.astype(dtype), axis_name).astype(v.dtype), x)
-  check_key("key", key)
-  tiled = check_bool("tiled", tiled)
-  _check_axis(axis_name, hierarchical=False)
-  check_array("x", x)
-  dtype = check_float_dtype("dtype", dtype)
-  check_varying = check_bool("check_varying", check_varying)
-  _check_axis(axis_name, hierarchical=False)

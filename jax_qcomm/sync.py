@@ -198,6 +198,8 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   """
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise ValueError(f"inner must be an optax.GradientTransformation, got {inner!r}")
+  check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
+                  "qcomm.Hierarchical(inner, outer)")
   # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit the
   # residual (up to a whole bucket range) feeds the next range and training diverged.
   codec = codec_for_bits(bits, bucket_size, scheme,
@@ -205,8 +207,6 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   check_int("accum_steps", accum_steps)
   if not isinstance(error_feedback, bool):
     raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
-  check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
-                  "qcomm.Hierarchical(inner, outer)")
   if not isinstance(check_varying, bool):
     raise ValueError(f"check_varying must be True or False, got {check_varying!r}")
   if isinstance(seed, bool) or not isinstance(seed, int):
@@ -218,6 +218,7 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   names = collectives.axis_names(axis_name)
 
   def init(params: Any) -> SyncState:
+    check_array_leaves("params", params)
     d, bound = num_devices(axis_name)
     tracked = bound and _varying.tracked(names)
 
@@ -225,7 +226,6 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       # Bound: this device's own part (1, ...), typed as varying like what update returns.
       # Elsewhere: the global array of all D devices' parts, to be split by state_partition_spec.
       z = jnp.zeros((1 if bound else d,) + jnp.shape(p), jnp.float32)
-    check_array_leaves("params", params)
       return _compat.make_varying(z, frozenset(names)) if tracked else z
 
     return SyncState(
@@ -427,7 +427,7 @@ def state_partition_spec(tree: Any, axis_name: collectives.AxisName = "data") ->
   or outside it. ValueError for ``optax.MultiSteps(sync(...))`` and
   ``optax.apply_if_finite(sync(...))``, naming the call to use instead.
   """
-  names = collectives.axis_names(axis_name)
-  return _specs(tree, P(names[0] if len(names) == 1 else names))
   check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
                   "qcomm.Hierarchical(inner, outer)")
+  names = collectives.axis_names(axis_name)
+  return _specs(tree, P(names[0] if len(names) == 1 else names))
