@@ -205,6 +205,19 @@ def run_metadata(command: Sequence[str]) -> dict[str, Any]:
   )
 
 
+def machine_line(meta: dict[str, Any], *, isa: bool = False) -> str:
+  """Where a report's numbers come from, from :func:`run_metadata`: ``cpu  <CPU model>  nproc=N
+  [isa=...]  jax <version>`` (the kernels' ISA with ``isa``)."""
+  parts = [meta["backend"], meta["cpu_model"], f"nproc={meta['nproc']}"]
+  parts += [f"isa={meta['cpu_isa']}"] if isa else []
+  return "  ".join(parts + [f"jax {meta['jax_version']}"])
+
+
+def times_line(cfg: dict[str, Any]) -> str:
+  """``times: median (min, max) of R runs after W warmup runs`` of a report's footer."""
+  return f"times: median (min, max) of {cfg['repeats']} runs after {cfg['warmup']} warmup runs"
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                  align: str | None = None) -> str:
   """A plain-text table; ``align`` has one ``l`` or ``r`` per column (default: all right)."""

@@ -116,8 +116,7 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
   knee = meta["knee_gamma"]
   return "\n".join([
       f"fp32 psum of N/gamma elements (N={cfg['size']:,}) over D={meta['num_devices']} devices in "
-      f"{meta['num_processes']} process(es)  |  {meta['backend']}  {meta['cpu_model']}  "
-      f"nproc={meta['nproc']}  jax {meta['jax_version']}",
+      f"{meta['num_processes']} process(es)  |  {_common.machine_line(meta)}",
       "",
       _common.format_table(headers, table),
       "",

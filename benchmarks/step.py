@@ -420,7 +420,7 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       f"training step (MLP {'-'.join(map(str, meta['model']['layer_dims']))}, "
       f"{meta['model']['parameters']:,} params, batch {cfg['batch']}/device) over "
       f"D={meta['num_devices']} devices in {meta['num_processes']} process(es)  |  "
-      f"{meta['backend']}  {meta['cpu_model']}  nproc={meta['nproc']}  jax {meta['jax_version']}",
+      f"{_common.machine_line(meta)}",
       "",
       _common.format_table(headers, table, align="l" + "r" * (len(headers) - 1)),
       "",
