@@ -1,7 +1,9 @@
 """Timing and run-metadata helpers shared by the benchmarks of this package.
 
-* :func:`median_time` -- warm up a jitted function, then time ``repeats`` calls (each one waited
-  for with ``block_until_ready``) and keep the median, min and max.
+* :func:`median_time`, :class:`Timing`, :func:`gc_paused` -- warm up a jitted function, then time
+  ``repeats`` calls (each one waited for with ``block_until_ready``) and keep the median, min and
+  max: one implementation, in :mod:`training.timing` (the example trainer times its sync overhead
+  with it; it never imports the benchmarks), re-exported here.
 * :func:`ensure_malloc_env` / :func:`malloc_metadata` -- the glibc malloc settings of the run.
   XLA CPU allocates a fresh output buffer per call, and glibc serves allocations above its mmap
   threshold (at most 32 MB by default) with fresh mmap pages, so without tuning every call on a
@@ -14,9 +16,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import gc
 import json
 import os
 import pathlib
@@ -24,10 +24,8 @@ import platform
 import re
 import shlex
 import socket
-import statistics
 import sys
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -38,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_qcomm
 from jax_qcomm import _ffi, distributed
 from jax_qcomm.launch import ENV_LAUNCH_COMMAND
+from training.timing import Timing, gc_paused, median_time  # noqa: F401  (re-exported)
 
 #: glibc malloc tuning applied by re-exec: no mmap below 4 GiB, no trimming of the heap below 16 GiB.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
@@ -49,73 +48,6 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": 
 # ~10% (lock contention), so the benchmarks keep glibc's arenas: no baseline handicapped.
 #: Set in the environment of the re-executed process, so that it can tell how the variables came.
 _REEXEC_MARKER = "JAX_QCOMM_BENCH_MALLOC_REEXEC"
-
-
-def _minor_faults() -> int:
-  """Minor page faults of this process so far (0 where getrusage is unavailable)."""
-  try:
-    import resource
-  except ImportError:  # pragma: no cover - not Unix
-    return 0
-  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-  """Wall-clock seconds of the timed calls of one function, and the minor page faults (of the
-  whole process) during each: a nonzero count shows memory being freshly mapped per call."""
-
-  times: tuple[float, ...]
-  faults: tuple[int, ...] = ()
-
-  @property
-  def median(self) -> float:
-    return statistics.median(self.times)
-
-  @property
-  def min(self) -> float:
-    return min(self.times)
-
-  @property
-  def max(self) -> float:
-    return max(self.times)
-
-  @property
-  def median_faults(self) -> float | None:
-    return statistics.median(self.faults) if self.faults else None
-
-  def as_dict(self) -> dict[str, Any]:
-    """median_s, min_s, max_s, the individual times_s and page faults, for a JSON row."""
-    return dict(median_s=self.median, min_s=self.min, max_s=self.max, times_s=list(self.times),
-                minor_faults_median=self.median_faults, minor_faults=list(self.faults))
-
-
-def median_time(fn: Callable[..., Any], *args: Any, repeats: int = 7, warmup: int = 2) -> Timing:
-  """Times ``fn(*args)`` ``repeats`` times after ``warmup`` untimed calls (compilation included).
-
-  Each call is waited for with ``jax.block_until_ready`` and its result dropped before the next
-  call starts. The garbage collector is paused while timing. Returns the times and the minor
-  page faults during each timed call.
-  """
-  if repeats < 1 or warmup < 1:
-    raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times, faults = [], []
-  gc_was_enabled = gc.isenabled()
-  gc.collect()
-  gc.disable()
-  try:
-    for _ in range(repeats):
-      faults0 = _minor_faults()
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append(time.perf_counter() - start)
-      faults.append(_minor_faults() - faults0)
-  finally:
-    if gc_was_enabled:
-      gc.enable()
-  return Timing(tuple(times), tuple(faults))
 
 
 # -- glibc malloc settings --------------------------------------------------------------------------

@@ -36,7 +36,6 @@ gives the codec throughput in elements per second. Model: ``Tstep = Ts + Tc_mode
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from typing import Any, Callable, Sequence
 
@@ -252,18 +251,12 @@ def time_interleaved(cyclers: dict[str, Cycler], *, repeats: int,
     for _ in range(warmup):
       jax.block_until_ready(cyclers[name]())
   times: dict[str, list[float]] = {name: [] for name in names}
-  gc_was_enabled = gc.isenabled()
-  gc.collect()
-  gc.disable()
-  try:
+  with _common.gc_paused():
     for r in range(repeats):
       for name in names[r % len(names):] + names[:r % len(names)]:
         start = time.perf_counter()
         jax.block_until_ready(cyclers[name]())
         times[name].append(time.perf_counter() - start)
-  finally:
-    if gc_was_enabled:
-      gc.enable()
   return {name: _common.collective_timing(_common.Timing(tuple(t))) for name, t in times.items()}
 
 

@@ -36,6 +36,7 @@ import jax_qcomm as qcomm
 from jax_qcomm import distributed
 from training import input_pipeline, models
 from training.replicas import params_checksum, replicas_identical
+from training.timing import median_time
 
 AXIS = "data"
 VALID_BITS = tuple(range(1, 9)) + (16, 32)
@@ -301,15 +302,6 @@ def _global_batch(mesh: Mesh, batch: dict[str, np.ndarray]) -> dict[str, jax.Arr
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
-def _median_call_time(fn, args, calls: int, block) -> float:
-  times = []
-  for _ in range(calls):
-    t0 = time.perf_counter()
-    block(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
 def measure_sync_overhead(train_step, local_step, state, batch, config) -> dict[str, float]:
   """Median seconds per call with and without synchronisation; outputs are discarded.
 
@@ -317,18 +309,15 @@ def measure_sync_overhead(train_step, local_step, state, batch, config) -> dict[
   communicates), reported per call. ``scaling_efficiency`` = no-sync time / sync time.
   """
   k = config.accum_steps
-  block = jax.block_until_ready
 
   def cycle(s):
     for _ in range(k):
       s, _ = train_step(s, batch)
     return s
 
-  block(cycle(state))
-  block(local_step(state, batch))
   calls = max(1, config.measure_sync_steps // k)
-  t_sync = _median_call_time(cycle, (state,), calls, block) / k
-  t_local = _median_call_time(local_step, (state, batch), calls * k, block)
+  t_sync = median_time(cycle, state, repeats=calls, warmup=1).median / k
+  t_local = median_time(local_step, state, batch, repeats=calls * k, warmup=1).median
   return {"step_time_sync": t_sync, "step_time_nosync": t_local,
           "scaling_efficiency": t_local / t_sync}
 
