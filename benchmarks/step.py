@@ -431,8 +431,11 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark; process 0 prints the table and writes the JSON."""
-  if args.bucket < 8 or args.bucket % 8:
-    raise SystemExit(f"--bucket must be a positive multiple of 8, got {args.bucket}")
+  try:  # the codecs' own validation of --bucket, before any work
+    for name in args.codecs:
+      codec_for_bits(CODECS[name], args.bucket)
+  except ValueError as e:
+    raise SystemExit(f"error: --bucket {args.bucket}: {e}") from None
   for name in ("in_dim", "out_dim", "batch"):
     if getattr(args, name) < 1:
       raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -81,17 +81,17 @@ def test_wire_bytes_follow_the_codec_and_the_default_policy():
 # ---- configuration errors, before any compute ----------------------------------------------------
 
 @pytest.mark.parametrize("field,value,match", [
-    ("bits", 9, r"config.bits must be 1..8"),
+    ("bits", 9, r"config\.bits must be .*got 9"),  # qcomm.sync's message, the field named
     ("batch_size", 12, r"config.batch_size must be divisible by num_devices \(8\)"),
     ("num_heads", 3, r"config.num_heads must be a divisor of d_model \(32\)"),
-    ("accum_steps", 0, r"config.accum_steps must be an integer >= 1"),
+    ("accum_steps", 0, r"config\.accum_steps must be .*got 0"),
     ("num_val_windows", 60, r"config.num_val_windows must be divisible by num_devices \(8\)"),
     ("time_limit_minutes", -1.0, r"config.time_limit_minutes must be >= 0"),
     ("warmup_steps", 100, r"config.warmup_steps must be smaller than num_steps \(100\)"),
-    ("bucket_size", 12, r"config.bucket_size must be a positive multiple of 8"),
+    ("bucket_size", 12, r"config\.bucket_size must be .*got 12"),
 ])
 def test_bad_config_fails_before_compute(field, value, match, monkeypatch):
-  config = _quick()
+  config = _quick(bits=4)  # QSGD: its bucket_size is checked (the exact codec has none)
   config[field] = value
   monkeypatch.setattr(lm, "load_corpus", lambda *a: pytest.fail("data read"))
   monkeypatch.setattr(lm, "programs_for", lambda *a: pytest.fail("compute ran"))

@@ -61,13 +61,12 @@ import ml_collections
 import optax
 
 import jax_qcomm as qcomm
-from jax_qcomm.packing import LeafPolicy
 from training.replicas import params_checksum, replicas_identical
+from training.sync_config import check_sync_fields, create_sync
 
 AXIS = "data"
 VOCAB = 256
 SEPARATOR = 0  # NUL: joins the files; no source file contains it
-VALID_BITS = tuple(range(1, 9)) + (16, 32)
 
 # Modules present in both 3.12 and 3.13 (checked: tests/test_lm.py); order is part of the corpus.
 TRAIN_FILES = tuple(f"{m}.py" for m in (
@@ -210,7 +209,8 @@ def window_loss(graphdef: nnx.GraphDef, params: Any, windows: jax.Array) -> jax.
 # ---- configuration -------------------------------------------------------------------------------
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the field for every bad value, before any compute."""
+  """Raises ValueError naming the field for every bad value, before any compute (the
+  synchronisation settings are checked by ``qcomm.sync`` itself: :func:`check_sync_fields`)."""
   def bad(field: str, allowed: str) -> None:
     raise ValueError(f"config.{field} must be {allowed}, got {config[field]!r}")
 
@@ -219,21 +219,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
   for field, low in (("d_model", 8), ("num_layers", 1), ("num_heads", 1), ("mlp_ratio", 1),
                      ("seq_len", 2), ("batch_size", 1), ("num_val_windows", 1), ("num_steps", 1),
-                     ("warmup_steps", 0), ("accum_steps", 1), ("bucket_size", 8), ("min_size", 0),
-                     ("eval_every_steps", 0), ("log_every_steps", 1),
+                     ("warmup_steps", 0), ("eval_every_steps", 0), ("log_every_steps", 1),
                      ("checkpoint_every_steps", 0), ("keep_checkpoints", 1), ("num_devices", 1)):
     if not is_int(config[field]) or config[field] < low:
       bad(field, f"an integer >= {low}")
-  if not is_int(config.seed):
-    bad("seed", "an integer")
-  if config.bits not in VALID_BITS or isinstance(config.bits, bool):
-    bad("bits", "1..8 (QSGD), 16 (bf16 on the wire) or 32 (exact)")
-  if config.scheme not in ("maxmin", "norm") or (config.scheme == "norm" and config.bits == 1):
-    bad("scheme", "'maxmin' or 'norm' (norm needs bits >= 2)")
-  if not isinstance(config.error_feedback, bool):
-    bad("error_feedback", "True or False")
-  if config.bucket_size % 8:
-    bad("bucket_size", "a positive multiple of 8")
+  check_sync_fields(config)
   if config.d_model % config.num_heads:
     bad("num_heads", f"a divisor of d_model ({config.d_model})")
   if config.batch_size % config.num_devices:
@@ -272,10 +262,6 @@ def check_resumable(saved: dict[str, Any], config: ml_collections.ConfigDict, wh
         + " (use another --workdir, or delete that one to start over)")
 
 
-def exclude_patterns(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  return tuple(p.strip() for p in config.exclude.split(",") if p.strip())
-
-
 def setup_devices(config: ml_collections.ConfigDict) -> None:
   """Splits the host CPU into ``num_devices`` devices; must run before JAX starts a backend (unless
   the count is already set, e.g. by ``JAX_NUM_CPU_DEVICES``)."""
@@ -312,36 +298,22 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
       optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity(),
       optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
                   weight_decay=config.weight_decay, mask=_matrix_mask))
-  return qcomm.sync(inner, axis_name=AXIS, bits=config.bits, bucket_size=config.bucket_size,
-                    accum_steps=config.accum_steps, min_size=config.min_size,
-                    exclude=exclude_patterns(config), scheme=config.scheme,
-                    error_feedback=config.error_feedback, compress_1d=config.compress_1d,
-                    seed=config.seed)
-
-
-def leaf_path(path: tuple[Any, ...]) -> str:
-  """'block0/attn/qkv/kernel' for a key path of the params dict."""
-  return "/".join(str(getattr(k, "key", k)) for k in path)
+  return create_sync(config, inner, AXIS)
 
 
 def wire_bytes(params: Any, config: ml_collections.ConfigDict) -> dict[str, int]:
-  """Bytes of one encoded copy of the gradient, per leaf codec as ``qcomm.sync`` chooses it.
+  """Bytes of one encoded copy of the gradient, per leaf codec as ``qcomm.sync`` chooses it
+  (``qcomm.describe`` of the run's optimizer).
 
   Every optimizer step each device encodes its gradient into this many payload bytes (the
   scatter-reduce-allgather sends 2 (D-1)/D of it per device, whatever the codec). Returns
   ``wire_bytes`` (that payload), ``fp32_bytes`` (the same gradient as float32) and
   ``compressed_elements`` (elements travelling through the lossy codec).
   """
-  codec = qcomm.codec_for_bits(config.bits, config.bucket_size, config.scheme)
-  policy = LeafPolicy(min_size=config.min_size, compress_1d=config.compress_1d,
-                      exclude=exclude_patterns(config))
-  total = fp32 = compressed = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    chosen = policy.codec_for(leaf_path(path), leaf, codec)
-    total += chosen.payload_size(int(leaf.size))
-    fp32 += 4 * int(leaf.size)
-    compressed += int(leaf.size) if chosen.lossy else 0
-  return {"wire_bytes": total, "fp32_bytes": fp32, "compressed_elements": compressed}
+  described = qcomm.describe(create_optimizer(config), params, devices=config.num_devices)
+  return {"wire_bytes": described.payload_bytes, "fp32_bytes": described.fp32_bytes,
+          "compressed_elements": sum(leaf.elements for leaf in described.leaves
+                                     if leaf.codec.lossy)}
 
 
 # ---- state and steps -----------------------------------------------------------------------------

@@ -36,10 +36,10 @@ import jax_qcomm as qcomm
 from jax_qcomm import distributed
 from training import input_pipeline, models
 from training.replicas import params_checksum, replicas_identical
+from training.sync_config import check_sync_fields, create_sync
 from training.timing import median_time
 
 AXIS = "data"
-VALID_BITS = tuple(range(1, 9)) + (16, 32)
 
 
 @flax.struct.dataclass
@@ -54,7 +54,8 @@ class TrainState:
 # ---- configuration -------------------------------------------------------------------------------
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Raises ValueError naming the field for every bad value, before any compute."""
+  """Raises ValueError naming the field for every bad value, before any compute (the
+  synchronisation settings are checked by ``qcomm.sync`` itself: :func:`check_sync_fields`)."""
   def bad(field: str, allowed: str) -> None:
     raise ValueError(f"config.{field} must be {allowed}, got {config[field]!r}")
 
@@ -64,18 +65,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     bad("dataset", f"one of {input_pipeline.DATASETS}")
   if config.stem not in ("imagenet", "small"):
     bad("stem", "'imagenet' or 'small'")
-  if config.bits not in VALID_BITS:
-    bad("bits", "1..8 (QSGD), 16 (bf16 on the wire) or 32 (exact)")
-  if config.scheme not in ("maxmin", "norm") or (config.scheme == "norm" and config.bits == 1):
-    bad("scheme", "'maxmin' or 'norm' (norm needs bits >= 2)")
-  for field, low in (("batch_size", 1), ("accum_steps", 1), ("bucket_size", 8), ("num_filters", 1),
-                     ("image_size", 8), ("min_size", 0), ("eval_every_steps", 0),
-                     ("log_every_steps", 1), ("checkpoint_every_steps", 0),
+  check_sync_fields(config)
+  for field, low in (("batch_size", 1), ("num_filters", 1), ("image_size", 8),
+                     ("eval_every_steps", 0), ("log_every_steps", 1), ("checkpoint_every_steps", 0),
                      ("keep_checkpoints", 0), ("measure_sync_steps", 0), ("num_cpu_devices", 0)):
     if not isinstance(config[field], int) or isinstance(config[field], bool) or config[field] < low:
       bad(field, f"an integer >= {low}")
-  if config.bucket_size % 8:
-    bad("bucket_size", "a positive multiple of 8")
   if config.batch_size % num_devices:
     bad("batch_size", f"divisible by the number of devices ({num_devices})")
   if config.num_train_steps == 0 or config.num_train_steps < -1:
@@ -89,10 +84,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     bad("label_smoothing", "in [0, 1)")
   if not 0 <= config.momentum < 1:
     bad("momentum", "in [0, 1)")
-
-
-def exclude_patterns(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  return tuple(p.strip() for p in config.exclude.split(",") if p.strip())
 
 
 # ---- processes and devices -----------------------------------------------------------------------
@@ -151,11 +142,7 @@ def create_inner_optimizer(config: ml_collections.ConfigDict, schedule: optax.Sc
 def create_optimizer(config: ml_collections.ConfigDict, inner: optax.GradientTransformation,
                      ) -> optax.GradientTransformation:
   """``qcomm.sync(inner)`` with every synchronisation setting taken from the config."""
-  return qcomm.sync(inner, axis_name=AXIS, bits=config.bits, bucket_size=config.bucket_size,
-                    accum_steps=config.accum_steps, min_size=config.min_size,
-                    exclude=exclude_patterns(config), scheme=config.scheme,
-                    error_feedback=config.error_feedback, compress_1d=config.compress_1d,
-                    comm_bucket_size=config.comm_bucket_size, seed=config.seed)
+  return create_sync(config, inner, AXIS)
 
 
 def create_model(config: ml_collections.ConfigDict, num_classes: int, axis: str | None):

@@ -1,0 +1,43 @@
+"""A trainer config's gradient synchronisation, shared by the example trainers (train.py, lm.py).
+
+Both configs carry ``qcomm.sync``'s parameters under its own names (``bits``, ``bucket_size``,
+``scheme``, ``accum_steps``, ``error_feedback``, ``min_size``, ``compress_1d``, ``exclude``,
+``seed``; ``comm_bucket_size`` where the config has it). The library checks them:
+:func:`check_sync_fields` builds the sync once, before any compute, and hands its ValueError on
+with the field named (``config.bits must be ...``), so no trainer repeats the codec's rules.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+import optax
+
+import jax_qcomm as qcomm
+
+
+def exclude_patterns(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """``config.exclude`` (comma-separated regexes of parameter paths sent exact) as a tuple."""
+  return tuple(p.strip() for p in config.exclude.split(",") if p.strip())
+
+
+def create_sync(config: ml_collections.ConfigDict, inner: optax.GradientTransformation,
+                axis_name: str) -> optax.GradientTransformation:
+  """``qcomm.sync(inner)`` with every synchronisation setting taken from the config."""
+  extra = {"comm_bucket_size": config.comm_bucket_size} if "comm_bucket_size" in config else {}
+  return qcomm.sync(inner, axis_name=axis_name, bits=config.bits, bucket_size=config.bucket_size,
+                    accum_steps=config.accum_steps, min_size=config.min_size,
+                    exclude=exclude_patterns(config), scheme=config.scheme,
+                    error_feedback=config.error_feedback, compress_1d=config.compress_1d,
+                    seed=config.seed, **extra)
+
+
+def check_sync_fields(config: ml_collections.ConfigDict) -> None:
+  """The library's ValueError for a bad synchronisation setting, naming the config field (the
+  sync's parameters have the fields' names); builds nothing but the (lazy) transformation."""
+  try:
+    create_sync(config, optax.identity(), "data")
+  except ValueError as e:
+    field = str(e).split(" ", 1)[0]
+    if field in config:
+      raise ValueError(f"config.{e}") from e
+    raise
