@@ -29,13 +29,21 @@ import json
 import time
 
 import numpy as np
+from sklearn.datasets import load_digits as sk_load_digits
+from sklearn.model_selection import train_test_split
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from flax import nnx
+import optax
+
+import jax_qcomm as qcomm
 
 
 def load_digits(seed: int = 0):
   """Train/test split of scikit-learn's digits (float32 [N, 8, 8, 1], normalised; int32 labels)."""
-  from sklearn.datasets import load_digits as sk_load_digits
-  from sklearn.model_selection import train_test_split
-
   digits = sk_load_digits()
   x = digits.images.astype(np.float32)[..., None]
   y = digits.target.astype(np.int32)
@@ -46,15 +54,6 @@ def load_digits(seed: int = 0):
 
 def train(bits: int, accum_steps: int, epochs: int, batch_size: int, lr: float, seed: int = 0,
           verbose: bool = True) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
-  from jax import lax
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-  import jax_qcomm as qcomm
-
   class CNN(nnx.Module):
     """flax's MNIST tutorial CNN, sized for 8x8 images."""
 
@@ -172,7 +171,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-  import jax
-
   jax.config.update("jax_num_cpu_devices", 8)  # CPU: split the host into 8 devices
   main()

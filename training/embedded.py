@@ -14,6 +14,9 @@ import shutil
 import time
 from typing import Sequence
 
+from configs import digits
+from training import train
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m training.embedded", description=__doc__,
@@ -32,9 +35,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   bits_list = [int(b) for b in args.bits.split(",") if b.strip()]
-  from configs import digits
-  from training import train
-
   base = digits.get_config()
   train.initialize_processes(base)
   results = []

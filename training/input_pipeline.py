@@ -140,8 +140,9 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
   normalised with the training set's mean and standard deviation. Loaded once per process (every
   evaluation asks again); the arrays are read-only.
   """
-  from sklearn.datasets import load_digits
-  from sklearn.model_selection import train_test_split
+  # Here, not at the top: only the digits dataset needs scikit-learn (an import of ~1 s).
+  from sklearn.datasets import load_digits  # noqa: PLC0415
+  from sklearn.model_selection import train_test_split  # noqa: PLC0415
 
   digits = load_digits()
   x = digits.images.astype(np.float32)[..., None]

@@ -56,9 +56,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flax import nnx
+from absl import app, flags
 import flax
 import ml_collections
+from ml_collections import config_flags
 import optax
+from tqdm import tqdm
 
 import jax_qcomm as qcomm
 from training.replicas import params_checksum, replicas_identical
@@ -473,7 +476,6 @@ class _Log:
 def _progress_bar(config, start: int, quiet: bool):
   if quiet or not config.progress_bar or jax.process_index() != 0:
     return None
-  from tqdm import tqdm  # noqa: PLC0415
   # disable=None: no bar when stderr is not a terminal (logs, CI), where it would be noise.
   return tqdm(total=config.num_steps, initial=start, unit="step", dynamic_ncols=True,
               disable=None, file=sys.stderr)
@@ -602,7 +604,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
 
 def main(argv) -> None:
   del argv
-  from absl import flags  # noqa: PLC0415
   config = flags.FLAGS.config
   setup_devices(config)
   result = train_and_evaluate(config, flags.FLAGS.workdir or None)
@@ -610,9 +611,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app, flags
-  from ml_collections import config_flags
-
   config_flags.DEFINE_config_file("config", None, "path to a config file (configs/lm_bytes.py)",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None,

@@ -28,9 +28,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from absl import app, flags
 import flax
+from flax.metrics import tensorboard
 import ml_collections
+from ml_collections import config_flags
 import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
 
 import jax_qcomm as qcomm
 from jax_qcomm import distributed
@@ -260,7 +265,6 @@ class MetricsLog:
     if self.enabled and workdir:
       os.makedirs(workdir, exist_ok=True)
       self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-      from flax.metrics import tensorboard
       self.tb = tensorboard.SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, kind: str, values: dict[str, float], echo=print) -> None:
@@ -312,14 +316,12 @@ def measure_sync_overhead(train_step, local_step, state, batch, config) -> dict[
 def _checkpoint_manager(workdir: str | None, config):
   if not workdir or not config.keep_checkpoints:
     return None
-  import orbax.checkpoint as ocp
   return ocp.CheckpointManager(
       os.path.abspath(os.path.join(workdir, "checkpoints")),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True))
 
 
 def _restore(mngr, state: TrainState) -> TrainState:
-  import orbax.checkpoint as ocp
   abstract = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   return mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
@@ -391,7 +393,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None,
 
   bar = None
   if is_main and config.progress_bar and not quiet and sys.stdout.isatty():
-    from tqdm import tqdm
     bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
   echo = bar.write if bar else print
   recent: list[float] = []
@@ -455,14 +456,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None,
 
 
 def _save(mngr, call: int, state: TrainState) -> None:
-  import orbax.checkpoint as ocp
   if mngr.latest_step() != call:
     mngr.save(call, args=ocp.args.StandardSave(state))
 
 
 def main(argv) -> None:
   del argv
-  from absl import flags
   config = flags.FLAGS.config
   initialize_processes(config)
   result = train_and_evaluate(config, flags.FLAGS.workdir or None)
@@ -471,9 +470,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app, flags
-  from ml_collections import config_flags
-
   config_flags.DEFINE_config_file("config", None, "path to a config file (configs/*.py)",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "where checkpoints, metrics.jsonl and TensorBoard logs go")

@@ -20,6 +20,10 @@ import time
 from typing import Sequence
 
 import numpy as np
+import optax
+
+import jax
+import jax.numpy as jnp
 
 from benchmarks.peers import data, payloads
 
@@ -56,10 +60,6 @@ def gradients(ranks: int, batch: int, image: int, steps: int) -> list[dict[str, 
   exactly zero gradient, which no trained model has (and on which PowerSGD's orthogonalisation
   divides by zero).
   """
-  import jax
-  import jax.numpy as jnp
-  import optax
-
   model, _ = payloads.resnet50_flax_params()
   variables = jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, image, image, 3)),
                                          train=False))()
