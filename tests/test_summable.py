@@ -414,7 +414,7 @@ np.savez(sys.argv[3], **out)
 
 
 @needs_kernels
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_forced_isa_gives_the_same_words(isa, tmp_path):
   order = ("generic", "avx2", "avx512")
   if order.index(isa) > order.index(_ffi.cpu_isa_detected()):
