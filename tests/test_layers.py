@@ -170,6 +170,14 @@ def test_tooling_is_outside_the_package():
     assert "__main__" not in inside, f"benchmarks.{name} imports the command line (a cycle)"
 
 
+def test_training_never_imports_the_benchmarks():
+  """The example trainer stands alone: the benchmarks may import it (the peers benchmark reads
+  ``training.models``, ``benchmarks._common`` re-exports ``training.timing``), never the reverse."""
+  bad = [f"training.{name} imports benchmarks" for name, path in _modules("training").items()
+         if "benchmarks" in _imports(path, "training")[1]]
+  assert not bad, "\n".join(bad)
+
+
 _PROBE = r"""
 import json, sys
 import jax
