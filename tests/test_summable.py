@@ -484,3 +484,17 @@ def test_all_gather_uses_the_standalone_payload():
   out = np.asarray(f(jnp.asarray(xs), jax.random.key(3)))  # [2 devices, 2 rows, 48]
   np.testing.assert_array_equal(out[0], out[1])
   assert np.max(np.abs(out[0] - xs)) <= np.abs(xs).max() / 127 * 1.01
+
+
+@pytest.mark.multiprocess
+def test_summable_allreduce_across_processes():
+  """2 processes x 2 host devices over gloo: the pmax of int32 and psum of uint32 cross processes,
+  and every device's result equals the host model bit for bit (tests/summable_mp_worker.py)."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "summable_mp_worker.py")
+  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.launch", "-n", "2", "--local-devices",
+                         "2", "--timeout", "150", worker], env=env, capture_output=True, text=True,
+                        timeout=180, cwd=os.path.dirname(os.path.dirname(worker)))
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert proc.stdout.count(": OK") == 2, proc.stdout[-4000:]
