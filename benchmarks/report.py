@@ -168,17 +168,21 @@ def breakdown_markdown(result: dict[str, Any]) -> str:
     for b in bd:
       full = med.get((b["size"], b["codec"]))
       parts = b["codec_total_s"] + (b["transfer_s"] or 0)
-      middle = (b["decode_sum_reencode_s"] if b.get("fused")
-                else b["decode_sum_s"] + b["encode_reduced_s"])
+      if b.get("summable"):  # scale + encode, no middle step, one decode of the summed words
+        encode, middle, decode = b["scale_s"] + b["encode_s"], None, b["decode_s"]
+      else:
+        encode, decode = b["encode_chunks_s"], b["decode_chunks_s"]
+        middle = (b["decode_sum_reencode_s"] if b.get("fused")
+                  else b["decode_sum_s"] + b["encode_reduced_s"])
       floor = full.get("link_floor_s") if full else None
-      table.append([size_label(b["size"]), b["codec"], ms(b["encode_chunks_s"]), ms(middle),
-                    ms(b["decode_chunks_s"]), ms(b["codec_total_s"]), ms(b.get("transfer_s")),
+      table.append([size_label(b["size"]), b["codec"], ms(encode), ms(middle),
+                    ms(decode), ms(b["codec_total_s"]), ms(b.get("transfer_s")),
                     ratio(b["transfer_s"] / floor if floor and b.get("transfer_s") else None),
                     ms(parts), ms(full["median_s"] if full else None), ms(floor),
                     ratio(full["median_s"] / floor if full and floor else None)])
     out += ["", "Where the time goes (codec work of one device without communication, all "
             "processes at once; transfer = the same exchange + all_gather of the payload bytes, no "
-            "codec):", "",
+            "codec; summable codecs: encode = bucket scales + words, transfer = pmax + psum):", "",
             markdown_table(["size", "codec", "encode ms", "decode-sum-reencode ms", "decode ms",
                             "codec total ms", "transfer ms", "transfer/floor",
                             "codec + transfer ms", "allreduce ms", "floor ms", "allreduce/floor"],
