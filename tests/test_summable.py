@@ -498,3 +498,13 @@ def test_summable_allreduce_across_processes():
                         timeout=180, cwd=os.path.dirname(os.path.dirname(worker)))
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   assert proc.stdout.count(": OK") == 2, proc.stdout[-4000:]
+
+
+def test_benchmark_codec_table():
+  """python -m benchmarks allreduce --codecs sum8 sum4 sum3 sum2: the codecs and their bytes."""
+  from benchmarks import allreduce as ar
+  for bits in (8, 4, 3, 2):
+    c = ar.make_codec(f"sum{bits}", 64)
+    assert c == qcomm.Summable(bits, 64)
+    payload, sent = ar.wire_bytes(f"sum{bits}", c, 1000, 4)
+    assert payload == c.payload_size(1000, 4) and sent == 2 * 3 * payload // 4
