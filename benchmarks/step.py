@@ -56,7 +56,9 @@ from benchmarks import _common
 DEFAULT_OUT = "bench-results/step.json"
 DEFAULT_DEVICES = 4
 #: codec name -> bits of qcomm.sync
-CODECS = {"fp32": 32, "bf16": 16, "qsgd8": 8, "qsgd4": 4, "qsgd2": 2}
+CODECS = {"fp32": 32, "bf16": 16, "qsgd8": 8, "qsgd4": 4, "qsgd2": 2, "sum4": 4, "sum2": 2}
+#: codec names of qcomm.sync(..., summable=True) (qcomm.Summable: one pmax + one psum)
+SUMMABLE = ("sum4", "sum2")
 DEFAULT_CODECS = ("fp32", "bf16", "qsgd4")
 
 
@@ -128,9 +130,11 @@ def _inner(lr: float):
   return optax.sgd(lr, momentum=0.9)
 
 
-def make_sync_step(mesh, params_shape, bits: int, accum: int, bucket: int, lr: float):
+def make_sync_step(mesh, params_shape, bits: int, accum: int, bucket: int, lr: float,
+                   summable: bool = False):
   """(jitted step(params, state, x, y) -> (params, state), state init) with qcomm.sync."""
-  tx = qcomm.sync(_inner(lr), axis_name="data", bits=bits, bucket_size=bucket, accum_steps=accum)
+  tx = qcomm.sync(_inner(lr), axis_name="data", bits=bits, bucket_size=bucket, accum_steps=accum,
+                  summable=summable)
   spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params_shape))
 
   def train_step(params, opt_state, x, y):
@@ -310,10 +314,11 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
   # codec work, per lossy codec (model input)
   comm = {}
   for name in args.codecs:
-    codec = codec_for_bits(CODECS[name], args.bucket)
+    codec = codec_for_bits(CODECS[name], args.bucket, summable=name in SUMMABLE)
     info = efficiency.tree_allreduce_bytes(params_shape, d, codec)
     codec_s = None
-    if codec.lossy and not args.no_codec_probe and d > 1:
+    # The probe times the SRA's codec work; a summable codec's (encode + decode once) is not probed.
+    if codec.lossy and not codec.summable and not args.no_codec_probe and d > 1:
       lossy = [n for (c, n, _) in info["buffers"] if c == repr(codec)]
       codec_s = codec_probe(mesh, lossy, codec, repeats=args.repeats, warmup=args.warmup)
       _common.log(f"  codec work {name:<6} {1e3 * codec_s:9.1f} ms per allreduce "
@@ -329,7 +334,8 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
     cyclers = {"": Cycler(lstep, p_dev, linit(p_dev), x, y, k)}
     del p_dev
     for name in args.codecs:
-      step, init = make_sync_step(mesh, params_shape, CODECS[name], k, args.bucket, lr)
+      step, init = make_sync_step(mesh, params_shape, CODECS[name], k, args.bucket, lr,
+                                  summable=name in SUMMABLE)
       params = _replicated(mesh, params_np)
       cyclers[name] = Cycler(step, params, init(params), x, y, k)
       del params
