@@ -33,7 +33,7 @@ AX = "d"
 
 #: The public methods of every codec class in __all__ (the array API and the sizes).
 CODEC_METHODS = ("encode", "decode", "decode_sum", "decode_sum_reencode", "roundtrip",
-                 "payload_size", "wire_size")
+                 "payload_size", "wire_size", "wire_bits")
 
 #: Parameters that cannot be bad, each with the reason. Keep it short.
 EXEMPT = {
@@ -127,6 +127,7 @@ def _summable_cases() -> list[Case]:
       Case("Summable", "impl", lambda: qcomm.Summable(impl="cuda")),
       Case("Summable.payload_size", "devices", lambda: s.payload_size(16, devices=0)),
       Case("Summable.wire_size", "devices", lambda: s.wire_size(16, devices="2")),
+      Case("Summable.wire_bits", "devices", lambda: s.wire_bits(devices=0)),
       Case("codec_for_bits", "summable", lambda: qcomm.codec_for_bits(4, summable="yes")),
       Case("sync", "summable", lambda: qcomm.sync(sgd, summable=1)),
   ]
