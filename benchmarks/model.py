@@ -132,9 +132,12 @@ def check(cal: dict[str, Any], breakdown: dict, crossover: dict | None,
       if not codec.exact and rate is None:
         points.append(_point("peers", label, r["median_s"], None, note="no codec rate measured"))
         continue
+      # The row's own bytes (a pytree: exact small leaves beside the coded ones), the transport
+      # factor and latency of its collectives, as efficiency.comm_time counts them.
       factor = cal["transport"].allreduce if (codec.exact or codec.summable) else \
           (cal["transport"].all_to_all + cal["transport"].all_gather) / 2
-      t = floor_model * factor + 2 * cal["transport"].latency_s
+      collectives_used = 1 if codec.exact else 2
+      t = floor_model * factor + collectives_used * 2 * cal["transport"].latency_s
       t += 0.0 if codec.exact else r["elements"] / rate
       points.append(_point("peers", label, r["median_s"], t))
   return points

@@ -282,7 +282,8 @@ def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: 
               codec_elems_per_s: float | None = None, overlap_codec: bool = False,
               transport: Transport | None = None) -> float:
   """Tc, seconds of one allreduce of ``n`` float32 values as one flat buffer: transfer of
-  :func:`allreduce_bytes` at ``link_gbps`` + ``2 (D-1)`` messages x ``latency_s`` + codec work
+  :func:`allreduce_bytes` at ``link_gbps`` + ``2 (D-1)`` messages per collective (exact: one
+  collective; SRA and summable codecs: two) x ``latency_s`` + codec work
   ``n / codec_elems_per_s`` (lossy codecs only). 0 on one device.
 
   ``transport`` (default: ideal) scales each collective's share of the bytes by its factor and
@@ -308,8 +309,11 @@ def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: 
     nbytes *= transport.allreduce
   else:
     nbytes *= (transport.all_to_all + transport.all_gather) / 2
+  # An exact allreduce is one collective; an SRA (all_to_all + all_gather) and a summable codec
+  # (pmax of the scales + psum of the words) are two, each paying the per-message latency.
+  collectives_used = 1 if codec.exact else 2
   t = transfer_time(nbytes, link_gbps, latency_s=latency_s + transport.latency_s,
-                    messages=messages_per_allreduce(d) if n else 0)
+                    messages=collectives_used * messages_per_allreduce(d) if n else 0)
   c = 0.0 if codec.exact else codec_time(n, codec_elems_per_s)
   return max(t, c) if overlap_codec else t + c
 

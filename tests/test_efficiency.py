@@ -86,7 +86,7 @@ def test_transfer_and_comm_time():
   assert eff.transfer_time(1e6, 8.0, latency_s=1e-3, messages=6) == pytest.approx(1e-3 + 6e-3)
   # latency: 2 (D-1) messages; codec work: n / throughput (lossy codecs only)
   t = eff.comm_time(1024, 4, 4, 1.0, latency_s=1e-4, codec_elems_per_s=1024 * 100)
-  assert t == pytest.approx(eff.allreduce_bytes(1024, 4, 4) * 8 / 1e9 + 6e-4 + 0.01)
+  assert t == pytest.approx(eff.allreduce_bytes(1024, 4, 4) * 8 / 1e9 + 12e-4 + 0.01)  # 2 collectives
   assert eff.comm_time(1024, 4, 32, 1.0, codec_elems_per_s=1.0) == pytest.approx(
       eff.allreduce_bytes(1024, 4, 32) * 8 / 1e9)
   assert eff.comm_time(1024, 1, 4, 1.0) == 0.0
@@ -188,7 +188,7 @@ def test_transport_scales_each_collectives_share():
   # SRA: half the bytes in the all_to_all, half in the all_gather (mean factor 2.5); codec work adds
   ideal_q4 = eff.comm_time(n, d, 4, gbps)
   got = eff.comm_time(n, d, 4, gbps, transport=slow, codec_elems_per_s=1e8)
-  assert got == pytest.approx(2.5 * ideal_q4 + 0.002 + n / 1e8)
+  assert got == pytest.approx(2.5 * ideal_q4 + 0.004 + n / 1e8)  # two collectives' latency
   assert eff.comm_time(n, 1, 4, gbps, transport=slow) == 0.0
   with pytest.raises(ValueError, match="transport"):
     eff.comm_time(n, d, 4, gbps, transport="gloo")
