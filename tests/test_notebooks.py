@@ -52,6 +52,8 @@ def _execute(name: str, monkeypatch, tmp_path) -> str:
 def test_efficiency_notebook(monkeypatch, tmp_path):
   text = _execute("efficiency.ipynb", monkeypatch, tmp_path)
   assert "FAST=True" in text
+  # section 7: the cost model's check against the recorded cluster runs (notebooks/data/model_check.json)
+  assert re.search(r"MODEL_CHECK \d+/\d+ points within 15%", text)
   # the model reproduces the published 4-node 10 GbE recipe (68.8 -> 81.5 -> 89.8 -> 94.5 %)
   for label, published in (("bf16 wire", 0.815), ("bf16 + accum 2 ", 0.898)):
     m = re.search(re.escape(label) + r"\s+([0-9.]+)\s+([0-9.]+)", text)
