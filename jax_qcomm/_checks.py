@@ -6,6 +6,9 @@ from typing import Any
 
 import numpy as np
 
+import jax
+import jax.numpy as jnp
+
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
   """`value` as an int >= minimum (bools rejected), else ValueError naming `name`."""
@@ -68,7 +71,6 @@ def check_real(name: str, value: Any) -> float:
 def check_float_dtype(name: str, dtype: Any) -> np.dtype:
   """`dtype` as a dtype if it is float32, bfloat16 or float16 (the dtypes whose values the codecs
   and collectives carry), else ValueError: an integer dtype would silently truncate."""
-  import jax.numpy as jnp  # noqa: PLC0415  (jax is imported by every caller anyway)
   try:
     d = jnp.dtype(dtype)
   except Exception:  # "foo", 5, an object: not a dtype at all
@@ -98,7 +100,6 @@ def check_shape(name: str, shape: Any) -> tuple[int, ...]:
 
 def _raw_key_shape() -> tuple[int, ...]:
   """Shape of a raw key (uint32 key data) of the default PRNG implementation: (2,) for threefry."""
-  import jax  # noqa: PLC0415
   impl = jax.config.jax_default_prng_impl
   if impl not in _RAW_KEY_SHAPES:
     _RAW_KEY_SHAPES[impl] = tuple(jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape)
@@ -115,7 +116,6 @@ def check_key(name: str, key: Any) -> None:
   dtype and shape)."""
   if key is None:
     return
-  import jax  # noqa: PLC0415
   dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
   if dtype is not None and shape is not None:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -176,7 +176,6 @@ def check_array(name: str, value: Any) -> Any:
 
 def as_array(name: str, value: Any) -> Any:
   """``jnp.asarray(value)`` (arrays, NumPy arrays, nested lists of numbers), else ValueError."""
-  import jax.numpy as jnp  # noqa: PLC0415
   try:
     return jnp.asarray(value)
   except Exception:
@@ -186,7 +185,6 @@ def as_array(name: str, value: Any) -> Any:
 def check_array_leaves(name: str, tree: Any) -> None:
   """ValueError naming the first leaf of `tree` that is neither an array (or a
   ``jax.ShapeDtypeStruct``) nor a Python number."""
-  import jax  # noqa: PLC0415
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if isinstance(leaf, (bool, int, float, complex, np.generic)):
       continue
