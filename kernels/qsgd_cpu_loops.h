@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "qsgd_cpu.h"
 #include "qsgd_math.h"
@@ -49,23 +50,54 @@ inline qcomm::EncodeScales bucket_scales(const float* __restrict x, int64_t buck
   }
 }
 
-// Codes of one bucket (one byte each, before packing).
-template <int BITS, int SCHEME>
-inline void bucket_codes(const float* __restrict x, int64_t bucket, const qcomm::EncodeScales& s,
-                         bool stochastic, uint32_t seed0, uint32_t seed1, uint32_t base,
-                         uint8_t* __restrict codes) {
+// Codes of one bucket (one byte each, before packing), element indices base, base + 1, ...
+// uint32 induction variables (no 64-bit lanes for the vectoriser to narrow), and the hash's
+// index * kIndexMul + seed0 carried as a running sum h (one vector multiply fewer per element).
+template <int BITS, int SCHEME, bool STOCHASTIC>
+inline void bucket_codes(const float* __restrict x, uint32_t bucket, const qcomm::EncodeScales& s,
+                         uint32_t seed0, uint32_t seed1, uint32_t base, uint8_t* __restrict codes) {
   const float down = s.down, y_min = s.y_min, inv = s.inv;
-  for (int64_t i = 0; i < bucket; ++i) {
-    const float r = qcomm::rounding_threshold(stochastic, seed0, seed1, base + static_cast<uint32_t>(i));
-    codes[i] = static_cast<uint8_t>(qcomm::encode_value<BITS, SCHEME>(x[i], down, y_min, inv, r));
+  if constexpr (STOCHASTIC) {
+    uint32_t h = base * qcomm::kIndexMul + seed0;
+    for (uint32_t i = 0; i < bucket; ++i) {
+      const float r = qcomm::uniform01(qcomm::random_bits_at(h, seed1));
+      codes[i] = static_cast<uint8_t>(qcomm::encode_value<BITS, SCHEME>(x[i], down, y_min, inv, r));
+      h += qcomm::kIndexMul;
+    }
+  } else {
+    for (uint32_t i = 0; i < bucket; ++i)
+      codes[i] = static_cast<uint8_t>(qcomm::encode_value<BITS, SCHEME>(x[i], down, y_min, inv, 0.5f));
+  }
+}
+
+// pack8 on the 8 codes held in the bytes of w (code j in byte j, each < 2^BITS), in three SWAR
+// steps that merge neighbouring fields (pairs of bytes, of 16-bit and of 32-bit halves): a few
+// shifts and masks per 8 codes instead of 8 byte loads, shifts and ors.
+template <int BITS>
+inline uint64_t pack8_swar(uint64_t w) {
+  if constexpr (BITS == 8) {
+    return w;
+  } else {
+    w = (w & 0x00ff00ff00ff00ffull) | ((w & 0xff00ff00ff00ff00ull) >> (8 - BITS));
+    w = (w & 0x0000ffff0000ffffull) | ((w & 0xffff0000ffff0000ull) >> (16 - 2 * BITS));
+    return (w & 0x00000000ffffffffull) | ((w & 0xffffffff00000000ull) >> (32 - 4 * BITS));
   }
 }
 
 template <int BITS>
 inline void pack_codes(const uint8_t* __restrict codes, int64_t bucket, uint8_t* __restrict out) {
   for (int64_t g = 0; g < bucket / 8; ++g) {
-    const uint64_t w = qcomm::pack8<BITS>(codes + 8 * g);
-    memcpy(out + g * BITS, &w, BITS);  // little-endian hosts only (x86-64, aarch64)
+    uint64_t w;
+    memcpy(&w, codes + 8 * g, 8);
+    w = pack8_swar<BITS>(w);
+    if constexpr (BITS == 1 || BITS == 2 || BITS == 4) {
+      // A store of one whole integer per group: a loop the vectoriser can narrow and store.
+      using Word = std::conditional_t<BITS == 1, uint8_t, std::conditional_t<BITS == 2, uint16_t, uint32_t>>;
+      const Word v = static_cast<Word>(w);
+      memcpy(out + g * BITS, &v, BITS);
+    } else {
+      memcpy(out + g * BITS, &w, BITS);  // little-endian hosts only (x86-64, aarch64)
+    }
   }
 }
 
@@ -112,7 +144,13 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
       xb = pad;
     }
     const qcomm::EncodeScales s = bucket_scales<SCHEME>(xb, B, levels);
-    bucket_codes<BITS, SCHEME>(xb, B, s, stochastic, seed[0], seed[1], static_cast<uint32_t>(start), codes);
+    if (stochastic) {
+      bucket_codes<BITS, SCHEME, true>(xb, static_cast<uint32_t>(B), s, seed[0], seed[1],
+                                       static_cast<uint32_t>(start), codes);
+    } else {
+      bucket_codes<BITS, SCHEME, false>(xb, static_cast<uint32_t>(B), s, seed[0], seed[1],
+                                        static_cast<uint32_t>(start), codes);
+    }
     if (valid < B) std::fill(codes + valid, codes + B, uint8_t{0});  // padding codes are 0
     if constexpr (SCHEME == qcomm::kMaxMin) {
       const uint32_t words[2] = {qcomm::float_bits(s.min), s.word};

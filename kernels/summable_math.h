@@ -41,11 +41,9 @@ QCOMM_HD int32_t field_bits(int32_t bits, int64_t devices) {
 QCOMM_HD int32_t fields_per_word(int32_t bits, int64_t devices) { return 32 / field_bits(bits, devices); }
 QCOMM_HD int64_t num_words(int64_t n, int32_t fields) { return (n + fields - 1) / fields; }
 
-// qcomm::random_bits(seed0, seed1, index) from h = index * 0x9e3779b1 + seed0 (uint32): a loop over
-// consecutive indices adds 0x9e3779b1 to h instead of multiplying (the same bits, one vector
-// multiply fewer per element: vpmulld is the bottleneck of the hash on AVX2 CPUs such as Zen 1).
-constexpr uint32_t kIndexMul = 0x9e3779b1u;
-QCOMM_HD uint32_t random_bits_at(uint32_t h, uint32_t seed1) { return mix32(mix32(h) ^ seed1); }
+// qcomm::random_bits(seed0, seed1, index) from h = index * kIndexMul + seed0 (see qsgd_math.h).
+using qcomm::kIndexMul;
+using qcomm::random_bits_at;
 
 // What the encoder and the decoder need of a bucket, from the shared statistic: the bits of the
 // largest |x| of the bucket over all devices (an int32 >= 0; >= 0x7f800000 for Inf or NaN).
