@@ -260,8 +260,19 @@ QCOMM_HD EncodeScales norm_scales(uint32_t max_abs_bits, float total, uint32_t l
 
 // t >= 0 is the value in units of the step. Rounds up with probability frac(t) (stochastic, r = u)
 // or at frac(t) >= 1/2 (nearest, r = 0.5); clamps to `levels` (also where t is NaN).
+// floor(t) for t >= 0 or NaN. Baseline x86-64 (SSE2, the "generic" build) has no vector floor, so
+// floorf would be a libm call per element there; below 2^23 the truncation to int32 is the same
+// value (+0 for -0, which quantize() turns into the same code), at or above it t is an integer.
+QCOMM_HD float floor_nonneg(float t) {
+#if defined(__x86_64__) && !defined(__SSE4_1__) && !defined(__CUDA_ARCH__)
+  return t < 8388608.0f ? static_cast<float>(static_cast<int32_t>(t)) : t;
+#else
+  return floorf(t);
+#endif
+}
+
 QCOMM_HD uint32_t quantize(float t, float r, uint32_t levels) {
-  const float fl = floorf(t);
+  const float fl = floor_nonneg(t);
   const float q = add_rn(fl, t >= add_rn(fl, r) ? 1.0f : 0.0f);
   const float top = static_cast<float>(levels);
   // q is in [0, top] where it is converted (t >= 0), so through int32 gives the same code: AVX2
