@@ -286,8 +286,21 @@ class Codec(abc.ABC):
     _check_payload(payloads, self.payload_size(n), lead=(payloads.shape[0],))
 
 
+class _Bucketed(Codec):
+  """What the bucketed quantisers (QSGD, Summable) share: buffers padded to whole buckets, and a
+  key needed exactly when rounding is stochastic. Subclasses have ``bucket_size`` and ``rounding``."""
+
+  @property
+  def needs_key(self) -> bool:
+    return self.rounding == "stochastic"
+
+  @property
+  def pad_multiple(self) -> int:
+    return self.bucket_size
+
+
 @dataclasses.dataclass(frozen=True)
-class QSGD(Codec):
+class QSGD(_Bucketed):
   """QSGD: quantisation of each bucket of ``bucket_size`` values to ``bits`` bits.
 
   Each bucket is scaled by the power of two that brings its largest magnitude to [1, 2) (exact),
@@ -352,14 +365,6 @@ class QSGD(Codec):
   @property
   def _fmt(self) -> dict:
     return dict(bits=self.bits, bucket_size=self.bucket_size, scheme=self.scheme)
-
-  @property
-  def needs_key(self) -> bool:
-    return self.rounding == "stochastic"
-
-  @property
-  def pad_multiple(self) -> int:
-    return self.bucket_size
 
   @property
   def name(self) -> str:
@@ -499,7 +504,7 @@ class NoCompression(Codec):
 
 
 @dataclasses.dataclass(frozen=True)
-class Summable(Codec):
+class Summable(_Bucketed):
   """A summable (homomorphic) codec: payloads that XLA's own all-reduce sums (IntSGD / THC style).
 
   Every device quantises each bucket of ``bucket_size`` values with the same scale, the bucket's
@@ -565,14 +570,6 @@ class Summable(Codec):
   @property
   def summable(self) -> bool:
     return True
-
-  @property
-  def needs_key(self) -> bool:
-    return self.rounding == "stochastic"
-
-  @property
-  def pad_multiple(self) -> int:
-    return self.bucket_size
 
   @property
   def name(self) -> str:

@@ -89,6 +89,19 @@ def _check_common(codec: Any, op: str) -> None:
     raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
+def _check_flat_collective(op: str, x: Any, axis_name: AxisName, key: Any) -> int:
+  """The checks reduce_scatter and all_gather share (one float array, a plain axis, a key or None);
+  returns the axis size."""
+  check_key("key", key)
+  if isinstance(axis_name, Hierarchical):
+    raise ValueError(f"axis_name must be a name or tuple of names for {op}, not Hierarchical")
+  _check_axis(axis_name, hierarchical=False)
+  d = axis_size(axis_name)
+  check_array("x", x)
+  packing.check_float_leaves(x)
+  return d
+
+
 def _device_key(key: jax.Array | None, axis_name: AxisName, salt: int) -> jax.Array | None:
   """Distinct randomness per device and per use: fold in the device's index on the axis."""
   if key is None:
@@ -292,14 +305,8 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
   """
   _check_common(codec, op)
   _exchange.check_method(exchange, "exchange")
-  check_key("key", key)
   check_varying = check_bool("check_varying", check_varying)
-  if isinstance(axis_name, Hierarchical):
-    raise ValueError("axis_name must be a name or tuple of names for reduce_scatter, not Hierarchical")
-  _check_axis(axis_name, hierarchical=False)
-  d = axis_size(axis_name)
-  check_array("x", x)
-  packing.check_float_leaves(x)
+  d = _check_flat_collective("reduce_scatter", x, axis_name, key)
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.reduce_scatter")
   if x.ndim == 0 or x.shape[0] % d:
@@ -341,14 +348,8 @@ def all_gather(x: jax.Array, axis_name: AxisName,
   default codec, 8-bit nearest rounding, suits weights (FSDP parameter gathering).
   """
   _check_common(codec, "mean")
-  check_key("key", key)
   tiled = check_bool("tiled", tiled)
-  if isinstance(axis_name, Hierarchical):
-    raise ValueError("axis_name must be a name or tuple of names for all_gather, not Hierarchical")
-  _check_axis(axis_name, hierarchical=False)
-  d = axis_size(axis_name)
-  check_array("x", x)
-  packing.check_float_leaves(x)
+  d = _check_flat_collective("all_gather", x, axis_name, key)
   if codec.needs_key and key is None:
     raise ValueError("key is required for stochastic rounding: pass key=jax.random.key(...)")
   if tiled and x.ndim == 0:
