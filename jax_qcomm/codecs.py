@@ -298,6 +298,22 @@ class _Bucketed(Codec):
   def pad_multiple(self) -> int:
     return self.bucket_size
 
+  def _check_bucket_size(self) -> None:
+    if (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, (int, np.integer))
+        or self.bucket_size <= 0 or self.bucket_size % 8):
+      raise ValueError(f"bucket_size must be a positive multiple of 8, got {self.bucket_size!r}")
+
+  def _check_rounding_and_impl(self, kernels_built: bool, kernels: str) -> None:
+    """The last checks of ``__post_init__``; then ``bits`` and ``bucket_size`` become plain ints."""
+    if self.rounding not in wire.ROUNDINGS:
+      raise ValueError(f"rounding must be one of {wire.ROUNDINGS}, got {self.rounding!r}")
+    if self.impl not in IMPLS:
+      raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+    if self.impl == "ffi" and not kernels_built:
+      raise ValueError(f"impl='ffi' but no compiled {kernels} were found (build the package)")
+    object.__setattr__(self, "bits", int(self.bits))
+    object.__setattr__(self, "bucket_size", int(self.bucket_size))
+
 
 @dataclasses.dataclass(frozen=True)
 class QSGD(_Bucketed):
@@ -346,21 +362,12 @@ class QSGD(_Bucketed):
   def __post_init__(self):
     if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or not 1 <= self.bits <= 8:
       raise ValueError(f"bits must be an integer in 1..8, got {self.bits!r}")
-    if (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, (int, np.integer))
-        or self.bucket_size <= 0 or self.bucket_size % 8):
-      raise ValueError(f"bucket_size must be a positive multiple of 8, got {self.bucket_size!r}")
+    self._check_bucket_size()
     if self.scheme not in wire.SCHEMES:
       raise ValueError(f"scheme must be one of {wire.SCHEMES}, got {self.scheme!r}")
     if self.scheme == "norm" and self.bits < 2:
       raise ValueError("bits must be >= 2 for scheme='norm' (one bit is the sign), got 1")
-    if self.rounding not in wire.ROUNDINGS:
-      raise ValueError(f"rounding must be one of {wire.ROUNDINGS}, got {self.rounding!r}")
-    if self.impl not in IMPLS:
-      raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-    if self.impl == "ffi" and not (_ffi.has_cpu_kernels() or _ffi.has_cuda_kernels()):
-      raise ValueError("impl='ffi' but no compiled kernels were found (build the package)")
-    object.__setattr__(self, "bits", int(self.bits))
-    object.__setattr__(self, "bucket_size", int(self.bucket_size))
+    self._check_rounding_and_impl(_ffi.has_cpu_kernels() or _ffi.has_cuda_kernels(), "kernels")
 
   @property
   def _fmt(self) -> dict:
@@ -555,17 +562,8 @@ class Summable(_Bucketed):
   def __post_init__(self):
     if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or not 2 <= self.bits <= 8:
       raise ValueError(f"bits must be an integer in 2..8 for Summable, got {self.bits!r}")
-    if (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, (int, np.integer))
-        or self.bucket_size <= 0 or self.bucket_size % 8):
-      raise ValueError(f"bucket_size must be a positive multiple of 8, got {self.bucket_size!r}")
-    if self.rounding not in wire.ROUNDINGS:
-      raise ValueError(f"rounding must be one of {wire.ROUNDINGS}, got {self.rounding!r}")
-    if self.impl not in IMPLS:
-      raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-    if self.impl == "ffi" and not _ffi.has_cpu_kernels():
-      raise ValueError("impl='ffi' but no compiled CPU kernels were found (build the package)")
-    object.__setattr__(self, "bits", int(self.bits))
-    object.__setattr__(self, "bucket_size", int(self.bucket_size))
+    self._check_bucket_size()
+    self._check_rounding_and_impl(_ffi.has_cpu_kernels(), "CPU kernels")
 
   @property
   def summable(self) -> bool:
