@@ -34,8 +34,9 @@ import jaxlib
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm
-from jax_qcomm import _ffi, distributed
-from jax_qcomm.launch import ENV_LAUNCH_COMMAND
+from jax_qcomm import _ffi
+from jax_qcomm.tools import distributed
+from jax_qcomm.tools.launch import ENV_LAUNCH_COMMAND
 from training.timing import Timing, gc_paused, median_time  # noqa: F401  (re-exported)
 
 #: glibc malloc tuning applied by re-exec: no mmap below 4 GiB, no trimming of the heap below 16 GiB.
@@ -219,7 +220,7 @@ def init_devices(devices: int | None) -> None:
 def mesh_and_metadata(benchmark: str, command: Sequence[str]):
   """The one-axis ``data`` mesh over every device of every process, and the run's metadata
   (:func:`run_metadata` plus the process layout; the launcher's command line when started
-  by :mod:`jax_qcomm.launch`). Shared by the benchmarks that run over processes."""
+  by :mod:`jax_qcomm.tools.launch`). Shared by the benchmarks that run over processes."""
   mesh = distributed.global_mesh(("data",))
   meta = run_metadata(command)
   if distributed.under_launcher() and os.environ.get(ENV_LAUNCH_COMMAND):

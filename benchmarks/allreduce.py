@@ -4,7 +4,7 @@ Runs over the host devices of one process (``--devices N``, via ``jax_num_cpu_de
 started by the launcher, over all devices of all processes (``jax.distributed`` over gloo)::
 
     python -m benchmarks allreduce --devices 4 --sizes 1M
-    python -m jax_qcomm.launch -n 4 -m benchmarks allreduce --sizes 25600000
+    python -m jax_qcomm.tools.launch -n 4 -m benchmarks allreduce --sizes 25600000
 
 Each codec's allreduce of one float32[n] buffer per device (different data on every device, op
 mean) is jitted under ``jax.shard_map`` over a 1-D mesh of the D devices and timed with

@@ -21,7 +21,7 @@ anything it did not create and two runs never collide):
 
 Then it checks the links (unless ``--no-link-check``): TCP transfers on every link at once, node i
 to node i+1 (through both shapers of every veth), each flow timed from first to last byte, and runs ``python -m benchmarks <benchmark ...>`` in every namespace through
-:func:`jax_qcomm.launch.launch`: ``jax.distributed`` with the coordinator on node 0's address and gloo
+:func:`jax_qcomm.tools.launch.launch`: ``jax.distributed`` with the coordinator on node 0's address and gloo
 bound to ``eth0`` of each namespace (``QCOMM_GLOO_INTERFACE``). Each process enters its namespace by
 ``ip netns exec`` (which also remounts ``/sys`` so that the namespace's interfaces are the ones seen).
 For benchmarks that take ``--link-gbps`` (``allreduce``, ``step``, ``patterns``), it is set from the rate unless
@@ -68,7 +68,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from jax_qcomm import launch
+from jax_qcomm.tools import launch
 
 from benchmarks import _cli, _common
 

@@ -1,4 +1,4 @@
-"""The cost model (:mod:`jax_qcomm.efficiency`) against the cluster measurements::
+"""The cost model (:mod:`jax_qcomm.tools.efficiency`) against the cluster measurements::
 
     python -m benchmarks.model                      # table of predicted vs measured, JSON out
     python -m benchmarks.model --out notebooks/data/model_check.json
@@ -8,7 +8,7 @@ predicts:
 
 * calibrated from runs that time ONE ingredient each: the raw collectives of ``benchmarks
   patterns`` (``psum``, ``all_to_all``, ``all_gather`` of uint8 rows: each one's time against its
-  link floor gives :class:`~jax_qcomm.efficiency.Transport`'s factors; a run with tiny rows gives
+  link floor gives :class:`~jax_qcomm.tools.efficiency.Transport`'s factors; a run with tiny rows gives
   the per-message latency) and the codec work alone (the ``--breakdown`` of ``benchmarks
   allreduce``: encode, decode-sum-reencode, decode without communication, per element);
 * checked against end-to-end allreduce times measured separately: the allreduce rows of the same
@@ -31,7 +31,7 @@ import pathlib
 import sys
 from typing import Any, Sequence
 
-from jax_qcomm import efficiency as eff
+from jax_qcomm.tools import efficiency as eff
 
 from benchmarks import allreduce as allreduce_bench
 from benchmarks import report

@@ -5,7 +5,7 @@ its time falls like 1/gamma; where it stops falling, bytes are no longer the bot
 per-call overheads, compute) and compressing further buys nothing::
 
     python -m benchmarks partial --devices 4 --size 25600000 --gammas 1,2,4,8,16,32
-    python -m jax_qcomm.launch -n 4 -m benchmarks partial --link-gbps 1
+    python -m jax_qcomm.tools.launch -n 4 -m benchmarks partial --link-gbps 1
 
 For each gamma, ``lax.psum`` (op mean) of a float32[N // gamma] buffer per device under
 ``jax.shard_map`` over all devices (all processes under the launcher), timed as in the allreduce
@@ -28,7 +28,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_qcomm import efficiency
+from jax_qcomm.tools import efficiency
 
 from benchmarks import _common
 

@@ -5,7 +5,7 @@ moved by ``lax.all_to_all``, by ppermute rounds (``jax_qcomm._exchange``), by on
 shift, and by ``lax.all_gather``, each against the link floor::
 
     python -m benchmarks cluster --nodes 4 --rate 1gbit -- patterns --row-bytes 3600000
-    python -m jax_qcomm.launch -n 4 -m benchmarks patterns --row-bytes 1M
+    python -m jax_qcomm.tools.launch -n 4 -m benchmarks patterns --row-bytes 1M
 
 Patterns (p = ``--row-bytes``, D devices):
 

@@ -6,7 +6,7 @@ devices (of all processes under the launcher) with ``qcomm.sync(optax.sgd(moment
 accum_steps=k)``::
 
     python -m benchmarks step --devices 4 --codecs fp32,bf16,qsgd4 --accum 1,2
-    python -m jax_qcomm.launch -n 4 -m benchmarks step --link-gbps 1
+    python -m jax_qcomm.tools.launch -n 4 -m benchmarks step --link-gbps 1
 
 Timed per accumulation ``k``: a full cycle of ``k`` micro-steps (each a jitted call, the state
 threaded through), the no-sync step and every codec's step in interleaved rounds (one cycle of each
@@ -20,9 +20,9 @@ across processes, cycle i takes the slowest process's time. All numbers are **pe
 * ``Tstep``: the cycle with ``qcomm.sync`` (one allreduce, on the k-th micro-step);
 * ``Tc = Tstep - Ts`` (of the medians; ``tc_paired_median_s``: the median of the per-round
   differences) and ``eta = Ts / Tstep`` (= ts/(ts + Tc/k) with ts the compute per micro-step,
-  :func:`jax_qcomm.efficiency.scaling_efficiency`).
+  :func:`jax_qcomm.tools.efficiency.scaling_efficiency`).
 
-Beside the measurement, the cost model (:mod:`jax_qcomm.efficiency`): wire bytes per device of the
+Beside the measurement, the cost model (:mod:`jax_qcomm.tools.efficiency`): wire bytes per device of the
 gradient pytree (the library's leaf policy and packing: biases travel exact), transfer at
 ``--link-gbps`` (or, without it, at the effective rate of the measured fp32 ``Tc`` at k=1:
 "calibrated"), ``2 (D-1)`` messages x ``--latency-us`` per buffer, plus the codec work measured
@@ -48,7 +48,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import efficiency
+from jax_qcomm.tools import efficiency
 from jax_qcomm.sync import codec_for_bits
 
 from benchmarks import _common

@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Devices and processes.
   config.num_cpu_devices = 0         # >0: split the host CPU into this many JAX devices
   config.coordinator_address = ""    # jax.distributed: explicit host:port (else auto-detected
-  config.num_processes = 0           # under SLURM / Open MPI, or from jax_qcomm.launch)
+  config.num_processes = 0           # under SLURM / Open MPI, or from jax_qcomm.tools.launch)
   config.process_id = -1
   config.gloo_interface = ""         # CPU multi-process: network interface for gloo
   return config

@@ -13,7 +13,6 @@ from jax_qcomm.accumulation import accumulate_gradients
 from jax_qcomm.sync import SyncState, codec_for_bits, state_partition_spec, sync
 from jax_qcomm.data_parallel import DataParallel, data_parallel
 from jax_qcomm.describe import Description, describe
-from jax_qcomm import efficiency
 
 _ffi.register()
 

@@ -20,6 +20,16 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
   return int(value)
 
 
+def check_int_in(name: str, value: Any, lo: int, hi: int, context: str = "",
+                 hi_text: str | None = None) -> int:
+  """`value` as an int in lo..hi (bools and floats rejected), else ValueError:
+  "<name> must be an integer in lo..<hi_text or hi><context>, got <value>"."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+    raise ValueError(f"{name} must be an integer in {lo}..{hi if hi_text is None else hi_text}"
+                     f"{context}, got {value!r}")
+  return int(value)
+
+
 # ---- the checks of every public parameter (issue 16): trace-time Python checks, no runtime cost --
 # One message format throughout: "<name> must be <what is allowed>, got <what was passed>".
 # ValueError throughout, for bad values and wrong types alike: the library's convention since its

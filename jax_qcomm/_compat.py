@@ -135,8 +135,8 @@ def register_gloo_cpu_backend(interface: str | None, hostname: str | None) -> No
   def make_cpu_client_with_interface():
     client = global_state.client
     if client is None:
-      raise RuntimeError("jax_qcomm.distributed: the gloo CPU backend needs jax.distributed to be "
-                         "initialised first (call jax_qcomm.distributed.initialize)")
+      raise RuntimeError("jax_qcomm.tools.distributed: the gloo CPU backend needs jax.distributed to be "
+                         "initialised first (call jax_qcomm.tools.distributed.initialize)")
     collectives = make_gloo(distributed_client=client, hostname=hostname, interface=interface)
     return make_cpu_client(collectives=collectives)
 

@@ -110,29 +110,38 @@ def implementation() -> dict[str, str]:
           "cuda": "ffi (CUDA)" if has_cuda_kernels() else ref}
 
 
-def _attrs(bits: int, bucket_size: int, scheme: str) -> dict:
-  return dict(bits=np.int32(bits), bucket_size=np.int32(bucket_size),
-              scheme=np.int32(wire.SCHEMES.index(scheme)))
+def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, **attrs) -> jax.Array:
+  """One ``jax.ffi.ffi_call`` of a registered target; the result varies over the manual axes any
+  operand varies over (shard_map's vma types: XLA cannot infer them through a custom call)."""
+  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype), vmap_method="broadcast_all")
+  vma = frozenset().union(*(_compat.vma_of(x) for x in operands))
+  return _compat.make_varying(call(*operands, **attrs), vma)
+
+
+def _attrs(bits: int, bucket_size: int, scheme: str | None = None, rounding: str | None = None,
+           **more) -> dict:
+  """The kernels' attributes as the fixed-width scalars their FFI signatures declare."""
+  out = dict(bits=np.int32(bits), bucket_size=np.int32(bucket_size), **more)
+  if scheme is not None:
+    out["scheme"] = np.int32(wire.SCHEMES.index(scheme))
+  if rounding is not None:
+    out["rounding"] = np.int32(wire.ROUNDINGS.index(rounding))
+  return out
 
 
 def qsgd_encode(x: jax.Array, seed: jax.Array, *, bits: int, bucket_size: int, scheme: str,
                 rounding: str) -> jax.Array:
   """x: float32[n], seed: uint32[2] -> uint8[payload_bytes]."""
   size = wire.qsgd_payload_bytes(x.shape[-1], bits, bucket_size, scheme)
-  call = jax.ffi.ffi_call("qcomm_qsgd_encode", jax.ShapeDtypeStruct((size,), jnp.uint8),
-                          vmap_method="broadcast_all")
-  out = call(x, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)),
-             **_attrs(bits, bucket_size, scheme))
-  return _compat.make_varying(out, _compat.vma_of(x) | _compat.vma_of(seed))
+  return _call("qcomm_qsgd_encode", (size,), jnp.uint8, x, seed,
+               **_attrs(bits, bucket_size, scheme, rounding))
 
 
 def qsgd_decode_sum(payloads: jax.Array, n: int, *, bits: int, bucket_size: int,
                     scheme: str) -> jax.Array:
   """payloads: uint8[k, payload_bytes] -> float32[n], the in-order sum of the k decodes."""
-  call = jax.ffi.ffi_call("qcomm_qsgd_decode_sum", jax.ShapeDtypeStruct((n,), jnp.float32),
-                          vmap_method="broadcast_all")
-  return _compat.make_varying(call(payloads, **_attrs(bits, bucket_size, scheme)),
-                              _compat.vma_of(payloads))
+  return _call("qcomm_qsgd_decode_sum", (n,), jnp.float32, payloads,
+               **_attrs(bits, bucket_size, scheme))
 
 
 def qsgd_decode_sum_reencode(payloads: jax.Array, seed: jax.Array, n: int, scale: float, *,
@@ -143,11 +152,8 @@ def qsgd_decode_sum_reencode(payloads: jax.Array, seed: jax.Array, n: int, scale
   ``qsgd_decode_sum`` -> ``* float32(scale)`` (skipped where scale == 1) -> ``qsgd_encode``.
   """
   size = wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
-  call = jax.ffi.ffi_call("qcomm_qsgd_decode_sum_reencode", jax.ShapeDtypeStruct((size,), jnp.uint8),
-                          vmap_method="broadcast_all")
-  out = call(payloads, seed, rounding=np.int32(wire.ROUNDINGS.index(rounding)), n=np.int64(n),
-             scale=np.float32(scale), **_attrs(bits, bucket_size, scheme))
-  return _compat.make_varying(out, _compat.vma_of(payloads) | _compat.vma_of(seed))
+  return _call("qcomm_qsgd_decode_sum_reencode", (size,), jnp.uint8, payloads, seed,
+               **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n), scale=np.float32(scale)))
 
 
 def summable_encode(x: jax.Array, shared: jax.Array, seed: jax.Array, *, bits: int,
@@ -155,27 +161,20 @@ def summable_encode(x: jax.Array, shared: jax.Array, seed: jax.Array, *, bits: i
   """x: float32[n], shared: int32[num_buckets], seed: uint32[2] -> uint32[num_words] (the summable
   codec's words for `devices` summed payloads; docs/wire-format.md)."""
   size = wire.summable_words(x.shape[-1], bits, devices)
-  call = jax.ffi.ffi_call("qcomm_summable_encode", jax.ShapeDtypeStruct((size,), jnp.uint32),
-                          vmap_method="broadcast_all")
-  out = call(x, shared, seed, bits=np.int32(bits), bucket_size=np.int32(bucket_size),
-             devices=np.int32(devices), rounding=np.int32(wire.ROUNDINGS.index(rounding)))
-  return _compat.make_varying(out, _compat.vma_of(x) | _compat.vma_of(shared) | _compat.vma_of(seed))
+  return _call("qcomm_summable_encode", (size,), jnp.uint32, x, shared, seed,
+               **_attrs(bits, bucket_size, rounding=rounding, devices=np.int32(devices)))
 
 
 def summable_decode(words: jax.Array, shared: jax.Array, n: int, *, bits: int, bucket_size: int,
                     devices: int, count: int, scale: float) -> jax.Array:
   """words: uint32[num_words] (the sum of `count` payloads), shared: int32[num_buckets] ->
   float32[n], the sum of their decodes times float32(scale)."""
-  call = jax.ffi.ffi_call("qcomm_summable_decode", jax.ShapeDtypeStruct((n,), jnp.float32),
-                          vmap_method="broadcast_all")
-  out = call(words, shared, bits=np.int32(bits), bucket_size=np.int32(bucket_size),
-             devices=np.int32(devices), count=np.int32(count), scale=np.float32(scale))
-  return _compat.make_varying(out, _compat.vma_of(words) | _compat.vma_of(shared))
+  return _call("qcomm_summable_decode", (n,), jnp.float32, words, shared,
+               **_attrs(bits, bucket_size, devices=np.int32(devices), count=np.int32(count),
+                        scale=np.float32(scale)))
 
 
 def summable_scale(x: jax.Array, *, bucket_size: int) -> jax.Array:
   """x: float32[n] -> int32[num_buckets]: the bits of each bucket's largest |x|."""
   nb = wire.num_buckets(x.shape[-1], bucket_size)
-  call = jax.ffi.ffi_call("qcomm_summable_scale", jax.ShapeDtypeStruct((nb,), jnp.int32),
-                          vmap_method="broadcast_all")
-  return _compat.make_varying(call(x, bucket_size=np.int32(bucket_size)), _compat.vma_of(x))
+  return _call("qcomm_summable_scale", (nb,), jnp.int32, x, bucket_size=np.int32(bucket_size))

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import _ffi, _reference, wire
-from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int, check_key,
-                               check_real, check_shape)
+from jax_qcomm._checks import (as_array, check_array, check_bool, check_float_dtype, check_int,
+                               check_int_in, check_key, check_real, check_shape)
 
 Shape = Sequence[int]
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -80,7 +80,7 @@ def _sum_in_order(vals: jax.Array) -> jax.Array:
 
 class Codec(abc.ABC):
   """The interface of a codec: everything the collectives, the packing of pytrees, the cost model
-  (:mod:`jax_qcomm.efficiency`) and :func:`jax_qcomm.describe` know about one.
+  (:mod:`jax_qcomm.tools.efficiency`) and :func:`jax_qcomm.describe` know about one.
 
   A codec is an immutable, hashable value (a frozen dataclass): the collectives group leaves by
   codec and ``jit`` sees it as a static part of the traced program. Nothing outside this module
@@ -287,8 +287,32 @@ class Codec(abc.ABC):
 
 
 class _Bucketed(Codec):
-  """What the bucketed quantisers (QSGD, Summable) share: buffers padded to whole buckets, and a
-  key needed exactly when rounding is stochastic. Subclasses have ``bucket_size`` and ``rounding``."""
+  """What the bucketed quantisers (QSGD, Summable) share: buffers padded to whole buckets, a key
+  needed exactly when rounding is stochastic, and the choice between a compiled kernel and the
+  pure-JAX reference. Subclasses have ``bits``, ``bucket_size``, ``rounding`` and ``impl``."""
+
+  def _kernel_platforms(self) -> tuple[str, ...]:
+    """The lowering platforms ("cpu", "cuda") with a compiled kernel of this codec."""
+    raise NotImplementedError
+
+  def _select(self, ffi_fn, jax_fn, *args):
+    """Runs ffi_fn on platforms with a compiled kernel, jax_fn elsewhere (chosen per lowering by
+    ``lax.platform_dependent``); impl="jax": always jax_fn; impl="ffi": no fallback."""
+    platforms = self._kernel_platforms()
+    if self.impl == "jax" or not platforms:
+      return jax_fn(*args)
+    branches = {p: ffi_fn for p in platforms}
+    if self.impl == "ffi":
+      return lax.platform_dependent(*args, **branches)
+    return lax.platform_dependent(*args, default=jax_fn, **branches)
+
+  def _seed(self, key: jax.Array | None) -> jax.Array:
+    """The kernels' uint32[2] rounding seed; a key is required for stochastic rounding."""
+    if key is not None:
+      return seed_words(key)
+    if self.rounding == "stochastic":
+      raise ValueError("key is required for rounding='stochastic' (pass a jax.random key)")
+    return jnp.zeros((2,), jnp.uint32)
 
   @property
   def needs_key(self) -> bool:
@@ -303,13 +327,13 @@ class _Bucketed(Codec):
         or self.bucket_size <= 0 or self.bucket_size % 8):
       raise ValueError(f"bucket_size must be a positive multiple of 8, got {self.bucket_size!r}")
 
-  def _check_rounding_and_impl(self, kernels_built: bool, kernels: str) -> None:
+  def _check_rounding_and_impl(self, kernels: str) -> None:
     """The last checks of ``__post_init__``; then ``bits`` and ``bucket_size`` become plain ints."""
     if self.rounding not in wire.ROUNDINGS:
       raise ValueError(f"rounding must be one of {wire.ROUNDINGS}, got {self.rounding!r}")
     if self.impl not in IMPLS:
       raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-    if self.impl == "ffi" and not kernels_built:
+    if self.impl == "ffi" and not self._kernel_platforms():
       raise ValueError(f"impl='ffi' but no compiled {kernels} were found (build the package)")
     object.__setattr__(self, "bits", int(self.bits))
     object.__setattr__(self, "bucket_size", int(self.bucket_size))
@@ -360,14 +384,13 @@ class QSGD(_Bucketed):
   impl: str = "auto"
 
   def __post_init__(self):
-    if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or not 1 <= self.bits <= 8:
-      raise ValueError(f"bits must be an integer in 1..8, got {self.bits!r}")
+    check_int_in("bits", self.bits, 1, 8)
     self._check_bucket_size()
     if self.scheme not in wire.SCHEMES:
       raise ValueError(f"scheme must be one of {wire.SCHEMES}, got {self.scheme!r}")
     if self.scheme == "norm" and self.bits < 2:
       raise ValueError("bits must be >= 2 for scheme='norm' (one bit is the sign), got 1")
-    self._check_rounding_and_impl(_ffi.has_cpu_kernels() or _ffi.has_cuda_kernels(), "kernels")
+    self._check_rounding_and_impl("kernels")
 
   @property
   def _fmt(self) -> dict:
@@ -390,18 +413,8 @@ class QSGD(_Bucketed):
   def wire_bits(self) -> float:
     return 32.0 / wire.qsgd_compression_ratio(**self._fmt)
 
-  def _platform_select(self, ffi_fn, jax_fn, *args):
-    """Runs ffi_fn on platforms with a compiled kernel, jax_fn elsewhere (per lowering)."""
-    if self.impl == "jax":
-      return jax_fn(*args)
-    branches = {}
-    if _ffi.has_cpu_kernels():
-      branches["cpu"] = ffi_fn
-    if _ffi.has_cuda_kernels():
-      branches["cuda"] = ffi_fn
-    if self.impl == "ffi":
-      return lax.platform_dependent(*args, **branches)
-    return lax.platform_dependent(*args, default=jax_fn, **branches)
+  def _kernel_platforms(self) -> tuple[str, ...]:
+    return (("cpu",) if _ffi.has_cpu_kernels() else ()) + (("cuda",) if _ffi.has_cuda_kernels() else ())
 
   def wire_encode(self, x, key):
     n = x.shape[0]
@@ -409,22 +422,15 @@ class QSGD(_Bucketed):
     if n == 0:
       return jnp.zeros((0,), jnp.uint8)
     kw = dict(rounding=self.rounding, **self._fmt)
-    return self._platform_select(lambda a, s: _ffi.qsgd_encode(a, s, **kw),
-                                 lambda a, s: _reference.encode(a, s, **kw), x, seed)
+    return self._select(lambda a, s: _ffi.qsgd_encode(a, s, **kw),
+                        lambda a, s: _reference.encode(a, s, **kw), x, seed)
 
   def wire_decode_sum(self, payloads, n):
     if n == 0:
       return jnp.zeros((0,), jnp.float32)
     kw = self._fmt
-    return self._platform_select(lambda p: _ffi.qsgd_decode_sum(p, n, **kw),
-                                 lambda p: _reference.decode_sum(p, n, **kw), payloads)
-
-  def _seed(self, key):
-    if self.rounding == "stochastic":
-      if key is None:
-        raise ValueError("key is required for rounding='stochastic' (pass a jax.random key)")
-      return seed_words(key)
-    return jnp.zeros((2,), jnp.uint32) if key is None else seed_words(key)
+    return self._select(lambda p: _ffi.qsgd_decode_sum(p, n, **kw),
+                        lambda p: _reference.decode_sum(p, n, **kw), payloads)
 
   def wire_decode_sum_reencode(self, payloads, n, key, scale=1.0):
     # One kernel on the FFI platforms (CPU, CUDA); the pure-JAX reference composes the three steps.
@@ -440,7 +446,7 @@ class QSGD(_Bucketed):
         reduced = reduced * jnp.float32(scale)
       return _reference.encode(reduced, s, **kw)
 
-    return self._platform_select(
+    return self._select(
         lambda p, s: _ffi.qsgd_decode_sum_reencode(p, s, n, scale, **kw), reference, payloads, seed)
 
 
@@ -560,10 +566,9 @@ class Summable(_Bucketed):
   impl: str = "auto"
 
   def __post_init__(self):
-    if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or not 2 <= self.bits <= 8:
-      raise ValueError(f"bits must be an integer in 2..8 for Summable, got {self.bits!r}")
+    check_int_in("bits", self.bits, 2, 8, " for Summable")
     self._check_bucket_size()
-    self._check_rounding_and_impl(_ffi.has_cpu_kernels(), "CPU kernels")
+    self._check_rounding_and_impl("CPU kernels")
 
   @property
   def summable(self) -> bool:
@@ -577,11 +582,9 @@ class Summable(_Bucketed):
   def check_devices(self, devices: int) -> int:
     """``devices`` as an int; ValueError unless 1 <= devices and the sum of that many payloads
     fits the fields of a uint32 word (``2 L D < 2**32``)."""
-    top = wire.summable_max_devices(self.bits)
-    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or not 1 <= devices <= top:
-      raise ValueError(f"devices must be an integer in 1..{top} for {self.name} (the sum over the "
-                       f"devices of a field must fit a uint32 word: 2 L D < 2**32), got {devices!r}")
-    return int(devices)
+    return check_int_in("devices", devices, 1, wire.summable_max_devices(self.bits),
+                        f" for {self.name} (the sum over the devices of a field must fit a uint32 "
+                        f"word: 2 L D < 2**32)")
 
   def payload_size(self, n: int, devices: int = 1) -> int:
     """Bytes per device per summable allreduce of n elements over ``devices`` devices (the uint32
@@ -597,20 +600,8 @@ class Summable(_Bucketed):
     """Bits per element for whole words and buckets, ``devices`` summed payloads."""
     return wire.summable_wire_bits(self.bits, self.bucket_size, self.check_devices(devices))
 
-  def _select(self, ffi_fn, jax_fn, *args):
-    """The C++ kernel on CPU where built (unless impl='jax'); the pure-JAX reference elsewhere."""
-    if self.impl == "jax" or not _ffi.has_cpu_kernels():
-      return jax_fn(*args)
-    if self.impl == "ffi":
-      return lax.platform_dependent(*args, cpu=ffi_fn)
-    return lax.platform_dependent(*args, cpu=ffi_fn, default=jax_fn)
-
-  def _seed(self, key):
-    if self.rounding == "stochastic":
-      if key is None:
-        raise ValueError("key is required for rounding='stochastic' (pass a jax.random key)")
-      return seed_words(key)
-    return jnp.zeros((2,), jnp.uint32) if key is None else seed_words(key)
+  def _kernel_platforms(self) -> tuple[str, ...]:
+    return ("cpu",) if _ffi.has_cpu_kernels() else ()  # no CUDA kernel: GPUs run the reference
 
   # -- summable wire API ---------------------------------------------------------------------------
   def bucket_scale(self, x: jax.Array) -> jax.Array:
@@ -630,11 +621,10 @@ class Summable(_Bucketed):
 
   def wire_decode_summed(self, words, shared, devices, count, n, scale=1.0):
     devices = self.check_devices(devices)
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or not 1 <= count <= devices:
-      raise ValueError(f"count must be an integer in 1..devices={devices}, got {count!r}")
+    count = check_int_in("count", count, 1, devices, hi_text=f"devices={devices}")
     if n == 0:
       return jnp.zeros((0,), jnp.float32)
-    kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, count=int(count),
+    kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, count=count,
               scale=float(scale))
     return self._select(lambda w, m: _ffi.summable_decode(w, m, n, **kw),
                         lambda w, m: _reference.summable_decode(w, m, n, **kw), words, shared)
@@ -667,11 +657,8 @@ def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
   ``rounding`` apply to QSGD only. ``summable=True``: 2..8 -> Summable(bits, bucket_size,
   rounding) instead (one psum of uint32 words; ``scheme`` must then be left "maxmin", and bits
   32/16 or 1 are a ValueError)."""
-  if not isinstance(summable, bool):
-    raise ValueError(f"summable must be True or False, got {summable!r}")
-  if summable:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-      raise ValueError(f"bits must be an integer in 2..8 with summable=True, got {bits!r}")
+  if check_bool("summable", summable):
+    check_int_in("bits", bits, 2, 8, " with summable=True")
     if scheme != "maxmin":
       raise ValueError(f"scheme applies to QSGD only: leave it 'maxmin' with summable=True, "
                        f"got {scheme!r}")

@@ -170,6 +170,33 @@ def _pad_to(x: jax.Array, size: int) -> jax.Array:
   return jnp.pad(x, (0, pad)) if pad else x
 
 
+def _hierarchical(x: jax.Array, axis_name: Hierarchical, codec: Codec, key: jax.Array | None,
+                  scale: float, exchange: str) -> tuple[jax.Array, jax.Array]:
+  """Exact reduce-scatter over the inner axis, the compressed allreduce of each shard over the
+  outer axis (summable or SRA), all-gather over the inner axis; result times `scale`, and this
+  device's residual in the units of x, where its next gradient enters that shard."""
+  n = x.shape[0]
+  d_in = lax.axis_size(axis_name.inner)
+  if codec.summable:  # the summable decode applies the scale; shards of whole buckets suffice
+    size, pre_scale = sra_padded_size(n, d_in, codec), 1.0
+  else:  # the SRA cuts each shard into whole-bucket chunks of the outer axis
+    size, pre_scale = sra_padded_size(n, d_in * lax.axis_size(axis_name.outer), codec), scale
+  x = _pad_to(x, size)
+  shard = lax.psum_scatter(x, axis_name.inner, scatter_dimension=0, tiled=True)  # exact
+  if pre_scale != 1.0:
+    shard = shard * jnp.float32(pre_scale)
+  inner_index = lax.axis_index(axis_name.inner)
+  shard_key = None if key is None else jax.random.fold_in(key, inner_index)
+  if codec.summable:
+    shard, lost = _summable_allreduce(shard, axis_name.outer, codec, shard_key, scale)
+  else:
+    shard, lost = _sra(shard, axis_name.outer, codec, shard_key, 1.0, exchange)
+    lost = lost / jnp.float32(scale)
+  residual = lax.dynamic_update_slice(jnp.zeros_like(x), lost, (inner_index * shard.shape[0],))
+  full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
+  return full[:n], residual[:n]
+
+
 def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Array | None,
                    op: str, exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
   """Allreduce of a flat float32 buffer (already padded to whole quantisation buckets).
@@ -186,34 +213,10 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
     out = lax.pmean(x, names) if op == "mean" else lax.psum(x, names)
     return out, jnp.zeros_like(x)
   scale = 1.0 / size if op == "mean" else 1.0
-  if codec.summable and isinstance(axis_name, Hierarchical):
-    # Exact reduce-scatter inside, the summable allreduce of each shard across the outer axis.
-    d_in = lax.axis_size(axis_name.inner)
-    x = _pad_to(x, -(-n // (d_in * codec.pad_multiple)) * d_in * codec.pad_multiple)
-    shard = lax.psum_scatter(x, axis_name.inner, scatter_dimension=0, tiled=True)  # exact
-    inner_index = lax.axis_index(axis_name.inner)
-    shard_key = None if key is None else jax.random.fold_in(key, inner_index)
-    shard, shard_residual = _summable_allreduce(shard, axis_name.outer, codec, shard_key, scale)
-    residual = lax.dynamic_update_slice(jnp.zeros_like(x), shard_residual,
-                                        (inner_index * shard.shape[0],))
-    full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
-    return full[:n], residual[:n]
+  if isinstance(axis_name, Hierarchical):
+    return _hierarchical(x, axis_name, codec, key, scale, exchange)
   if codec.summable:
     return _summable_allreduce(x, axis_name, codec, key, scale)
-  if isinstance(axis_name, Hierarchical):
-    d_in, d_out = lax.axis_size(axis_name.inner), lax.axis_size(axis_name.outer)
-    x = _pad_to(x, sra_padded_size(n, d_in * d_out, codec))
-    shard = lax.psum_scatter(x, axis_name.inner, scatter_dimension=0, tiled=True)  # exact
-    if scale != 1.0:
-      shard = shard * jnp.float32(scale)
-    inner_index = lax.axis_index(axis_name.inner)
-    shard_key = None if key is None else jax.random.fold_in(key, inner_index)
-    shard, shard_residual = _sra(shard, axis_name.outer, codec, shard_key, 1.0, exchange)
-    # The shard's residual goes back where this device's next gradient enters that shard.
-    residual = lax.dynamic_update_slice(jnp.zeros_like(x), shard_residual / jnp.float32(scale),
-                                        (inner_index * shard.shape[0],))
-    full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
-    return full[:n], residual[:n]
   x = _pad_to(x, sra_padded_size(n, size, codec))
   out, residual = _sra(x, axis_name, codec, key, scale, exchange)
   return out[:n], residual[:n]

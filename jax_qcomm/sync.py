@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_qcomm import _compat, _varying, collectives, packing
-from jax_qcomm._checks import check_array_leaves, check_axis_name, check_int
+from jax_qcomm._checks import check_array_leaves, check_axis_name, check_bool, check_int
 from jax_qcomm.codecs import Codec, codec_for_bits
 
 
@@ -205,10 +205,8 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   codec = codec_for_bits(bits, bucket_size, scheme,
                          rounding="nearest" if error_feedback else "stochastic", summable=summable)
   check_int("accum_steps", accum_steps)
-  if not isinstance(error_feedback, bool):
-    raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
-  if not isinstance(check_varying, bool):
-    raise ValueError(f"check_varying must be True or False, got {check_varying!r}")
+  check_bool("error_feedback", error_feedback)
+  check_bool("check_varying", check_varying)
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"seed must be an integer, got {seed!r}")
   policy = packing.LeafPolicy(min_size=min_size, compress_1d=compress_1d, exclude=exclude,

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+# Two pytest-xdist workers, a file per worker at a time (module fixtures run once); a later -n
+# overrides (-n 0: one process, e.g. with -x or pdb).
+exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile "$@"

@@ -1,8 +1,8 @@
 """Worker of tests/test_faults.py: one of several JAX processes that run cross-process psums forever.
 
-    python -m jax_qcomm.launch -n 2 tests/fault_worker.py [--stall-rank R] [--raise-rank R]
+    python -m jax_qcomm.tools.launch -n 2 tests/fault_worker.py [--stall-rank R] [--raise-rank R]
 
-Every process joins with :func:`jax_qcomm.distributed.initialize` (timeouts from the environment,
+Every process joins with :func:`jax_qcomm.tools.distributed.initialize` (timeouts from the environment,
 ``QCOMM_*_TIMEOUT``), then runs a jitted ``psum`` over all processes' devices in a loop, printing
 ``ready pid=<pid>`` once the first one has completed everywhere and ``step <i>`` every 20 steps.
 The test then kills or stops one process and measures how the others end. Options make one process
@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from jax_qcomm import distributed
+from jax_qcomm.tools import distributed
 
 MISBEHAVE_AT = 20
 

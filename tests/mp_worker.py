@@ -1,6 +1,6 @@
-"""Worker of tests/test_multiprocess.py: one of several JAX processes started by jax_qcomm.launch.
+"""Worker of tests/test_multiprocess.py: one of several JAX processes started by jax_qcomm.tools.launch.
 
-    python -m jax_qcomm.launch -n 2 --local-devices 2 tests/mp_worker.py OUT_DIR
+    python -m jax_qcomm.tools.launch -n 2 --local-devices 2 tests/mp_worker.py OUT_DIR
 
 Every process initialises jax.distributed (gloo), builds the global mesh, runs the collectives of
 CASES under ``jax.shard_map`` on inputs made by :func:`inputs` from the global device index, and
@@ -123,7 +123,7 @@ def _build(case, mesh1, mesh2):
 
 def main(out_dir: str) -> None:
   t0 = time.perf_counter()
-  from jax_qcomm import distributed
+  from jax_qcomm.tools import distributed
 
   distributed.initialize()
   import jax

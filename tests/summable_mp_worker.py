@@ -1,6 +1,6 @@
 """Worker of tests/test_summable.py::test_summable_allreduce_across_processes, started as
 
-    python -m jax_qcomm.launch -n 2 --local-devices 2 tests/summable_mp_worker.py
+    python -m jax_qcomm.tools.launch -n 2 --local-devices 2 tests/summable_mp_worker.py
 
 Every process joins jax.distributed (gloo), runs the summable allreduce (one pmax of int32 scale
 words, one psum of uint32 words, across processes) over the global mesh and checks its own rows
@@ -10,7 +10,7 @@ decoded once): bit for bit. Exits 1 on a mismatch.
 
 import sys
 import numpy as np
-from jax_qcomm import distributed
+from jax_qcomm.tools import distributed
 distributed.initialize()
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P

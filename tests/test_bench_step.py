@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from jax_qcomm import efficiency
+from jax_qcomm.tools import efficiency
 from benchmarks import __main__ as bench_main
 from benchmarks import partial
 

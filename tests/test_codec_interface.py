@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import efficiency
+from jax_qcomm.tools import efficiency
 
 D = 4
 AX = "data"

@@ -1,4 +1,4 @@
-"""The cost model (jax_qcomm.efficiency) against hand-computed cases."""
+"""The cost model (jax_qcomm.tools.efficiency) against hand-computed cases."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_qcomm as qcomm
-from jax_qcomm import efficiency as eff
-
-
-def test_exported():
-  assert qcomm.efficiency is eff
+from jax_qcomm.tools import efficiency as eff
 
 
 # -- bytes ------------------------------------------------------------------------------------------

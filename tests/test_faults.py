@@ -6,7 +6,7 @@ check that every process is gone within the timeout in force, with a non-zero st
 naming the process. The timeouts are short here (heartbeat 5 s, collective 5 s where it matters) so
 that each test takes seconds; docs/distributed.md has the times measured with the defaults.
 
-Also, without processes: :class:`jax_qcomm.distributed.Timeouts` (the one place for the timeouts)
+Also, without processes: :class:`jax_qcomm.tools.distributed.Timeouts` (the one place for the timeouts)
 and the private jax names that binding gloo to an interface needs (jax_qcomm._compat).
 """
 
@@ -23,8 +23,9 @@ import time
 
 import pytest
 
-from jax_qcomm import _compat, distributed
-from jax_qcomm.launch import free_port
+from jax_qcomm import _compat
+from jax_qcomm.tools import distributed
+from jax_qcomm.tools.launch import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "fault_worker.py"
@@ -95,7 +96,7 @@ def _wait_gone(pids, limit: float) -> None:
 def _launch(*options: str, worker_args=()) -> tuple[subprocess.Popen, _Output, dict[int, int]]:
   """The launcher with 2 workers; returns it, its output and {rank: pid} once both are ready."""
   proc = subprocess.Popen(
-      [sys.executable, "-m", "jax_qcomm.launch", "-n", "2", "--kill-grace", "2",
+      [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2", "--kill-grace", "2",
        "--timeout", "300", *options, str(WORKER), *worker_args],
       cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   out = _Output(proc)
@@ -180,7 +181,7 @@ def test_alive_process_that_skips_a_collective_hits_the_collective_timeout():
     print(f"rank 1 stalled: launcher exited {proc.returncode} after {took:.1f} s")
     assert proc.returncode == distributed.FAIL_FAST_EXIT, out.text[-3000:]
     assert "Timed out" in out.text, out.text[-3000:]
-    assert ("jax_qcomm.distributed: process 0 of 2 exits with status 1: a collective across "
+    assert ("jax_qcomm.tools.distributed: process 0 of 2 exits with status 1: a collective across "
             "processes failed") in out.text
     assert "[launch] process 0 exited with status 1; stopping the others" in out.text
     _wait_gone(pids.values(), 5)

@@ -4,12 +4,13 @@ graph has no cycles, and ``import jax_qcomm`` loads no tooling and changes nothi
 The layers (docs/architecture.md), lowest first::
 
     wire, _checks, _compat  ->  _ffi, _reference (the kernels)  ->  codecs  ->  packing, _exchange,
-    _varying  ->  collectives  ->  accumulation, sync  ->  data_parallel, describe, efficiency
+    _varying  ->  collectives  ->  accumulation, sync  ->  data_parallel, describe
     ->  jax_qcomm (the public API)
 
-``distributed`` and ``launch`` (the multi-process runtime) sit beside the library: they import only
-the foundations and each other, and nothing in the library imports them. Tooling outside the package
-(``benchmarks/``, ``training/``, ``configs/``) may import the library; the library never imports it.
+``jax_qcomm.tools`` (the cost model ``efficiency``, the multi-process runtime ``distributed`` and
+``launch``) sits above the library: its modules may import the library and each other, and nothing
+in the library imports them. Tooling outside the package (``benchmarks/``, ``training/``,
+``configs/``) may import the library and the tools; the library never imports it.
 
 The graph is read from the sources with ``ast`` (function-local imports count: they are dependencies
 too), so a violation fails here before it can hide behind an import order.
@@ -37,12 +38,11 @@ LAYERS: list[set[str]] = [
     {"packing", "_exchange", "_varying"},            # pytrees <-> flat buffers, all-to-all schedules
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
-    {"data_parallel", "describe", "efficiency"},     # step helper, describe, the cost model
+    {"data_parallel", "describe"},                   # the step helper, describe
     {"__init__"},                                    # the public API
 ]
-#: The multi-process runtime: beside the library, never imported by it.
-RUNTIME: dict[str, set[str]] = {"distributed": {"_checks", "_compat"},
-                                "launch": {"distributed", "_checks", "_compat"}}
+#: The tooling subpackage (jax_qcomm/tools): above the library, never imported by it.
+TOOLS = "tools"
 #: Compiled extension modules (built by CMake; the binding layer loads them).
 EXTENSIONS = {"_qcomm_cpu", "_qcomm_cuda"}
 #: Packages outside jax_qcomm that the library must never import (tooling, optional extras).
@@ -55,6 +55,7 @@ _PRIVATE_PREFIXES = ("jax._src", "jaxlib._")
 
 
 def _modules(package: str) -> dict[str, pathlib.Path]:
+  """The modules of a package directory (``jax_qcomm.tools`` is "jax_qcomm/tools")."""
   return {p.stem: p for p in sorted((ROOT / package).glob("*.py"))}
 
 
@@ -89,6 +90,15 @@ def _imports(path: pathlib.Path, package: str) -> tuple[set[str], set[str]]:
 
 
 def _graph(package: str) -> dict[str, set[str]]:
+  """module -> the modules of the same package it imports ("jax_qcomm.tools" reads its own)."""
+  if "." in package:  # a subpackage: read `from jax_qcomm.tools import x` as an edge to x
+    parent, sub = package.split(".")
+    out = {}
+    for name, path in _modules(f"{parent}/{sub}").items():
+      tree = ast.parse(path.read_text(encoding="utf-8"))
+      out[name] = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                   and n.module == package for a in n.names} - {name}
+    return out
   return {name: _imports(path, package)[0] - {name} for name, path in _modules(package).items()}
 
 
@@ -116,9 +126,12 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_every_module_has_a_place():
-  placed = set().union(*LAYERS) | set(RUNTIME)
+  placed = set().union(*LAYERS)
   missing = set(_modules(PACKAGE)) - placed
   assert not missing, f"modules with no layer (add them to LAYERS and docs/architecture.md): {missing}"
+  subpackages = {p.name for p in (ROOT / PACKAGE).iterdir()
+                 if p.is_dir() and (p / "__init__.py").exists()}
+  assert subpackages == {TOOLS}, f"subpackages other than {TOOLS}: {subpackages - {TOOLS}}"
 
 
 def test_no_module_imports_upward():
@@ -127,19 +140,23 @@ def test_no_module_imports_upward():
   bad = []
   for module, deps in graph.items():
     deps = deps - EXTENSIONS
-    if module in RUNTIME:
-      bad += [f"{module} -> {d} (runtime imports only {sorted(RUNTIME[module])})"
-              for d in deps - RUNTIME[module]]
-      continue
     for dep in deps:
-      if dep in RUNTIME:
-        bad.append(f"{module} -> {dep} (the library never imports the runtime)")
+      if dep == TOOLS:
+        bad.append(f"{module} -> {PACKAGE}.{TOOLS} (the library never imports its tooling)")
       elif dep in layer and module in layer and layer[dep] > layer[module]:
         bad.append(f"{module} (layer {layer[module]}) -> {dep} (layer {layer[dep]})")
   assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
 
 
-@pytest.mark.parametrize("package", [PACKAGE, "benchmarks"])
+def test_tools_import_only_the_library_and_each_other():
+  """The tools are a layer above the public API: they may use any library module (the foundations
+  included), but a tool's module-level import of another must not form a cycle."""
+  for name, path in _modules(f"{PACKAGE}/{TOOLS}").items():
+    inside, _ = _imports(path, PACKAGE)
+    assert inside <= set().union(*LAYERS) | {TOOLS} | EXTENSIONS, (name, inside)
+
+
+@pytest.mark.parametrize("package", [PACKAGE, f"{PACKAGE}.{TOOLS}", "benchmarks"])
 def test_no_import_cycles(package):
   cycle = _cycle(_graph(package))
   assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
@@ -147,7 +164,8 @@ def test_no_import_cycles(package):
 
 def test_library_imports_no_tooling_and_no_jax_internals():
   bad = []
-  for name, path in _modules(PACKAGE).items():
+  modules = {**_modules(PACKAGE), **{f"{TOOLS}.{k}": v for k, v in _modules(f"{PACKAGE}/{TOOLS}").items()}}
+  for name, path in modules.items():
     outside = _imports(path, PACKAGE)[1]
     bad += [f"{name} imports {o}" for o in outside & NEVER_IN_LIBRARY]
     if name in JAX_PRIVATE_ALLOWED:
@@ -202,7 +220,7 @@ def test_import_jax_qcomm_loads_no_tooling_and_has_no_side_effects():
   loaded = set(got["modules"])
   forbidden = sorted(m for m in loaded
                      if m.split(".")[0] in NEVER_IN_LIBRARY
-                     or m in ("jax_qcomm.launch", "jax_qcomm.distributed"))
+                     or m.startswith(f"{PACKAGE}.{TOOLS}"))
   assert not forbidden, f"import jax_qcomm loaded {forbidden}"
   assert got["config_changed"] == [], f"import jax_qcomm changed jax.config: {got['config_changed']}"
   # A backend started at import would freeze jax_num_cpu_devices and the distributed setup.

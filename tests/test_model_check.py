@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jax_qcomm import efficiency as eff
+from jax_qcomm.tools import efficiency as eff
 
 from benchmarks import model
 

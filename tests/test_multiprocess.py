@@ -1,6 +1,6 @@
 """Collectives across several JAX processes (jax.distributed over gloo on 127.0.0.1).
 
-Two launches of tests/mp_worker.py through ``python -m jax_qcomm.launch`` (2 processes x 2 host
+Two launches of tests/mp_worker.py through ``python -m jax_qcomm.tools.launch`` (2 processes x 2 host
 devices, and 4 processes x 1 device with gloo bound to ``lo``); each process writes the rows its
 devices hold, and the checks here run in numpy against the exact results of the known inputs:
 
@@ -43,7 +43,7 @@ CONFIGS = {"2x2": (2, 2, []), "4x1": (4, 1, ["--interface", "lo"])}
 def _run_launcher(args, timeout):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the workers set their own device count
-  return subprocess.run([sys.executable, "-m", "jax_qcomm.launch", *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -227,7 +227,7 @@ def test_launcher_timeout_and_module_mode(tmp_path):
       "import sys, time\nprint('args', sys.argv[1:])\ntime.sleep(60)\n")
   env_path = str(tmp_path)
   proc = subprocess.run(
-      [sys.executable, "-m", "jax_qcomm.launch", "-n", "2", "--timeout", "3", "--kill-grace", "1",
+      [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2", "--timeout", "3", "--kill-grace", "1",
        "-m", "sleeper_mod", "--sizes", "5"],
       cwd=ROOT, env=dict(os.environ, PYTHONPATH=env_path + os.pathsep + os.environ.get("PYTHONPATH", "")),
       capture_output=True, text=True, timeout=60)
@@ -238,14 +238,14 @@ def test_launcher_timeout_and_module_mode(tmp_path):
 
 def test_initialize_after_backend_raises():
   code = ("import jax; jax.devices()\n"
-          "from jax_qcomm import distributed\n"
+          "from jax_qcomm.tools import distributed\n"
           "try:\n"
           "    distributed.initialize('127.0.0.1:1', 1, 0, interface='lo')\n"
           "except RuntimeError as e:\n"
           "    print('RuntimeError', e)\n")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
-  assert "RuntimeError jax_qcomm.distributed.initialize:" in proc.stdout, proc.stdout
+  assert "RuntimeError jax_qcomm.tools.distributed.initialize:" in proc.stdout, proc.stdout
   assert "must be called before any JAX calls" in proc.stdout, proc.stdout
 
 
@@ -253,7 +253,7 @@ def test_importing_jax_qcomm_creates_no_backend():
   """distributed.initialize must run before any backend exists, and users import jax_qcomm first:
   nothing at import time may create one (e.g. a jnp constant at module level)."""
   # jax refuses to change jax_num_cpu_devices once a backend exists.
-  code = ("import jax, jax_qcomm, jax_qcomm.distributed, jax_qcomm.launch\n"
+  code = ("import jax, jax_qcomm, jax_qcomm.tools.distributed, jax_qcomm.tools.launch\n"
           "jax.config.update('jax_num_cpu_devices', 3)\n"
           "print(len(jax.devices()))\n")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -31,7 +31,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _ffi, efficiency, wire
+from jax_qcomm import _ffi, wire
+from jax_qcomm.tools import efficiency
 
 AX = "d"
 F32_MAX = float(np.finfo(np.float32).max)
@@ -493,7 +494,7 @@ def test_summable_allreduce_across_processes():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "summable_mp_worker.py")
-  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.launch", "-n", "2", "--local-devices",
+  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2", "--local-devices",
                          "2", "--timeout", "150", worker], env=env, capture_output=True, text=True,
                         timeout=180, cwd=os.path.dirname(os.path.dirname(worker)))
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

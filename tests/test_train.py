@@ -289,7 +289,7 @@ def test_resnet50_train_step_compiles_and_runs_on_synthetic_data():
 
 @pytest.mark.multiprocess
 def test_two_processes_train_and_agree(tmp_path):
-  cmd = [sys.executable, "-m", "jax_qcomm.launch", "-n", "2", "--local-devices", "2",
+  cmd = [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2", "--local-devices", "2",
          "--timeout", "600", "-m", "training.train", "--config", "configs/digits.py",
          "--config.num_cpu_devices=0", "--config.num_filters=4", "--config.batch_size=32",
          "--config.num_train_steps=4", "--config.eval_every_steps=0",

@@ -2,18 +2,18 @@
 
 Usage::
 
-    python -m jax_qcomm.launch -n 4 [--local-devices 2] [--port P] [--host 127.0.0.1]
+    python -m jax_qcomm.tools.launch -n 4 [--local-devices 2] [--port P] [--host 127.0.0.1]
                                [--interface eth0] [--timeout S] [--env K=V ...]
                                [--heartbeat-timeout S] [--collective-timeout S]
                                (script.py [args...] | -m module [args...])
 
 Starts ``n`` copies of ``sys.executable script.py args`` (or ``-m module args``), each with the
-environment read by :func:`jax_qcomm.distributed.initialize`:
+environment read by :func:`jax_qcomm.tools.distributed.initialize`:
 
 * ``QCOMM_COORDINATOR=host:port`` (default port: a free one), ``QCOMM_NUM_PROCESSES=n``,
   ``QCOMM_PROCESS_ID=rank``, and, when given, ``QCOMM_LOCAL_DEVICES``, ``QCOMM_GLOO_INTERFACE``,
   ``QCOMM_HEARTBEAT_TIMEOUT`` and ``QCOMM_COLLECTIVE_TIMEOUT`` (see
-  :class:`jax_qcomm.distributed.Timeouts`);
+  :class:`jax_qcomm.tools.distributed.Timeouts`);
 * ``PYTHONUNBUFFERED=1``, so that output arrives line by line;
 * ``QCOMM_LAUNCH_COMMAND``: the launcher's command line (recorded by the benchmarks).
 
@@ -42,7 +42,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from jax_qcomm import distributed
+from jax_qcomm.tools import distributed
 
 # Launcher options that take a value (the command line is split at the first token that is not
 # one of these options, or at -m / --).
@@ -64,7 +64,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m jax_qcomm.launch",
+      prog="python -m jax_qcomm.tools.launch",
       usage="%(prog)s -n N [options] (script.py [args ...] | -m module [args ...])",
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("-n", "--num-processes", type=int, required=True,
@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   return launch(command, args.num_processes, local_devices=args.local_devices, port=args.port,
                 host=args.host, interface=args.interface, timeout=args.timeout, env=env,
                 kill_grace=args.kill_grace,
-                launch_command=shlex.join(["python", "-m", "jax_qcomm.launch", *argv]),
+                launch_command=shlex.join(["python", "-m", "jax_qcomm.tools.launch", *argv]),
                 heartbeat_timeout=args.heartbeat_timeout,
                 collective_timeout=args.collective_timeout)
 

@@ -2,15 +2,15 @@
 
 Start the processes with the launcher, which sets the environment variables read here::
 
-    python -m jax_qcomm.launch -n 4 --local-devices 2 train.py
+    python -m jax_qcomm.tools.launch -n 4 --local-devices 2 train.py
 
 and in ``train.py``, before anything touches a JAX backend::
 
-    from jax_qcomm import distributed
+    from jax_qcomm.tools import distributed
     distributed.initialize()                  # reads QCOMM_* from the environment
     mesh = distributed.global_mesh(("data",))  # all devices of all processes
 
-Environment variables (set by :mod:`jax_qcomm.launch`):
+Environment variables (set by :mod:`jax_qcomm.tools.launch`):
 
 * ``QCOMM_COORDINATOR``     ``host:port`` of the coordination service (run by process 0);
 * ``QCOMM_NUM_PROCESSES``   number of processes;
@@ -75,7 +75,7 @@ __all__ = ["initialize", "global_mesh", "global_devices", "under_launcher", "pro
 
 
 def under_launcher() -> bool:
-  """True if this process was started by :mod:`jax_qcomm.launch` (``QCOMM_NUM_PROCESSES`` set)."""
+  """True if this process was started by :mod:`jax_qcomm.tools.launch` (``QCOMM_NUM_PROCESSES`` set)."""
   return bool(os.environ.get(ENV_NUM_PROCESSES))
 
 
@@ -139,7 +139,7 @@ class Timeouts:
                       f"known: {sorted(cls.ENV)}")
     values = {}
     for name, env in cls.ENV.items():
-      value = _env_int(env, given.get(name), "jax_qcomm.distributed timeouts")
+      value = _env_int(env, given.get(name), "jax_qcomm.tools.distributed timeouts")
       if value is not None:
         values[name] = value
     return cls(**values)
@@ -180,7 +180,7 @@ def _install_fail_fast(process_id: int, num_processes: int, timeouts: Timeouts) 
       why = f"uncaught {exc_type.__name__}"
     status = 130 if issubclass(exc_type, KeyboardInterrupt) else FAIL_FAST_EXIT
     try:
-      sys.stderr.write(f"jax_qcomm.distributed: process {process_id} of {num_processes} exits "
+      sys.stderr.write(f"jax_qcomm.tools.distributed: process {process_id} of {num_processes} exits "
                        f"with status {status}: {why}; not waiting in jax.distributed's shutdown "
                        "barrier for the other processes\n")
       sys.stdout.flush()
@@ -206,7 +206,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   read once when the backend is created. ``jax.distributed.initialize`` raises a RuntimeError if a
   backend already exists.
 
-  Arguments left as None come from the environment set by :mod:`jax_qcomm.launch`
+  Arguments left as None come from the environment set by :mod:`jax_qcomm.tools.launch`
   (``QCOMM_COORDINATOR``, ``QCOMM_NUM_PROCESSES``, ``QCOMM_PROCESS_ID``, ``QCOMM_LOCAL_DEVICES``,
   ``QCOMM_GLOO_INTERFACE``, ``QCOMM_*_TIMEOUT``).
 
@@ -234,7 +234,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   Returns:
     The :class:`Timeouts` in force.
   """
-  what = "jax_qcomm.distributed.initialize"
+  what = "jax_qcomm.tools.distributed.initialize"
   coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
   num_processes = _env_int(ENV_NUM_PROCESSES, num_processes, what)
   process_id = _env_int(ENV_PROCESS_ID, process_id, what)
@@ -247,7 +247,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
              if value is None]
   if missing:
     raise ValueError(f"{what}: {', '.join(missing)} not given and not set in the environment; "
-                     "start the processes with `python -m jax_qcomm.launch -n N script.py` or pass "
+                     "start the processes with `python -m jax_qcomm.tools.launch -n N script.py` or pass "
                      "them explicitly")
   if not isinstance(coordinator_address, str) or ":" not in coordinator_address:
     raise ValueError(f"coordinator_address must be 'host:port', got {coordinator_address!r}")
