@@ -2,6 +2,8 @@
 
 QSGD codecs as XLA FFI kernels (C++ on CPU, CUDA on NVIDIA GPUs) with a pure-JAX reference of the
 same wire format, and the collectives built from them (inside ``jax.shard_map`` / ``jax.pmap``).
+The tooling above the library -- the cost model and the multi-process runtime -- is imported on its
+own: ``from jax_qcomm.tools import efficiency, distributed`` (this module never imports it).
 """
 
 from jax_qcomm import _ffi

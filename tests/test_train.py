@@ -23,20 +23,6 @@ from training import input_pipeline, models, train  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """Runs of the same config compile the same programs: let XLA's persistent cache serve them."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  saved = {n: getattr(jax.config, n) for n in names}
-  jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
-  jax.config.update(names[1], 0.0)
-  jax.config.update(names[2], 0)
-  yield
-  for n, v in saved.items():
-    jax.config.update(n, v)
-
-
 def _tiny_digits(**overrides):
   config = digits.get_config()
   config.num_filters = 4
