@@ -258,8 +258,6 @@ QCOMM_HD EncodeScales norm_scales(uint32_t max_abs_bits, float total, uint32_t l
 
 // ---- per-element quantisation -----------------------------------------------------------------
 
-// t >= 0 is the value in units of the step. Rounds up with probability frac(t) (stochastic, r = u)
-// or at frac(t) >= 1/2 (nearest, r = 0.5); clamps to `levels` (also where t is NaN).
 // floor(t) for t >= 0 or NaN. Baseline x86-64 (SSE2, the "generic" build) has no vector floor, so
 // floorf would be a libm call per element there; below 2^23 the truncation to int32 is the same
 // value (+0 for -0, which quantize() turns into the same code), at or above it t is an integer.
@@ -271,6 +269,8 @@ QCOMM_HD float floor_nonneg(float t) {
 #endif
 }
 
+// t >= 0 is the value in units of the step. Rounds up with probability frac(t) (stochastic, r = u)
+// or at frac(t) >= 1/2 (nearest, r = 0.5); clamps to `levels` (also where t is NaN).
 QCOMM_HD uint32_t quantize(float t, float r, uint32_t levels) {
   const float fl = floor_nonneg(t);
   const float q = add_rn(fl, t >= add_rn(fl, r) ? 1.0f : 0.0f);
