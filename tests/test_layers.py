@@ -54,25 +54,32 @@ JAX_PRIVATE_ALLOWED = {"_compat"}
 _PRIVATE_PREFIXES = ("jax._src", "jaxlib._")
 
 
+def _package_dir(package: str) -> pathlib.Path:
+  return ROOT.joinpath(*package.split("."))
+
+
 def _modules(package: str) -> dict[str, pathlib.Path]:
-  """The modules of a package directory (``jax_qcomm.tools`` is "jax_qcomm/tools")."""
-  return {p.stem: p for p in sorted((ROOT / package).glob("*.py"))}
+  """The modules of a package (dotted: ``jax_qcomm.tools``)."""
+  return {p.stem: p for p in sorted(_package_dir(package).glob("*.py"))}
 
 
 def _imports(path: pathlib.Path, package: str) -> tuple[set[str], set[str]]:
-  """(modules of `package` that `path` imports, other top-level packages it imports)."""
+  """(modules of `package` (dotted for a subpackage) that `path` imports, other top-level packages
+  it imports)."""
   tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
   inside, outside = set(), set()
+  prefix = package.split(".")
 
   def add(name: str, names: list[str] = ()) -> None:
     parts = name.split(".")
-    if parts[0] != package:
+    if parts[:len(prefix)] != prefix:
       outside.add(parts[0] if parts[0] != "jax" or len(parts) < 2 else ".".join(parts[:2]))
       return
-    if len(parts) > 1:
-      inside.add(parts[1])
+    if len(parts) > len(prefix):
+      inside.add(parts[len(prefix)])
     else:  # from jax_qcomm import x, y: submodules or names of __init__
-      submodules = {n for n in names if (ROOT / package / f"{n}.py").exists() or n in EXTENSIONS}
+      submodules = {n for n in names
+                    if (_package_dir(package) / f"{n}.py").exists() or n in EXTENSIONS}
       inside.update(submodules)
       if len(submodules) < len(names) or not names:  # names defined by __init__ itself
         inside.add("__init__")
@@ -90,15 +97,7 @@ def _imports(path: pathlib.Path, package: str) -> tuple[set[str], set[str]]:
 
 
 def _graph(package: str) -> dict[str, set[str]]:
-  """module -> the modules of the same package it imports ("jax_qcomm.tools" reads its own)."""
-  if "." in package:  # a subpackage: read `from jax_qcomm.tools import x` as an edge to x
-    parent, sub = package.split(".")
-    out = {}
-    for name, path in _modules(f"{parent}/{sub}").items():
-      tree = ast.parse(path.read_text(encoding="utf-8"))
-      out[name] = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                   and n.module == package for a in n.names} - {name}
-    return out
+  """module -> the modules of the same package it imports."""
   return {name: _imports(path, package)[0] - {name} for name, path in _modules(package).items()}
 
 
@@ -150,8 +149,9 @@ def test_no_module_imports_upward():
 
 def test_tools_import_only_the_library_and_each_other():
   """The tools are a layer above the public API: they may use any library module (the foundations
-  included), but a tool's module-level import of another must not form a cycle."""
-  for name, path in _modules(f"{PACKAGE}/{TOOLS}").items():
+  included) and each other (test_no_import_cycles keeps those imports acyclic), nothing else of
+  the package."""
+  for name, path in _modules(f"{PACKAGE}.{TOOLS}").items():
     inside, _ = _imports(path, PACKAGE)
     assert inside <= set().union(*LAYERS) | {TOOLS} | EXTENSIONS, (name, inside)
 
@@ -164,7 +164,8 @@ def test_no_import_cycles(package):
 
 def test_library_imports_no_tooling_and_no_jax_internals():
   bad = []
-  modules = {**_modules(PACKAGE), **{f"{TOOLS}.{k}": v for k, v in _modules(f"{PACKAGE}/{TOOLS}").items()}}
+  modules = {**_modules(PACKAGE),
+             **{f"{TOOLS}.{k}": v for k, v in _modules(f"{PACKAGE}.{TOOLS}").items()}}
   for name, path in modules.items():
     outside = _imports(path, PACKAGE)[1]
     bad += [f"{name} imports {o}" for o in outside & NEVER_IN_LIBRARY]
