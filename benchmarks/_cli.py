@@ -1,15 +1,14 @@
 """The registry of the JAX benchmarks and their shared options (``python -m benchmarks SUBCOMMAND``).
 
-Kept apart from :mod:`benchmarks.__main__` so that the cluster harness (:mod:`benchmarks.cluster`),
-which validates the benchmark command it runs on every node, can import the registry without
-importing the command line that registers the harness itself (no import cycle).
+Kept apart from :mod:`benchmarks.__main__`, which also registers ``cluster``: the benchmark command
+a cluster runs on its nodes is checked against :func:`benchmark_parser`, which has no ``cluster``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from benchmarks import _common, allreduce, codec, overlap, partial, patterns, step
+from benchmarks import _common, allreduce, codec, partial, patterns, step
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -36,7 +35,6 @@ BENCHMARKS = {
     "partial": (partial, "fp32 psum of N/gamma elements: where time stops falling with gamma"),
     "patterns": (patterns, "uint8 rows moved by all_to_all, ppermute rounds, all_gather, single "
                            "shifts: vs floor"),
-    "overlap": (overlap, "does the runtime run codec work while a psum is on the wire?"),
 }
 
 
@@ -54,6 +52,26 @@ def benchmark_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m benchmarks", description="Benchmarks of jax_qcomm.")
   add_benchmarks(parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND"))
   return parser
+
+
+def parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+  """parse_args that raises instead of printing usage and exiting (subparsers exit regardless)."""
+
+  def error(message):
+    raise argparse.ArgumentError(None, message)
+
+  parser.exit_on_error = False
+  parser.error = error  # type: ignore[method-assign]
+  for action in parser._actions:  # the subparsers report errors through their own .error
+    if isinstance(action, argparse._SubParsersAction):
+      for sub in action.choices.values():
+        sub.error = error  # type: ignore[method-assign]
+  return parser.parse_args(argv)
+
+
+def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+  """The parser of subcommand ``name``."""
+  return next(a.choices[name] for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def check_shared_options(args: argparse.Namespace) -> None:

@@ -33,15 +33,6 @@ or, for QSGD, the fused decode-sum-reencode kernel the allreduce runs instead --
 and the transfer alone (the same exchange + all_gather of uint8 payloads, no codec), to
 separate codec cost from transfer.
 
-``--payload NAME`` reduces a pytree instead of ``--sizes``' buffers: the leaves of a model's gradient
-(:mod:`benchmarks.peers.payloads`: ``resnet50``'s 161 leaves, ``gpt2_125m``, ``gpt2:LxDxV``,
-``flat:N``) through ``qcomm.allreduce`` with its default leaf policy (1-D and small leaves exact, the
-rest packed into flat buffers per codec), as a training step would. Codec ``pmean_leaves`` there is
-``lax.pmean`` of every leaf (one all-reduce per leaf). Each device g reduces rank g's inputs of
-:mod:`benchmarks.peers.data` (``--gradients F.npz``: real gradients; else seeded normal values), so
-each row also has ``rel_error`` = ||out - exact mean|| / ||exact mean|| (float64 mean). ``wire MB``
-sums the buffers the leaf policy makes.
-
 ``--exchange rounds all_to_all`` times each SRA codec with both all-to-all schedules of
 :mod:`jax_qcomm._exchange` in the same run (rows ``qsgd4/rounds``, ``qsgd4/all_to_all``).
 """
@@ -49,8 +40,6 @@ sums the buffers the leaf policy makes.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import re
 from typing import Any, Callable, Sequence
 
@@ -62,11 +51,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _exchange, collectives, packing
+from jax_qcomm import _exchange, collectives
 from jax_qcomm.codecs import Codec
 
 from benchmarks import _common
-from benchmarks.peers import data as peer_data, payloads as peer_payloads
 
 DEFAULT_SIZES = (1_000_000, 25_600_000)
 DEFAULT_OUT = "bench-results/allreduce.json"
@@ -80,13 +68,12 @@ CODECS = {
     "qsgd8": ("QSGD 8 bits maxmin, SRA", "sra", {"bits": 8}),
     "qsgd4": ("QSGD 4 bits maxmin, SRA", "sra", {"bits": 4}),
     "qsgd2": ("QSGD 2 bits maxmin, SRA", "sra", {"bits": 2}),
-    "pmean_leaves": ("lax.pmean of every leaf (one all-reduce per leaf)", "pmean_leaves", {}),
     "sum8": ("Summable 8 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 8}),
     "sum4": ("Summable 4 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 4}),
     "sum3": ("Summable 3 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 3}),
     "sum2": ("Summable 2 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 2}),
 }
-#: Timed unless --codecs says otherwise (pmean_leaves only means something with --payload).
+#: Timed unless --codecs says otherwise.
 DEFAULT_CODECS = ("fp32", "cast_pmean_bf16", "cast_bf16", "qsgd8", "qsgd4", "qsgd2")
 
 
@@ -96,12 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="N", help="float32 elements per device (default: 1M 25.6M)")
   parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(DEFAULT_CODECS),
                       help=f"codecs to time (default: {' '.join(DEFAULT_CODECS)})")
-  parser.add_argument("--payload", type=peer_payloads.check_name, default=None,
-                      help="reduce this pytree instead of --sizes: resnet50, gpt2_125m, "
-                           "gpt2:<layers>x<d>x<vocab> or flat:<n> (benchmarks.peers.payloads)")
-  parser.add_argument("--gradients", default=None, metavar="NPZ",
-                      help="with --payload: the ranks' real gradients "
-                           "(python -m benchmarks.peers.make_gradients); default: seeded normal")
   parser.add_argument("--bucket", type=int, default=128, help="QSGD bucket size (default: 128)")
   parser.add_argument("--devices", type=int, default=None,
                       help=f"host devices per process (default: {_common.DEFAULT_DEVICES} in a single "
@@ -122,12 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- setup ------------------------------------------------------------------------------------------
 
 def make_codec(name: str, bucket: int = 128, impl: str = "auto"):
-  """The library codec of a benchmark codec name (None for cast_pmean / pmean_leaves, which are
-  not codecs); also the cost model check's (benchmarks.model)."""
+  """The library codec of a benchmark codec name (None for cast_pmean, which is not a codec); also
+  the cost model check's (benchmarks.model)."""
   _, kind, kw = CODECS[name]
   if kind == "psum":
     return qcomm.NoCompression()
-  if kind in ("cast_pmean", "pmean_leaves"):
+  if kind == "cast_pmean":
     return None
   if "dtype" in kw:
     return qcomm.Cast(getattr(jnp, kw["dtype"]))
@@ -137,20 +118,14 @@ def make_codec(name: str, bucket: int = 128, impl: str = "auto"):
 
 
 def _allreduce_fn(name: str, codec, mesh, exchange: str = "auto") -> Callable:
-  """jit(shard_map) of one allreduce of float32[n] (or a pytree of float32 leaves) per device;
-  ``exchange``: the SRA's schedule."""
+  """jit(shard_map) of one allreduce of float32[n] per device; ``exchange``: the SRA's schedule."""
   key = jax.random.key(0)
   kind = CODECS[name][1]
 
-  def per_device(x):  # x: an array or a pytree of arrays, each [1, ...] on this device
-    v = jax.tree_util.tree_map(lambda a: a[0], x)
+  def per_device(x):  # x: [1, n] on this device
     if kind == "cast_pmean":
-      out = qcomm.cast_pmean(v, "data", jnp.bfloat16)
-    elif kind == "pmean_leaves":
-      out = jax.tree_util.tree_map(lambda a: jax.lax.pmean(a, "data"), v)
-    else:
-      out = qcomm.allreduce(v, "data", codec=codec, key=key, exchange=exchange)
-    return jax.tree_util.tree_map(lambda a: a[None], out)
+      return qcomm.cast_pmean(x[0], "data", jnp.bfloat16)[None]
+    return qcomm.allreduce(x[0], "data", codec=codec, key=key, exchange=exchange)[None]
 
   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
 
@@ -168,58 +143,17 @@ def collective_itemsizes(compiled_text: str, op: str = "all-reduce") -> list[int
 
 
 def wire_bytes(name: str, codec, n: int, d: int, psum_itemsize: int = 4) -> tuple[int, int]:
-  """(payload bytes of the whole buffer, bytes each device sends) for one allreduce of n values."""
+  """(payload bytes of the whole buffer, bytes each device sends) for one allreduce of n values:
+  the codec's own count (``codec.sent_bytes``); the payload is the buffer an all-reduce of the
+  same bytes would carry (sent = 2 (D-1)/D of it). ``cast_pmean`` (no codec) sends
+  ``psum_itemsize`` bytes per value, as read from the compiled HLO."""
   if d == 1:
     return 0, 0
-  kind = CODECS[name][1]
-  if kind in ("psum", "cast_pmean", "pmean_leaves"):
+  if CODECS[name][1] == "cast_pmean":
     payload = n * psum_itemsize
-  elif kind == "summable":  # words (psum) + scale words (pmax), both ring all-reduces
-    payload = codec.payload_size(n, d)
-  else:
-    payload = d * codec.payload_size(collectives.sra_padded_size(n, d, codec) // d)
-  return payload, (2 * (d - 1) * payload) // d
-
-
-def tree_wire_bytes(name: str, codec, shapes: Sequence[Sequence[int]], d: int,
-                    psum_itemsize: int = 4) -> tuple[int, int]:
-  """(payload bytes, bytes each device sends) of one ``qcomm.allreduce`` of a pytree with these
-  leaf shapes: the flat buffers of its default leaf policy (exact ones as a ring psum of float32,
-  compressed ones padded as :func:`wire_bytes` counts them); psum codecs: every value at
-  ``psum_itemsize``."""
-  if d == 1:
-    return 0, 0
-  total = sum(math.prod(s) for s in shapes)
-  if CODECS[name][1] not in ("sra", "summable"):
-    return wire_bytes(name, codec, total, d, psum_itemsize)
-  abstract = [jax.ShapeDtypeStruct(tuple(s), np.float32) for s in shapes]
-  policy = packing.LeafPolicy()
-  codecs = [policy.codec_for(str(i), leaf, codec) for i, leaf in enumerate(abstract)]
-  payload = 0
-  for group in packing.plan(abstract, codecs, _comm_bucket_size()):
-    n = sum(packing.padded_size(abstract[i].size, group.codec) for i in group.leaves)
-    if group.codec.exact:  # the policy's exact leaves: a float32 psum
-      payload += 4 * n
-    else:
-      payload += wire_bytes(name, group.codec, n, d)[0]
-  return payload, (2 * (d - 1) * payload) // d
-
-
-def _comm_bucket_size() -> int:
-  return collectives.DEFAULT_COMM_BUCKET
-
-
-def payload_input(mesh, spec: dict[str, Any]):
-  """Per leaf of the spec, float32[D, *shape] with row g (on device g) = rank g's value
-  (:func:`benchmarks.peers.data.leaf_array`); a bare array for a ``flat:`` payload."""
-  d = mesh.devices.size
-  tree = []
-  for i, shape in enumerate(peer_data.shapes(spec)):
-    def rows(idx, i=i):
-      return np.stack([peer_data.leaf_array(spec, g, i) for g in range(*idx[0].indices(d))])
-
-    tree.append(jax.make_array_from_callback((d, *shape), NamedSharding(mesh, P("data")), rows))
-  return tree[0] if peer_payloads.is_flat(spec["payload"]) else tree
+    return payload, (2 * (d - 1) * payload) // d
+  sent = codec.sent_bytes(n, d)
+  return round(sent * d / (2 * (d - 1))), round(sent)
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
@@ -267,57 +201,6 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
                        else t.median / (sent * 8 / (link_gbps * 1e9))),
         speedup_vs_fp32=None, wire_ratio_vs_fp32=None))
     del fn, compiled
-  _relative_to_fp32(rows)
-  return rows
-
-
-def _first_row(a) -> "np.ndarray":
-  """Device 0's row of a [D, ...] result (on process 0, which holds mesh position 0)."""
-  for shard in a.addressable_shards:
-    if (shard.index[0].start or 0) == 0:
-      return np.asarray(shard.data)[0]
-  raise RuntimeError("device 0's row is not on this process")
-
-
-def bench_payload(spec: dict[str, Any], mesh, names: Sequence[str], *, bucket: int, impl: str,
-                  repeats: int, warmup: int, link_gbps: float | None) -> list[dict[str, Any]]:
-  """Times every codec's allreduce of the spec's pytree; one row per codec, with the relative
-  error of device 0's result against the exact mean of the D ranks' inputs."""
-  d = mesh.devices.size
-  shapes = peer_data.shapes(spec)
-  n = peer_data.num_elements(spec)
-  x = payload_input(mesh, spec)
-  jax.block_until_ready(x)
-  flat = peer_payloads.is_flat(spec["payload"])
-  rows = []
-  for name in names:
-    codec = make_codec(name, bucket, impl)
-    compiled = _allreduce_fn(name, codec, mesh).lower(x).compile()
-    itemsizes = collective_itemsizes(compiled.as_text())
-    psum_itemsize = max(itemsizes) if itemsizes else 4
-    payload, sent = (wire_bytes(name, codec, n, d, psum_itemsize) if flat
-                     else tree_wire_bytes(name, codec, shapes, d, psum_itemsize))
-    t = _common.collective_timing(_common.median_time(compiled, x, repeats=repeats, warmup=warmup))
-    rel_error = None
-    out = jax.block_until_ready(compiled(x))  # a collective: every process runs it
-    if jax.process_index() == 0:
-      rel_error = peer_data.relative_error(
-          (_first_row(a) for a in jax.tree_util.tree_leaves(out)), spec, d)
-    del out
-    floor = peer_data.link_floor_s(sent, link_gbps)
-    _common.log(f"  {spec['payload']} {name:<16} {1e3 * t.median:10.2f} ms  rel. error "
-                f"{rel_error if rel_error is None else f'{rel_error:.3g}'}")
-    rows.append(dict(
-        codec=name, description=CODECS[name][0], exchange=None, size=n, devices=d,
-        processes=jax.process_count(), bucket_size=bucket if name.startswith(("qsgd", "sum")) else None,
-        psum_wire_itemsize=psum_itemsize if CODECS[name][1] != "sra" else None,
-        payload=spec["payload"], leaves=len(shapes),
-        gradients="real (npz)" if spec.get("gradients") else "random normal",
-        all_reduces=len(itemsizes), payload_bytes=payload, wire_bytes_per_device=sent,
-        **t.as_dict(), busbw_gb_per_s=sent / t.median / 1e9, algbw_gb_per_s=4 * n / t.median / 1e9,
-        link_floor_s=floor, time_vs_floor=None if not floor else t.median / floor,
-        rel_error=rel_error, speedup_vs_fp32=None, wire_ratio_vs_fp32=None))
-    del compiled
   _relative_to_fp32(rows)
   return rows
 
@@ -458,7 +341,6 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
   """The printed report: the table, the optional breakdown and the footer notes."""
   cfg = meta["config"]
   has_floor = cfg["link_gbps"] is not None
-  has_error = any("rel_error" in r for r in rows)
   headers = ["size", "codec", "median ms", "min ms", "max ms", "wire MB", "busbw GB/s",
              "algbw GB/s", "vs fp32", "wire/fp32"] + (["floor ms", "time/floor"] if has_floor
                                                       else [])
@@ -472,11 +354,7 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
     if has_floor:
       line += [f"{1e3 * r['link_floor_s']:.1f}",
                "" if r["time_vs_floor"] is None else f"{r['time_vs_floor']:.2f}x"]
-    if has_error:
-      line.append("" if r.get("rel_error") is None else f"{r['rel_error']:.3g}")
     table.append(line)
-  if has_error:
-    headers = headers + ["rel error"]
   lines = [
       f"allreduce (op=mean) over D={meta['num_devices']} devices in {meta['num_processes']} "
       f"process(es)  |  {meta['backend']}  {meta['cpu_model']}  nproc={meta['nproc']}  "
@@ -491,10 +369,6 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
       "all-reduce). busbw = wire bytes / time (nccl-tests busbw on the bytes sent); algbw = 4n / "
       "time (uncompressed float32); vs fp32 = fp32 time / time.",
   ]
-  if cfg.get("payload"):
-    lines.insert(1, f"payload {cfg['payload']}: {cfg['leaves']} leaves, "
-                    f"{'real gradients ' + cfg['gradients'] if cfg['gradients'] else 'random normal'};"
-                    " rel error = ||out - exact mean|| / ||exact mean|| on device 0")
   if has_floor:
     lines.append(f"floor = wire bytes / link rate ({cfg['link_gbps']:g} Gbit/s): the time the bytes "
                  "each device sends take on its link alone; time/floor = median / floor.")
@@ -538,21 +412,10 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark of the parsed ``args``; process 0 prints the table and writes the JSON."""
   if args.bucket < 8 or args.bucket % 8:
     raise SystemExit(f"--bucket must be a positive multiple of 8, got {args.bucket}")
-  if args.payload is None and args.gradients is not None:
-    raise SystemExit("--gradients goes with --payload")
-  if args.payload is not None and (args.breakdown or args.exchange != ["auto"]):
-    raise SystemExit("--payload times the codecs as qcomm.allreduce runs them: no --breakdown or "
-                     "--exchange (use --sizes for those)")
-  if args.gradients is not None and not os.path.exists(args.gradients):
-    raise SystemExit(f"--gradients {args.gradients}: no such file (python -m "
-                     "benchmarks.peers.make_gradients writes it)")
   _common.init_devices(args.devices)
 
   mesh, meta = _common.mesh_and_metadata("allreduce", command)
   d = mesh.devices.size
-  if args.gradients is not None and peer_data.gradient_ranks(args.gradients) < d:
-    raise SystemExit(f"--gradients {args.gradients} holds {peer_data.gradient_ranks(args.gradients)} "
-                     f"ranks, fewer than the {d} devices (make_gradients --ranks {d})")
   meta["config"] = dict(sizes=args.sizes, codecs=args.codecs, bucket_size=args.bucket,
                         impl=args.impl, repeats=args.repeats, warmup=args.warmup,
                         link_gbps=args.link_gbps, breakdown=args.breakdown, op="mean",
@@ -561,13 +424,7 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   if d == 1:
     _common.log("warning: one device only: nothing is communicated")
   rows, breakdown = [], []
-  if args.payload is not None:
-    spec = peer_payloads.spec(args.payload, args.gradients)
-    meta["config"].update(payload=args.payload, gradients=spec["gradients"],
-                          leaves=len(spec["leaves"]), sizes=[peer_data.num_elements(spec)])
-    rows = bench_payload(spec, mesh, args.codecs, bucket=args.bucket, impl=args.impl,
-                         repeats=args.repeats, warmup=args.warmup, link_gbps=args.link_gbps)
-  for n in ([] if args.payload is not None else args.sizes):
+  for n in args.sizes:
     rows += bench_size(n, mesh, args.codecs, bucket=args.bucket, impl=args.impl,
                        repeats=args.repeats, warmup=args.warmup, link_gbps=args.link_gbps,
                        exchanges=args.exchange)

@@ -13,7 +13,7 @@ predicts:
   allreduce``: encode, decode-sum-reencode, decode without communication, per element);
 * checked against end-to-end allreduce times measured separately: the allreduce rows of the same
   breakdown run, every size of the crossover runs, and every jax_qcomm and torch row of
-  ``benchmarks peers`` whose time is transfer-bound (PowerSGD's is not: it is reported with its
+  the recorded PyTorch side-by-side run (``peers_1gbit.json``) whose time is transfer-bound (PowerSGD's is not: it is reported with its
   bytes only).
 
 It also extrapolates Tc to 2..64 nodes at 1/10/25/100 Gbit/s for ResNet50's and GPT-2 small's

@@ -1,11 +1,11 @@
 """Markdown tables from the benchmarks' JSON, one command per table::
 
     python -m benchmarks.report peers notebooks/data/peers_1gbit.json
-    python -m benchmarks.report breakdown notebooks/data/cluster_allreduce_pinned.json
+    python -m benchmarks.report breakdown notebooks/data/cluster_allreduce_1gbit_pinned.json
     python -m benchmarks.report crossover notebooks/data/crossover_1gbit.json \\
         notebooks/data/crossover_10gbit.json
 
-* ``peers`` (``python -m benchmarks peers``): per payload, every jax_qcomm codec and torch method
+* ``peers`` (the recorded PyTorch side-by-side run, ``notebooks/data/peers_1gbit.json``): per payload, every jax_qcomm codec and torch method
   with its wire bytes per node, link floor, median time, time/floor, speed against torch's gloo
   fp32 all_reduce, and relative error against the exact mean;
 * ``breakdown`` (``python -m benchmarks cluster ... -- allreduce --breakdown``): the allreduce

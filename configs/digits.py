@@ -11,7 +11,7 @@ def get_config():
   config.num_filters = 16
   config.stem = "small"
   config.dataset = "digits"
-  # The mission's usage: sync(bits=..., accum_steps=2). 64 images a call x 2 calls = a 128-image
+  # The documented usage: sync(bits=..., accum_steps=2). 64 images a call x 2 calls = a 128-image
   # optimizer step, as before accumulation was on (same steps, same learning rate).
   config.batch_size = 64
   config.learning_rate = 0.2         # per 256: 0.1 for a 128-example optimizer step

@@ -30,7 +30,7 @@ def check_int_in(name: str, value: Any, lo: int, hi: int, context: str = "",
   return int(value)
 
 
-# ---- the checks of every public parameter (issue 16): trace-time Python checks, no runtime cost --
+# ---- the checks of every public parameter: trace-time Python checks, no runtime cost --
 # One message format throughout: "<name> must be <what is allowed>, got <what was passed>".
 # ValueError throughout, for bad values and wrong types alike: the library's convention since its
 # first checks (tests assert ValueError for `bits="4"`, `error_feedback="yes"`, `codec=object()`).

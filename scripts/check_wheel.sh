@@ -16,7 +16,7 @@ wheel=$(ls "$work"/dist/jax_qcomm-*.whl)
 echo "[wheel] $(basename "$wheel"): $(du -h "$wheel" | cut -f1); compiled modules:"
 "$PY" -m zipfile -l "$wheel" | awk '/\.so/ {print "  " $1}'
 "$PY" -m zipfile -l "$wheel" | grep -q '_qcomm_cpu.*\.so' || { echo "error: no CPU module in the wheel" >&2; exit 1; }
-for tool in efficiency distributed launch; do  # the tooling subpackage ships too
+for tool in efficiency distributed launch cluster; do  # the tooling subpackage ships too
   "$PY" -m zipfile -l "$wheel" | grep -q "jax_qcomm/tools/$tool.py" \
     || { echo "error: jax_qcomm/tools/$tool.py is not in the wheel" >&2; exit 1; }
 done

@@ -1,4 +1,5 @@
-"""The simulated cluster (``python -m benchmarks cluster``): arguments, the no-root / no-``ip``
+"""The simulated cluster (``python -m jax_qcomm.tools.cluster``, and the benchmarks' route
+``python -m benchmarks cluster``): arguments, the no-root / no-``ip``
 path, and -- as root with iproute2 -- real runs on 2 namespaces joined by 100 Mbit/s links:
 
 * the benchmark's JSON comes back with the cluster metadata, the link check measures ~the rate, and
@@ -27,7 +28,9 @@ import time
 
 import pytest
 
-from benchmarks import cluster
+from jax_qcomm.tools import cluster
+
+from benchmarks import __main__ as bench_cli
 
 pytestmark = pytest.mark.multiprocess
 
@@ -79,14 +82,25 @@ GOOD = ["--nodes", "2", "--rate", RATE, "--", "allreduce", "--sizes", "1000"]
 
 def test_validate_accepts_and_strips_separator():
   assert cluster.validate(_parse(GOOD)) == ["allreduce", "--sizes", "1000"]
+  assert cluster.validate(_parse(["--nodes", "2", "--rate", RATE, "--", "-m", "pkg", "-x"])) == \
+      ["-m", "pkg", "-x"]
+
+
+def test_benchmark_route_checks_the_benchmark_and_sets_the_link_rate():
+  assert bench_cli.cluster_program(_parse(GOOD)) == [
+      "-m", "benchmarks", "allreduce", "--sizes", "1000", "--link-gbps", "0.1"]
+  given = _parse([*GOOD, "--link-gbps=2"])
+  assert bench_cli.cluster_program(given)[-1] == "--link-gbps=2"
+  codec = _parse(["--nodes", "2", "--rate", RATE, "--", "codec", "--sizes", "1000"])
+  assert bench_cli.cluster_program(codec) == ["-m", "benchmarks", "codec", "--sizes", "1000"]
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--nodes", "1", "--rate", RATE, "--", "allreduce"], "--nodes"),
     (["--nodes", "65", "--rate", RATE, "--", "allreduce"], "--nodes"),
     (["--nodes", "2", "--", "allreduce"], "--rate"),
-    (["--nodes", "2", "--rate", RATE], "benchmark"),
-    (["--nodes", "2", "--rate", RATE, "--"], "benchmark"),
+    (["--nodes", "2", "--rate", RATE], "program"),
+    (["--nodes", "2", "--rate", RATE, "--"], "program"),
     (["--nodes", "2", "--rate", RATE, "--", "nosuchbench"], "rejected"),
     (["--nodes", "2", "--rate", RATE, "--", "allreduce", "--no-such-option"], "rejected"),
     (["--nodes", "2", "--rate", RATE, "--", "cluster", "--nodes", "2"], "cannot run inside"),
@@ -102,13 +116,20 @@ def test_validate_accepts_and_strips_separator():
 ])
 def test_validate_rejects(argv, match):
   with pytest.raises(ValueError, match=match):
-    cluster.validate(_parse(argv))
+    bench_cli.cluster_program(_parse(argv))
 
 
 def test_cli_bad_arguments_exit_2_before_building_anything():
   proc = _cli(["--nodes", "2", "--rate", RATE, "--", "nosuchbench"])
   assert proc.returncode == cluster.EXIT_USAGE, proc.stderr
   assert "nosuchbench" in proc.stderr and "building" not in proc.stderr
+
+
+def test_tool_cli_bad_arguments_exit_2():
+  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.cluster", "--nodes", "1", "--rate",
+                         RATE, "--", "train.py"], cwd=ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == cluster.EXIT_USAGE and "--nodes" in proc.stderr, proc.stderr
 
 
 def test_preflight_without_root():

@@ -8,7 +8,7 @@ The layers (docs/architecture.md), lowest first::
     ->  jax_qcomm (the public API)
 
 ``jax_qcomm.tools`` (the cost model ``efficiency``, the multi-process runtime ``distributed`` and
-``launch``) sits above the library: its modules may import the library and each other, and nothing
+``launch``, the simulated cluster ``cluster``) sits above the library: its modules may import the library and each other, and nothing
 in the library imports them. Tooling outside the package (``benchmarks/``, ``training/``,
 ``configs/``) may import the library and the tools; the library never imports it.
 
@@ -190,8 +190,8 @@ def test_tooling_is_outside_the_package():
 
 
 def test_training_never_imports_the_benchmarks():
-  """The example trainer stands alone: the benchmarks may import it (the peers benchmark reads
-  ``training.models``, ``benchmarks._common`` re-exports ``training.timing``), never the reverse."""
+  """The example trainer stands alone: the benchmarks may import it (``benchmarks._common``
+  re-exports ``training.timing``), never the reverse."""
   bad = [f"training.{name} imports benchmarks" for name, path in _modules("training").items()
          if "benchmarks" in _imports(path, "training")[1]]
   assert not bad, "\n".join(bad)

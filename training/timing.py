@@ -6,8 +6,8 @@ measurement (``training/train.py``) and the benchmarks (``benchmarks/_common.py`
   faults during each: a :class:`Timing`.
 * :func:`gc_paused` -- the garbage collector collected once, then off, for a timed region.
 
-Here rather than in ``benchmarks/``: the benchmarks may import the example trainer (the peers
-benchmark reads ``training.models``), the trainer never imports the benchmarks.
+Here rather than in ``benchmarks/``: the benchmarks may import the example trainer, the trainer
+never imports the benchmarks.
 """
 
 from __future__ import annotations

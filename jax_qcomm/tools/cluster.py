@@ -2,9 +2,13 @@
 
 Usage (as root, with iproute2's ``ip`` and ``tc``)::
 
-    python -m benchmarks cluster --nodes 4 --rate 1gbit [--local-devices 1] [--out F.json] \\
-        -- allreduce --sizes 25600000
-    python -m benchmarks cluster --cleanup            # remove leftovers of killed runs
+    python -m jax_qcomm.tools.cluster --nodes 4 --rate 1gbit [--out F.json] -- train.py --steps 10
+    python -m jax_qcomm.tools.cluster --nodes 4 --rate 1gbit -- -m benchmarks allreduce --sizes 1M
+    python -m jax_qcomm.tools.cluster --cleanup            # remove leftovers of killed runs
+
+What comes after ``--`` is given to this Python interpreter on every node (a script or ``-m
+module``). The repository's benchmarks have their own route, ``python -m benchmarks cluster ... --
+allreduce ...``, which checks the benchmark's options first and sets its ``--link-gbps``.
 
 What it builds (all names start with ``<prefix><pid>``, default prefix ``qcl``, so it never touches
 anything it did not create and two runs never collide):
@@ -20,14 +24,13 @@ anything it did not create and two runs never collide):
   of rate R on a switch.
 
 Then it checks the links (unless ``--no-link-check``): TCP transfers on every link at once, node i
-to node i+1 (through both shapers of every veth), each flow timed from first to last byte, and runs ``python -m benchmarks <benchmark ...>`` in every namespace through
-:func:`jax_qcomm.tools.launch.launch`: ``jax.distributed`` with the coordinator on node 0's address and gloo
-bound to ``eth0`` of each namespace (``QCOMM_GLOO_INTERFACE``). Each process enters its namespace by
-``ip netns exec`` (which also remounts ``/sys`` so that the namespace's interfaces are the ones seen).
-For benchmarks that take ``--link-gbps`` (``allreduce``, ``step``, ``patterns``), it is set from the rate unless
-given. Rank 0's JSON (the benchmark
-writes it to a temporary file) is copied to ``--out`` with ``metadata.cluster`` added: nodes, rate,
-the tc commands, addresses, the link check.
+to node i+1 (through both shapers of every veth), each flow timed from first to last byte, and runs
+the program in every namespace through :func:`jax_qcomm.tools.launch.launch`: ``jax.distributed``
+with the coordinator on node 0's address and gloo bound to ``eth0`` of each namespace
+(``QCOMM_GLOO_INTERFACE``). Each process enters its namespace by ``ip netns exec`` (which also
+remounts ``/sys`` so that the namespace's interfaces are the ones seen). With ``--out F`` the
+program is also given ``--out TMP`` and must write a JSON object there; rank 0's is copied to F with
+``metadata.cluster`` added: nodes, rate, the tc commands, addresses, the link check.
 
 Placement (``--pin``, default ``auto``): each node's processes are pinned to a CPU of their own
 (``sched_setaffinity`` before entering the namespace; node i on the i-th CPU this process may use)
@@ -36,19 +39,15 @@ node that waits on the network. With more nodes than CPUs (the 4-node runs on 2 
 unpinned (``--pin yes``: round-robin). ``metadata.cluster.placement`` says which: "one core per
 node" or "nodes sharing cores".
 
-Other programs: :func:`run_in_cluster` builds the cluster and hands a :class:`Session` to a body that
-may run any interpreter on the nodes (:meth:`Session.run_nodes`); the PyTorch peers
-(:mod:`benchmarks.peers.run`) run the JAX benchmark and a torch venv's worker in the same cluster.
-
 Teardown always runs: try/finally, SIGINT/SIGTERM/SIGHUP handlers, processes still inside the
 namespaces are killed first (``ip netns pids``). ``--cleanup`` removes leftovers of runs whose process
 is gone (``--force``: also of live ones).
 
-Exit status: the benchmark's (0 on success); 2 for bad arguments; 69 when the machine cannot do it
+Exit status: the program's (0 on success); 2 for bad arguments; 69 when the machine cannot do it
 (not root, no ``ip`` / ``tc``, no network namespaces), with the reason printed; 124 on ``--timeout``.
 
 On a 2-core machine 1 Gbit/s links hold (iperf ~950 Mbit/s); 10 Gbit/s cannot be simulated (the
-veth/bridge path is CPU-bound at ~3 Gbit/s), and the benchmark processes share the same cores.
+veth/bridge path is CPU-bound at ~3 Gbit/s), and the processes share the same cores.
 """
 
 from __future__ import annotations
@@ -70,20 +69,16 @@ from typing import Any, Callable, Sequence
 
 from jax_qcomm.tools import launch
 
-from benchmarks import _cli, _common
-
 #: Exit status when the machine cannot host the cluster (sysexits' EX_UNAVAILABLE).
 EXIT_UNAVAILABLE = 69
 EXIT_USAGE = 2
 DEFAULT_PREFIX = "qcl"
 DEFAULT_SUBNET = "10.77.0.0/24"
 DEFAULT_PORT = 29471
-DEFAULT_OUT = "bench-results/cluster.json"
 DEFAULT_TIMEOUT = 3600.0
 NS_INTERFACE = "eth0"
 MAX_NODES = 64
-#: Benchmark subcommands that cannot run inside the cluster.
-_NOT_IN_CLUSTER = {"cluster"}
+PROG = "python -m jax_qcomm.tools.cluster"
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
                "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
@@ -91,8 +86,8 @@ _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10
 # Run in each node process by the launcher (``python -c STUB ip tag cpus exe args...``): pins the
 # process to its CPU (``cpus``: one comma-separated entry per rank, empty for no pinning; the
 # affinity is inherited through exec), enters the rank's namespace with `ip netns exec` (which also
-# remounts /sys) and execs ``exe args...`` (a Python interpreter: this one for the JAX benchmarks,
-# another venv's for the PyTorch peers). No imports beyond os/sys, so the extra interpreter costs a
+# remounts /sys) and execs ``exe args...`` (a Python interpreter). No imports beyond os/sys, so the
+# extra interpreter costs a
 # few milliseconds.
 _NODE_STUB = ("import os, sys; ip, tag, cpus, exe = sys.argv[1:5]; "
               "rank = int(os.environ['QCOMM_PROCESS_ID']); "
@@ -170,19 +165,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the cluster's options to its subcommand parser."""
   add_cluster_options(parser)
   parser.add_argument("--out", default=None,
-                      help=f"JSON of rank 0 with the cluster metadata (default: {DEFAULT_OUT})")
+                      help="pass the program --out TMP and copy rank 0's JSON there to this file, "
+                           "with metadata.cluster added")
   parser.add_argument("--cleanup", action="store_true",
                       help="only remove leftovers (namespaces, bridge, veths) of runs with --prefix "
                            "whose process is gone, then exit")
   parser.add_argument("--force", action="store_true",
                       help="with --cleanup: also remove those of runs that are still alive")
-  parser.add_argument("benchmark", nargs=argparse.REMAINDER,
-                      help="after --: the benchmark subcommand and its options, e.g. "
-                           "allreduce --sizes 25600000")
+  parser.add_argument("program", nargs=argparse.REMAINDER,
+                      help="after --: what this Python interpreter runs on every node, e.g. "
+                           "train.py --steps 10 or -m benchmarks allreduce --sizes 1M")
 
 
 def add_cluster_options(parser: argparse.ArgumentParser, nodes: int = 4) -> None:
-  """The options that build the cluster (shared with ``python -m benchmarks peers``)."""
+  """The options that build the cluster."""
   parser.add_argument("--nodes", type=int, default=nodes,
                       help=f"namespaces, one process each (2..{MAX_NODES}; default: {nodes})")
   parser.add_argument("--rate", type=parse_rate, default=None,
@@ -204,7 +200,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, nodes: int = 4) -> None
                       help=f"kill each program run on the nodes after this many seconds "
                            f"(default: {DEFAULT_TIMEOUT:g})")
   parser.add_argument("--no-link-check", action="store_true",
-                      help="skip the TCP transfers that measure the shaped links before the benchmark")
+                      help="skip the TCP transfers that measure the shaped links before the program")
 
 
 def _check_prefix(prefix: str) -> str:
@@ -239,47 +235,20 @@ def validate_cluster(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace) -> list[str]:
-  """Checks the cluster options and the benchmark command line; returns the benchmark's argv.
-
-  Raises ValueError with a message naming the option. The benchmark's own options are parsed by the
-  benchmark parser here, so a typo fails before any namespace exists.
-  """
+  """Checks the cluster options; returns the program's argv (what follows ``--``; [] with
+  ``--cleanup``). Raises ValueError with a message naming the option."""
   _check_prefix(args.prefix)
   if args.cleanup:
     return []
   if args.force:
     raise ValueError("--force only goes with --cleanup")
   validate_cluster(args)
-  bench = list(args.benchmark)
-  if bench and bench[0] == "--":
-    bench = bench[1:]
-  if not bench:
-    raise ValueError("give the benchmark to run after --, e.g. -- allreduce --sizes 25600000")
-  if bench[0] in _NOT_IN_CLUSTER:
-    raise ValueError(f"the benchmark {bench[0]!r} cannot run inside the cluster")
-  parser = _cli.benchmark_parser()
-  parser.exit_on_error = False
-  try:
-    parsed = _parse_quietly(parser, bench)
-  except (argparse.ArgumentError, SystemExit) as e:
-    raise ValueError(f"benchmark command {shlex.join(bench)!r} rejected: {e}") from None
-  if parsed.command in _NOT_IN_CLUSTER:
-    raise ValueError(f"the benchmark {parsed.command!r} cannot run inside the cluster")
-  return bench
-
-
-def _parse_quietly(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-  """parse_args that raises instead of printing usage and exiting (subparsers exit regardless)."""
-
-  def error(message):
-    raise argparse.ArgumentError(None, message)
-
-  parser.error = error  # type: ignore[method-assign]
-  for action in parser._actions:  # the subparsers report errors through their own .error
-    if isinstance(action, argparse._SubParsersAction):
-      for sub in action.choices.values():
-        sub.error = error  # type: ignore[method-assign]
-  return parser.parse_args(argv)
+  program = list(args.program)
+  if program and program[0] == "--":
+    program = program[1:]
+  if not program:
+    raise ValueError("give the program to run after --, e.g. -- train.py or -- -m module args")
+  return program
 
 
 def node_cpus(nodes: int, pin: str, available: Sequence[int] | None = None
@@ -584,18 +553,6 @@ def cleanup(ip: str, prefix: str = DEFAULT_PREFIX, force: bool = False,
 
 # -- running ------------------------------------------------------------------------------------------
 
-def _takes_option(bench: Sequence[str], option: str) -> bool:
-  """Whether the benchmark subcommand ``bench[0]`` has ``option``."""
-  for action in _cli.benchmark_parser()._actions:
-    if isinstance(action, argparse._SubParsersAction) and bench[0] in action.choices:
-      return any(option in a.option_strings for a in action.choices[bench[0]]._actions)
-  return False
-
-
-def _has_option(argv: Sequence[str], option: str) -> bool:
-  return any(a == option or a.startswith(option + "=") for a in argv)
-
-
 class Session:
   """A built cluster, handed to the body of :func:`run_in_cluster`: its metadata (``meta``, the
   ``metadata.cluster`` of the JSON) and :meth:`run_nodes` to run a program on every node."""
@@ -681,7 +638,7 @@ def run_in_cluster(args: argparse.Namespace, body: Callable[[Session], int]) -> 
     for s, h in previous.items():
       signal.signal(s, h)
     if left:
-      cluster._log(f"teardown left {left}; run `python -m benchmarks cluster --cleanup "
+      cluster._log(f"teardown left {left}; run `{PROG} --cleanup "
                    f"--prefix {args.prefix} --force`")
       status = status or 1
     else:
@@ -689,35 +646,34 @@ def run_in_cluster(args: argparse.Namespace, body: Callable[[Session], int]) -> 
   return status
 
 
-def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> int:
-  """Builds the cluster, runs the benchmark in it, writes rank 0's JSON, tears everything down."""
-  if _takes_option(bench, "--link-gbps") and not _has_option(bench, "--link-gbps"):
-    bench = [*bench, "--link-gbps", f"{args.rate / 1e9:g}"]
+def run(args: argparse.Namespace, program: list[str], command: Sequence[str]) -> int:
+  """Builds the cluster, runs ``python program...`` on every node, writes rank 0's JSON to
+  ``args.out`` (if given), tears everything down."""
   tmpdir = tempfile.mkdtemp(prefix="qcomm-cluster-")
   rank0_json = os.path.join(tmpdir, "rank0.json")
-  out_path = args.out or DEFAULT_OUT
-  label = shlex.join(["python", "-m", "benchmarks", *bench])
+  label = shlex.join(["python", *program])
+  argv = [*program, "--out", rank0_json] if args.out else program
 
   def body(session: Session) -> int:
     meta = session.meta
-    status = session.run_nodes(sys.executable, ["-m", "benchmarks", *bench, "--out", rank0_json],
-                               label=label, launch_command=shlex.join(command))
+    status = session.run_nodes(sys.executable, argv, label=label, launch_command=shlex.join(command))
     last = meta["runs"][-1]
     meta.update(benchmark_wall_s=last["wall_s"], benchmark_command=label, exit_status=status,
                 load_average_before=last["load_average_before"],
                 load_average_after=last["load_average_after"])
-    if status != 0:
+    if status != 0 or not args.out:
       return status
     if not os.path.exists(rank0_json):
-      session.cluster._log(f"benchmark exited 0 but wrote no JSON ({shlex.join(bench)}: does it "
-                           "take --out?)")
+      session.cluster._log(f"the program exited 0 but wrote no JSON ({label}: does it take --out?)")
       return 1
     with open(rank0_json, encoding="utf-8") as f:
       data = json.load(f)
     data.setdefault("metadata", {})["cluster"] = meta
     data["metadata"]["cluster_command"] = shlex.join(command)
-    path = _common.write_json(out_path, data)
-    session.cluster._log(f"wrote {path}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+      f.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    session.cluster._log(f"wrote {args.out}")
     return 0
 
   try:
@@ -726,18 +682,13 @@ def run(args: argparse.Namespace, bench: list[str], command: Sequence[str]) -> i
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def main(args: argparse.Namespace, command: Sequence[str]) -> int:
-  """The ``cluster`` subcommand."""
-  try:
-    bench = validate(args)
-  except ValueError as e:
-    print(f"python -m benchmarks cluster: error: {e}", file=sys.stderr)
-    return EXIT_USAGE
+def execute(args: argparse.Namespace, program: list[str], command: Sequence[str],
+            prog: str = PROG) -> int:
+  """After :func:`validate`: ``--cleanup``, or :func:`run`; exit 69 when the machine cannot."""
   try:
     ip, _ = preflight()
   except Unavailable as e:
-    print(f"python -m benchmarks cluster: cannot build the simulated cluster here: {e}",
-          file=sys.stderr)
+    print(f"{prog}: cannot build the simulated cluster here: {e}", file=sys.stderr)
     return EXIT_UNAVAILABLE
   if args.cleanup:
     removed, kept = cleanup(ip, args.prefix, args.force,
@@ -745,4 +696,24 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
     if not removed and not kept:
       print(f"[cluster] nothing to clean up (prefix {args.prefix!r})", file=sys.stderr)
     return 0
-  return run(args, bench, command)
+  return run(args, program, command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m jax_qcomm.tools.cluster [options] -- program [args ...]``; returns the exit status."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(
+      prog=PROG, usage="%(prog)s --nodes N --rate RATE [options] -- PROGRAM [args ...]",
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_arguments(parser)
+  args = parser.parse_args(argv)
+  try:
+    program = validate(args)
+  except ValueError as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  return execute(args, program, ["python", "-m", "jax_qcomm.tools.cluster", *argv])
+
+
+if __name__ == "__main__":
+  sys.exit(main())
