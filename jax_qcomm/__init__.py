@@ -1,7 +1,9 @@
 """jax_qcomm: compressed gradient collectives for JAX.
 
-QSGD codecs as XLA FFI kernels (C++ on CPU, CUDA on NVIDIA GPUs) with a pure-JAX reference of the
-same wire format, and the collectives built from them (inside ``jax.shard_map`` / ``jax.pmap``).
+Codecs (:class:`Codec`: QSGD and Summable as XLA FFI kernels -- C++ on CPU, CUDA on NVIDIA GPUs --
+with a pure-JAX reference of the same wire format; Cast; NoCompression), each reducing across
+devices through one protocol, the collectives built on it (inside ``jax.shard_map`` /
+``jax.pmap``) and the optax wrapper :func:`sync`.
 The tooling above the library -- the cost model and the multi-process runtime -- is imported on its
 own: ``from jax_qcomm.tools import efficiency, distributed`` (this module never imports it).
 """
@@ -9,7 +11,8 @@ own: ``from jax_qcomm.tools import efficiency, distributed`` (this module never 
 from jax_qcomm import _ffi
 from jax_qcomm._ffi import implementation
 from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression, Summable
-from jax_qcomm.collectives import Hierarchical, all_gather, allreduce, cast_pmean, reduce_scatter
+from jax_qcomm.axes import Hierarchical
+from jax_qcomm.collectives import all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
 from jax_qcomm.accumulation import accumulate_gradients
 from jax_qcomm.sync import SyncState, codec_for_bits, state_partition_spec, sync

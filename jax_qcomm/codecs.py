@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _ffi, _reference, wire
-from jax_qcomm._checks import (as_array, check_array, check_bool, check_float_dtype, check_int,
+from jax_qcomm import _exchange, _ffi, _reference, wire
+from jax_qcomm.axes import AxisName, axis_size, device_key
+from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int,
                                check_int_in, check_key, check_real, check_shape)
 
 Shape = Sequence[int]
@@ -70,6 +71,26 @@ def seed_words(key: jax.Array) -> jax.Array:
   return jax.random.bits(key, (2,), jnp.uint32)
 
 
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
+
+
+def _check_traffic(n: Any, devices: Any, collective: Any) -> tuple[int, int, str]:
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+  return check_int("n", n, 0), check_int("devices", devices), collective
+
+
+def _pad_to(x: jax.Array, size: int) -> jax.Array:
+  """float32[n] -> float32[size], zeros appended (size >= n)."""
+  pad = size - x.shape[0]
+  return jnp.pad(x, (0, pad)) if pad else x
+
+
+def _ring(devices: int, nbytes: float) -> float:
+  """Bytes each device sends in a ring all-reduce of a buffer of ``nbytes``: 2 (D-1)/D of it."""
+  return 2.0 * (devices - 1) / devices * nbytes
+
+
 def _sum_in_order(vals: jax.Array) -> jax.Array:
   """vals[0] + vals[1] + ... in float32, unrolled: XLA CPU's reduce over a short axis is slow."""
   out = vals[0]
@@ -79,73 +100,85 @@ def _sum_in_order(vals: jax.Array) -> jax.Array:
 
 
 class Codec(abc.ABC):
-  """The interface of a codec: everything the collectives, the packing of pytrees, the cost model
-  (:mod:`jax_qcomm.tools.efficiency`) and :func:`jax_qcomm.describe` know about one.
+  """A codec: how values cross the wire, as array functions and as a reduction across devices.
 
   A codec is an immutable, hashable value (a frozen dataclass): the collectives group leaves by
-  codec and ``jit`` sees it as a static part of the traced program. Nothing outside this module
-  looks at a concrete codec's type or private state; it reads the attributes below.
+  codec and ``jit`` sees it as a static part of the traced program. Every other module talks to a
+  codec through the members below, and none looks at a codec's type: a new codec is one subclass.
 
   **What it states**
 
-  * :attr:`exact` -- ``decode(encode(x)) == x`` bit for bit. The collectives then skip the codec
-    and reduce the float32 values with XLA's own ``psum`` / ``psum_scatter`` / ``all_gather``
-    (the same bytes, fewer steps). :attr:`lossy` is its negation.
+  * :attr:`exact` -- ``decode(encode(x)) == x`` bit for bit (:attr:`lossy` is its negation:
+    error feedback and codec-time accounting apply only to lossy codecs).
   * :attr:`needs_key` -- :meth:`encode` needs a JAX PRNG key (stochastic rounding).
-  * :attr:`pad_multiple` -- a buffer is padded to a multiple of this many elements (per leaf in
-    a packed buffer, per device chunk in the allreduce) so that no group of values that share
-    scales straddles two leaves or two chunks. :meth:`pad_fill` is the value padding uses.
+  * :attr:`pad_multiple` -- the quantisation bucket: a buffer is padded to a multiple of this many
+    elements (per leaf in a packed communication buffer) so that no group of values sharing scales
+    straddles two leaves. :meth:`pad_fill` is the value padding uses.
   * :attr:`wire_dtype` -- the word type the payload travels as inside the collectives.
   * :attr:`name` -- a short human-readable name.
 
-  **Sizes**: :meth:`payload_size` (bytes for ``n`` elements), :meth:`wire_size` (words of
-  :attr:`wire_dtype` for ``n`` elements) and :meth:`wire_bits` (bits per element).
+  **Sizes**: :meth:`payload_size` (bytes of the payload of ``n`` elements), :meth:`wire_size`
+  (the same in words of :attr:`wire_dtype`) and :meth:`wire_bits` (bits per element).
 
   **Array API** (public, any shape, ``uint8`` payloads in the documented wire format):
   :meth:`encode`, :meth:`decode`, :meth:`decode_sum`, :meth:`decode_sum_reencode`,
   :meth:`roundtrip`. Built here from the wire API; subclasses need not touch them.
 
-  **Wire API** (what the collectives call; flat float32 in, rows of :attr:`wire_dtype` words out):
+  **Wire API** (flat float32 in, rows of :attr:`wire_dtype` words out):
 
   * ``wire_encode(x: float32[n], key) -> wire[wire_size(n)]``
   * ``wire_decode_sum(wires: wire[k, W], n) -> float32[n]``: the in-order float32 sum of the k
     decodes (``k = 1`` decodes);
-  * ``wire_decode_sum_reencode(wires, n, key, scale) -> wire[W]``: the middle of the allreduce,
+  * ``wire_decode_sum_reencode(wires, n, key, scale) -> wire[W]``:
     ``wire_encode(wire_decode_sum(wires, n) * float32(scale), key)`` (no multiplication where
     ``scale == 1``); a codec may fuse it into one kernel with the same bytes (QSGD does).
 
-  **Summable codecs** (:attr:`summable` True, e.g. :class:`Summable`): the payloads of all
-  devices add up as integers, so the allreduce is one ``lax.psum`` of uint32 words (XLA's own
-  all-reduce) instead of the scatter-reduce-allgather. The collectives then call, with ``D`` the
-  number of devices summed (static):
+  **The reduction protocol** (what :func:`jax_qcomm.allreduce`, :func:`jax_qcomm.reduce_scatter`,
+  :func:`jax_qcomm.all_gather`, :func:`jax_qcomm.sync`, :func:`jax_qcomm.describe` and the cost
+  model call; inside ``shard_map`` / ``pmap``, ``axis_name`` a bound name or tuple of names, D its
+  size, x this device's flat float32 values):
 
-  * ``bucket_scale(x: float32[n]) -> int32[nb]``: this device's statistic per group of values
-    sharing a scale, combined across devices by ``lax.pmax`` into ``shared`` (the same everywhere);
-  * ``wire_encode_summable(x: float32[n], shared, key, devices) -> uint32[W]``: words whose
-    element-wise uint32 sum over ``devices`` payloads is the payload of the sum;
-  * ``wire_decode_summed(words, shared, devices, count, n, scale=1.0) -> float32[n]``: the decode
-    of the sum of ``count`` payloads (1 <= count <= devices; 1: this device's own, for the
-    error-feedback residual), times ``float32(scale)``;
-  * ``check_devices(devices)``: ValueError where the sum of ``devices`` payloads does not fit.
+  * ``allreduce_flat(x: float32[n], axis_name, key, op, exchange) -> (out: float32[n], residual:
+    float32[n])``: the mean (``op="mean"``) or sum over the D devices, the same bits on every
+    device, and ``residual``, what this device's own quantisation lost (x minus what it
+    contributed; zeros for exact codecs), for error feedback.
+  * ``reduce_scatter_flat(x: float32[D*m], axis_name, key, op, exchange) -> (block: float32[m],
+    residual: float32[D*m])``: block i of the reduction lands on the device with axis index i.
+    ``exchange`` is the schedule of an all-to-all (``jax_qcomm._exchange``); codecs that use none
+    ignore it.
+  * ``all_gather_flat(x: float[m], axis_name, key) -> float[D, m]``: every device's values,
+    decoded, the same bits everywhere (the sender's own row included); x may be any float dtype
+    (an exact codec gathers it as it is; lossy ones encode float32 and return float32).
+  * ``traffic(n, devices, collective="allreduce") -> ((xla_collective, bytes), ...)``: the bytes
+    each device sends for each XLA collective of one such call on a buffer of ``n`` elements, in
+    the ring convention of nccl-tests (all-reduce ``2 (D-1)/D`` of its buffer, all-gather and
+    all-to-all ``(D-1)/D`` of the gathered size, reduce-scatter ``(D-1)`` times its output).
+    ``collective`` is ``"allreduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
+    :meth:`sent_bytes` is their sum: the one byte count of the library.
 
-  Their sizes depend on D: ``payload_size(n, devices=1)``, ``wire_size(n, devices=1)`` and
-  ``wire_bits(devices=1)`` take it (default 1: the standalone payload of :meth:`encode`); the
-  cost model and ``describe`` pass it where :attr:`summable` is True. A summable codec still
-  implements the wire API above (its standalone payload), so that the array API works.
+  The defaults implement the scatter-reduce-allgather (SRA) from the wire API: each device's
+  buffer is padded to whole buckets per device chunk and cut into D chunks, chunk j encoded and
+  sent to device j (an all-to-all), the owner decodes and sums the D payloads it received,
+  re-encodes the scaled sum once and every device all-gathers and decodes all chunks: each value is
+  quantised twice. :class:`NoCompression` overrides them with XLA's float32 ``psum`` /
+  ``psum_scatter`` / ``all_gather``; :class:`Summable` with one ``pmax`` of the scales and one
+  ``psum`` of summable words. A codec with another way of reducing overrides the three methods and
+  :meth:`traffic` together.
 
   **Adding a codec**: subclass as a frozen dataclass and implement :meth:`payload_size`,
   :meth:`wire_bits`, :meth:`wire_encode` and :meth:`wire_decode_sum`; override the stated
-  attributes where the defaults (lossy, no key, no padding, ``uint8`` words) do not hold.
+  attributes where the defaults (lossy, no key, no padding, ``uint8`` words) do not hold, and the
+  reduction protocol where the SRA is not how it should reduce.
   """
 
-  #: True if decode(encode(x)) == x bit for bit (collectives then use XLA's float32 collectives).
+  #: True if decode(encode(x)) == x bit for bit.
   exact: bool = False
   #: Word type of the payload inside the collectives; its size divides every payload size.
   wire_dtype: Any = np.uint8
 
   @property
   def lossy(self) -> bool:
-    """True if the codec discards information (collectives then quantise each value twice)."""
+    """True if the codec discards information (error feedback then has a residual to keep)."""
     return not self.exact
 
   @property
@@ -168,36 +201,14 @@ class Codec(abc.ABC):
     del x
     return jnp.float32(0)
 
-  @property
-  def summable(self) -> bool:
-    """True if payloads add up in a ``lax.psum`` (see "Summable codecs" above)."""
-    return False
-
-  def check_devices(self, devices: int) -> int:
-    """Summable codecs: ``devices`` if that many payloads can be summed, else ValueError."""
-    raise NotImplementedError(f"{self.name} is not a summable codec")
-
-  def bucket_scale(self, x: jax.Array) -> jax.Array:
-    """Summable codecs: float32[n] -> int32[nb], this device's statistic, combined by lax.pmax."""
-    raise NotImplementedError(f"{self.name} is not a summable codec")
-
-  def wire_encode_summable(self, x: jax.Array, shared: jax.Array, key: jax.Array | None,
-                           devices: int) -> jax.Array:
-    """Summable codecs: float32[n] -> uint32[W], words that add up across ``devices`` payloads."""
-    raise NotImplementedError(f"{self.name} is not a summable codec")
-
-  def wire_decode_summed(self, words: jax.Array, shared: jax.Array, devices: int, count: int,
-                         n: int, scale: float = 1.0) -> jax.Array:
-    """Summable codecs: uint32[W], the sum of ``count`` payloads -> float32[n] (times scale)."""
-    raise NotImplementedError(f"{self.name} is not a summable codec")
-
   @abc.abstractmethod
   def payload_size(self, n: int) -> int:
-    """Bytes of the payload of an array of n elements."""
+    """Bytes of the payload of an array of n elements (what :meth:`encode` returns)."""
 
   @abc.abstractmethod
-  def wire_bits(self) -> float:
-    """Bits on the wire per element, for whole buckets."""
+  def wire_bits(self, devices: int = 1) -> float:
+    """Bits on the wire per element, for whole buckets, when ``devices`` payloads are reduced
+    (1: the standalone payload); only codecs whose fields widen with the sum depend on it."""
 
   def wire_size(self, n: int) -> int:
     """Words of :attr:`wire_dtype` in the payload of n elements."""
@@ -219,6 +230,81 @@ class Codec(abc.ABC):
     if scale != 1.0:
       reduced = reduced * jnp.float32(scale)
     return self.wire_encode(reduced, key)
+
+  # -- the reduction protocol (default: scatter-reduce-allgather) ---------------------------------
+  def padded_size(self, n: int, devices: int) -> int:
+    """Elements a flat buffer of ``n`` takes in :meth:`allreduce_flat` over ``devices``: here a
+    multiple of ``devices * pad_multiple``, so that every device's chunk is whole buckets."""
+    m = devices * self.pad_multiple
+    return -(-n // m) * m
+
+  def allreduce_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
+                     op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """float32[n] -> (mean or sum over the axis, this device's residual); see the class doc."""
+    n = x.shape[0]
+    d = axis_size(axis_name)
+    x = _pad_to(x, self.padded_size(n, d))
+    c = x.shape[0] // d
+    chunks = x.reshape(d, c)
+    payloads = self._encode_rows(chunks, device_key(key, axis_name, 0))
+    residual = (chunks - self._decode_rows(payloads, c)).reshape(-1)
+    received = _exchange.exchange(payloads, axis_name, exchange)  # row s: my chunk from device s
+    scale = 1.0 / d if op == "mean" else 1.0
+    mine = self.wire_decode_sum_reencode(received, c, device_key(key, axis_name, 1), scale)
+    gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, W], the same everywhere
+    return self._decode_rows(gathered, c).reshape(-1)[:n], residual[:n]
+
+  def reduce_scatter_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
+                          op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """float32[D*m] -> (this device's block float32[m], residual float32[D*m]): the SRA's first
+    half; each value is quantised once on its way to its owner."""
+    d = axis_size(axis_name)
+    rows = x.reshape(d, -1)
+    m = rows.shape[1]
+    payloads = self._encode_rows(rows, device_key(key, axis_name, 0))
+    residual = (rows - self._decode_rows(payloads, m)).reshape(-1)
+    block = self.wire_decode_sum(_exchange.exchange(payloads, axis_name, exchange), m)
+    if op == "mean":
+      block = block * jnp.float32(1.0 / d)
+    return block, residual
+
+  def all_gather_flat(self, x: jax.Array, axis_name: AxisName,
+                      key: jax.Array | None) -> jax.Array:
+    """float[m] -> float32[D, m]: every device's payload, decoded (the SRA's second half)."""
+    payload = self.wire_encode(x.astype(jnp.float32), device_key(key, axis_name, 0))
+    gathered = lax.all_gather(payload, axis_name, to="invarying")
+    return self._decode_rows(gathered, x.shape[0])
+
+  def traffic(self, n: int, devices: int,
+              collective: str = "allreduce") -> tuple[tuple[str, float], ...]:
+    """Bytes each device sends per XLA collective for one reduction of a buffer of ``n`` elements
+    over ``devices`` (ring convention; see the class doc). SRA: an all-to-all of D chunk payloads
+    and an all-gather of D reduced ones; reduce_scatter: the all-to-all, of blocks of n / D;
+    all_gather: an all-gather of D payloads of n each."""
+    n, d, collective = _check_traffic(n, devices, collective)
+    f = (d - 1) / d
+    if collective == "all_gather":
+      return (("all-gather", f * d * self.payload_size(n)),)
+    if collective == "reduce_scatter":
+      return (("all-to-all", f * d * self.payload_size(-(-n // d))),)
+    chunk = self.payload_size(self.padded_size(n, d) // d)
+    return (("all-to-all", f * d * chunk), ("all-gather", f * d * chunk))
+
+  def sent_bytes(self, n: int, devices: int, collective: str = "allreduce") -> float:
+    """Bytes each device sends for one reduction of ``n`` elements over ``devices`` devices: the
+    sum of :meth:`traffic`, equal to what the compiled program's collectives send."""
+    return float(sum(b for _, b in self.traffic(n, devices, collective)))
+
+  # -- helpers of the reductions -------------------------------------------------------------------
+  def _encode_rows(self, rows: jax.Array, key: jax.Array | None) -> jax.Array:
+    """float32[k, c] -> wire[k, W], a key per row."""
+    if key is None:
+      return jax.vmap(lambda r: self.wire_encode(r, None))(rows)
+    return jax.vmap(self.wire_encode)(rows, jax.random.split(key, rows.shape[0]))
+
+  def _decode_rows(self, wires: jax.Array, c: int) -> jax.Array:
+    """wire[k, W] -> float32[k, c], each row decoded on its own."""
+    return jax.vmap(lambda w: self.wire_decode_sum(w[None], c))(wires)
 
   # -- array API ---------------------------------------------------------------------------------
   def _to_bytes(self, wire: jax.Array) -> jax.Array:
@@ -410,7 +496,8 @@ class QSGD(_Bucketed):
   def payload_size(self, n: int) -> int:
     return wire.qsgd_payload_bytes(check_int("n", n, 0), **self._fmt)
 
-  def wire_bits(self) -> float:
+  def wire_bits(self, devices: int = 1) -> float:
+    check_int("devices", devices)
     return 32.0 / wire.qsgd_compression_ratio(**self._fmt)
 
   def _kernel_platforms(self) -> tuple[str, ...]:
@@ -473,7 +560,8 @@ class Cast(Codec):
   def payload_size(self, n: int) -> int:
     return 2 * check_int("n", n, 0)
 
-  def wire_bits(self) -> float:
+  def wire_bits(self, devices: int = 1) -> float:
+    check_int("devices", devices)
     return 16.0
 
   # Words of uint16 in the collectives: the same bytes as the uint8 payload, but XLA CPU converts
@@ -494,7 +582,8 @@ class Cast(Codec):
 
 @dataclasses.dataclass(frozen=True)
 class NoCompression(Codec):
-  """Exact float32. Collectives use ``lax.psum`` for it; encode/decode are the float32 bytes."""
+  """Exact float32. Reduces with XLA's own ``psum`` / ``psum_scatter`` / ``all_gather`` of the
+  float32 values (no padding, no residual); encode/decode are the float32 bytes."""
 
   exact = True
 
@@ -505,7 +594,8 @@ class NoCompression(Codec):
   def payload_size(self, n: int) -> int:
     return 4 * check_int("n", n, 0)
 
-  def wire_bits(self) -> float:
+  def wire_bits(self, devices: int = 1) -> float:
+    check_int("devices", devices)
     return 32.0
 
   def wire_encode(self, x, key):
@@ -514,6 +604,31 @@ class NoCompression(Codec):
   def wire_decode_sum(self, payloads, n):
     k = payloads.shape[0]
     return _sum_in_order(lax.bitcast_convert_type(payloads.reshape(k, n, 4), jnp.float32))
+
+  # -- the reduction protocol: XLA's float32 collectives --------------------------------------------
+  def padded_size(self, n: int, devices: int) -> int:
+    return n
+
+  def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    out = lax.pmean(x, axis_name) if op == "mean" else lax.psum(x, axis_name)
+    return out, jnp.zeros_like(x)
+
+  def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    block = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+    if op == "mean":
+      block = block / axis_size(axis_name)
+    return block, jnp.zeros_like(x)
+
+  def all_gather_flat(self, x, axis_name, key):
+    return lax.all_gather(x, axis_name, to="invarying")
+
+  def traffic(self, n, devices, collective="allreduce"):
+    n, d, collective = _check_traffic(n, devices, collective)
+    if collective == "allreduce":
+      return (("all-reduce", _ring(d, 4 * n)),)
+    if collective == "reduce_scatter":
+      return (("reduce-scatter", (d - 1) * 4 * (-(-n // d))),)
+    return (("all-gather", (d - 1) * 4 * n),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,10 +686,6 @@ class Summable(_Bucketed):
     self._check_rounding_and_impl("CPU kernels")
 
   @property
-  def summable(self) -> bool:
-    return True
-
-  @property
   def name(self) -> str:
     rounding = "" if self.rounding == "stochastic" else f" {self.rounding}"
     return f"Summable {self.bits}b/{self.bucket_size}{rounding}"
@@ -586,22 +697,68 @@ class Summable(_Bucketed):
                         f" for {self.name} (the sum over the devices of a field must fit a uint32 "
                         f"word: 2 L D < 2**32)")
 
-  def payload_size(self, n: int, devices: int = 1) -> int:
-    """Bytes per device per summable allreduce of n elements over ``devices`` devices (the uint32
-    words of the psum and one int32 scale statistic per bucket, the pmax); ``devices=1`` is the
-    standalone payload of :meth:`encode`."""
-    n = check_int("n", n, 0)
-    return wire.summable_payload_bytes(n, self.bits, self.bucket_size, self.check_devices(devices))
-
-  def wire_size(self, n: int, devices: int = 1) -> int:
-    return self.payload_size(n, devices)
+  def payload_size(self, n: int) -> int:
+    """Bytes of the standalone payload of :meth:`encode`: one int32 scale statistic per bucket,
+    then the uint32 words of one device (D = 1). In a reduction over D devices the fields are
+    wider (:meth:`traffic`)."""
+    return wire.summable_payload_bytes(check_int("n", n, 0), self.bits, self.bucket_size, 1)
 
   def wire_bits(self, devices: int = 1) -> float:
-    """Bits per element for whole words and buckets, ``devices`` summed payloads."""
+    """Bits per element for whole words and buckets when ``devices`` payloads are summed."""
     return wire.summable_wire_bits(self.bits, self.bucket_size, self.check_devices(devices))
 
   def _kernel_platforms(self) -> tuple[str, ...]:
     return ("cpu",) if _ffi.has_cpu_kernels() else ()  # no CUDA kernel: GPUs run the reference
+
+  # -- the reduction protocol: one pmax of the scales, one psum of the words -------------------------
+  def padded_size(self, n: int, devices: int) -> int:
+    return -(-n // self.bucket_size) * self.bucket_size  # whole buckets; no chunks per device
+
+  def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    """One lax.pmax of the per-bucket statistic (the shared scales), one lax.psum of the uint32
+    words (XLA's all-reduce), one decode; the residual is x minus this device's own decode."""
+    n = x.shape[0]
+    d = self.check_devices(axis_size(axis_name))
+    shared = lax.pmax(self.bucket_scale(x), axis_name)  # the same on every device
+    words = self.wire_encode_summable(x, shared, device_key(key, axis_name, 0), d)
+    total = lax.psum(words, axis_name)
+    out = self.wire_decode_summed(total, shared, d, d, n, 1.0 / d if op == "mean" else 1.0)
+    residual = x - self.wire_decode_summed(words, shared, d, 1, n)
+    return out, residual
+
+  def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    """Block i's words summed onto device i: one psum_scatter of [D, W] words (whole rows), the
+    scales of every block shared by one pmax."""
+    d = self.check_devices(axis_size(axis_name))
+    rows = x.reshape(d, -1)
+    m = rows.shape[1]
+    shared = lax.pmax(jax.vmap(self.bucket_scale)(rows), axis_name)
+    row_key = device_key(key, axis_name, 0)
+    keys = None if row_key is None else jax.random.split(row_key, d)
+    words = jax.vmap(lambda r, sh, k: self.wire_encode_summable(r, sh, k, d),
+                     in_axes=(0, 0, None if keys is None else 0))(rows, shared, keys)
+    mine = lax.psum_scatter(words, axis_name, scatter_dimension=0, tiled=True)[0]
+    own = lax.dynamic_index_in_dim(shared, lax.axis_index(axis_name), keepdims=False)
+    block = self.wire_decode_summed(mine, own, d, d, m, 1.0 / d if op == "mean" else 1.0)
+    mine_decoded = jax.vmap(lambda w, sh: self.wire_decode_summed(w, sh, d, 1, m))(words, shared)
+    return block, (rows - mine_decoded).reshape(-1)
+
+  def traffic(self, n, devices, collective="allreduce"):
+    """allreduce: ring all-reduces of the uint32 words (fields for D summed payloads) and of one
+    int32 statistic per bucket (the pmax); reduce_scatter: a reduce-scatter of D blocks' words and
+    the pmax of every block's statistics; all_gather: the standalone payloads."""
+    n, d, collective = _check_traffic(n, devices, collective)
+    if collective == "all_gather":
+      return super().traffic(n, d, collective)
+    d = self.check_devices(d)
+    if collective == "allreduce":
+      words = wire.summable_words(n, self.bits, d)
+      return (("all-reduce", _ring(d, 4 * words)),
+              ("all-reduce", _ring(d, 4 * wire.num_buckets(n, self.bucket_size))))
+    m = -(-n // d)
+    words = wire.summable_words(m, self.bits, d)
+    return (("reduce-scatter", (d - 1) * 4 * words),
+            ("all-reduce", _ring(d, 4 * d * wire.num_buckets(m, self.bucket_size))))
 
   # -- summable wire API ---------------------------------------------------------------------------
   def bucket_scale(self, x: jax.Array) -> jax.Array:
@@ -650,22 +807,16 @@ class Summable(_Bucketed):
 
 
 def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
-                   rounding: str = "stochastic", summable: bool = False) -> Codec:
-  """32 -> NoCompression, 16 -> Cast(bfloat16), 1..8 -> QSGD(bits, bucket_size, scheme, rounding).
-
-  The ``bits`` of :func:`jax_qcomm.sync` and of the cost model; ``bucket_size``, ``scheme`` and
-  ``rounding`` apply to QSGD only. ``summable=True``: 2..8 -> Summable(bits, bucket_size,
-  rounding) instead (one psum of uint32 words; ``scheme`` must then be left "maxmin", and bits
-  32/16 or 1 are a ValueError)."""
-  if check_bool("summable", summable):
-    check_int_in("bits", bits, 2, 8, " with summable=True")
-    if scheme != "maxmin":
-      raise ValueError(f"scheme applies to QSGD only: leave it 'maxmin' with summable=True, "
-                       f"got {scheme!r}")
-    return Summable(bits=bits, bucket_size=bucket_size, rounding=rounding)
-  if isinstance(bits, bool) or not isinstance(bits, int) or not (bits in (16, 32) or 1 <= bits <= 8):
+                   rounding: str = "stochastic") -> Codec:
+  """The codec a ``bits`` shorthand names: 32 -> NoCompression, 16 -> Cast(bfloat16), 1..8 ->
+  QSGD(bits, bucket_size, scheme, rounding) (``bucket_size``, ``scheme`` and ``rounding`` apply to
+  QSGD only; they are checked even where they do not apply). Any other codec, e.g.
+  ``Summable(4)``, is passed as an object: ``sync(inner, codec=...)``."""
+  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not (
+      bits in (16, 32) or 1 <= bits <= 8):
     raise ValueError(f"bits must be 32 (exact), 16 (bf16 on the wire) or 1..8 (QSGD), got {bits!r}")
-  if bits in (16, 32):  # the QSGD settings are checked even where they do not apply
+  bits = int(bits)
+  if bits in (16, 32):
     QSGD(bits=4, bucket_size=bucket_size, scheme=scheme, rounding=rounding)
   if bits == 32:
     return NoCompression()

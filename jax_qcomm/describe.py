@@ -2,37 +2,33 @@
 
     print(qcomm.describe(tx, params))
 
-For every leaf of ``params``: the codec the policy picks (:meth:`LeafPolicy.codec_for`, the same
-call the allreduce makes), its element count, its payload (the codec's own ``payload_size``) and the
-bytes each device sends for it per synchronisation, against exact float32.
+For every leaf of ``params``: the codec the policy picks (:func:`packing.leaf_codecs`, the same call
+the allreduce makes), its element count, its payload (the codec's own ``payload_size``) and the
+bytes each device sends for it per synchronisation, against exact float32. The bytes come from the
+codecs' own :meth:`Codec.sent_bytes` of the communication buffers the allreduce builds
+(:func:`packing.plan`), so they equal what the compiled step's collectives send.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm import collectives, packing
+from jax_qcomm import packing
 from jax_qcomm._checks import check_array_leaves, check_axis_name, check_instance, check_int
-from jax_qcomm.codecs import Codec
+from jax_qcomm.axes import Hierarchical
+from jax_qcomm.codecs import Codec, NoCompression
 from jax_qcomm.sync import config_of, num_devices
-
-
-def _sent(devices: int, payload: int) -> float:
-  # Scatter-reduce-allgather (and a ring psum): each device sends (D-1)/D of the buffer in each
-  # half, the nccl-tests "bus bandwidth" convention.
-  return 2.0 * (devices - 1) / devices * payload
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafTraffic:
   """One leaf: ``payload_bytes`` is the codec's ``payload_size`` of the leaf as packed (whole
-  buckets); ``sent_bytes`` what each device sends for it per synchronisation (2 (D-1)/D of the
-  payload)."""
+  buckets); ``sent_bytes`` its share (by packed elements) of what each device sends for its
+  communication buffer per synchronisation."""
 
   path: str
   shape: tuple[int, ...]
@@ -56,8 +52,8 @@ class LeafTraffic:
 class Description:
   """What a sync sends: per-leaf :class:`LeafTraffic` and totals. ``str()`` / :meth:`table` give a
   readable table. Bytes are per device; "per sync" is per communication, "per call" divides by
-  ``accum_steps``. The flat buffers add a little padding (at most ``devices * bucket - 1``
-  elements per buffer), not counted here."""
+  ``accum_steps``. The padding of each communication buffer to the devices' chunks is counted (in
+  the leaves' shares)."""
 
   leaves: tuple[LeafTraffic, ...]
   devices: int
@@ -96,7 +92,7 @@ class Description:
   @property
   def fp32_sent_bytes_per_sync(self) -> float:
     """What an exact float32 allreduce of the same leaves would send per device."""
-    return _sent(self.devices, self.fp32_bytes)
+    return NoCompression().sent_bytes(self.elements, self.devices)
 
   @property
   def ratio(self) -> float:
@@ -155,7 +151,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     Only flat axes are described (ValueError for ``qcomm.Hierarchical``).
   """
   cfg = config_of(tx)
-  if isinstance(cfg.axis_name, collectives.Hierarchical):
+  if isinstance(cfg.axis_name, Hierarchical):
     raise ValueError("describe covers flat axes (a name or a tuple of names), not "
                      "qcomm.Hierarchical, whose exact and compressed parts cross different links")
   if devices is None:
@@ -163,33 +159,21 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
   else:
     devices = check_int("devices", devices)
   check_array_leaves("params", params)
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-  bare = treedef.num_leaves == 1 and treedef.num_nodes == 1  # allreduce: a bare array gets the codec
+  with_path, _ = jax.tree_util.tree_flatten_with_path(params)
+  shapes = [jax.ShapeDtypeStruct(tuple(int(d) for d in jnp.shape(x)), jnp.float32)
+            for _, x in with_path]
+  codecs = packing.leaf_codecs(params, cfg.codec, cfg.policy)
+  sent = [0.0] * len(shapes)
+  for group in packing.plan(shapes, codecs, cfg.comm_bucket_size):
+    sizes = [packing.padded_size(shapes[i].size, group.codec) for i in group.leaves]
+    total = group.codec.sent_bytes(sum(sizes), devices)
+    for i, size in zip(group.leaves, sizes):
+      sent[i] = total * size / sum(sizes) if sum(sizes) else 0.0
   leaves = []
-  for path, leaf in with_path:
-    shape = tuple(int(d) for d in jnp.shape(leaf))
-    name = packing.path_str(path) or "<root>"
-    codec = cfg.codec if bare else cfg.policy.codec_for(packing.path_str(path), _Shape(shape),
-                                                         cfg.codec)
-    n = math.prod(shape)
-    payload = (codec.payload_size(packing.padded_size(n, codec), devices) if codec.summable
-               else codec.payload_size(packing.padded_size(n, codec)))  # as packed: whole buckets
-    leaves.append(LeafTraffic(path=name, shape=shape, elements=n, codec=codec,
-                              payload_bytes=payload, sent_bytes=_sent(devices, payload)))
+  for (path, _), shape, codec, nbytes in zip(with_path, shapes, codecs, sent):
+    n = shape.size
+    leaves.append(LeafTraffic(
+        path=packing.path_str(path) or "<root>", shape=shape.shape, elements=n, codec=codec,
+        payload_bytes=codec.payload_size(packing.padded_size(n, codec)), sent_bytes=nbytes))
   return Description(leaves=tuple(leaves), devices=devices, accum_steps=cfg.accum_steps,
                      axis_name=cfg.axis_name, default_codec=cfg.codec)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-  """What LeafPolicy.codec_for reads of a leaf (size and ndim), without an array."""
-
-  shape: tuple[int, ...]
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
-
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)

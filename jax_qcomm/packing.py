@@ -10,6 +10,7 @@ padding is dropped again on the way back.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Mapping, Sequence
 
@@ -96,6 +97,33 @@ class LeafPolicy:
     if leaf.size < self.min_size or (leaf.ndim <= 1 and not self.compress_1d):
       return NoCompression()
     return default
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+  """What LeafPolicy.codec_for reads of a leaf (size and ndim), for arrays and shape structs."""
+
+  shape: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+
+def leaf_codecs(tree: Any, codec: Codec, policy: LeafPolicy | None = None) -> list[Codec]:
+  """The codec of every leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct`` s), in tree order: a
+  bare array gets ``codec``; the leaves of a pytree get what ``policy`` (default ``LeafPolicy()``)
+  picks for them. The one decision that the allreduce and :func:`jax_qcomm.describe` share."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  if treedef.num_leaves == 1 and treedef.num_nodes == 1:
+    return [codec]
+  policy = LeafPolicy() if policy is None else policy
+  return [policy.codec_for(path_str(p), _Shape(tuple(int(d) for d in jnp.shape(leaf))), codec)
+          for p, leaf in with_path]
 
 
 def _compile(pattern: str, name: str) -> None:

@@ -26,9 +26,9 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import math
-import weakref
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import optax
 
 import jax
@@ -36,45 +36,51 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_qcomm import _compat, _varying, collectives, packing
-from jax_qcomm._checks import check_array_leaves, check_axis_name, check_bool, check_int
+from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
+                               check_int)
+from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import Codec, codec_for_bits
+from jax_qcomm.collectives import DEFAULT_COMM_BUCKET
 
 
 class SyncState(NamedTuple):
-  """State of :func:`sync` (a pytree of arrays; checkpointable with orbax).
+  """State of :func:`sync` (a pytree of arrays; checkpointable with orbax). Field names follow
+  ``optax.MultiStepsState`` where the meaning is the same.
 
   Replicated (the same on every device; ``PartitionSpec()``):
-    inner: the wrapped optimizer's state.
-    step: calls since the last communication (int32; 0 right after one). Counts micro-steps.
+    inner_opt_state: the wrapped optimizer's state.
+    mini_step: calls since the last communication (int32; 0 right after one).
     key: rounding key data (uint32[2]), advanced at every communication.
     gradient_step: communications so far (int32), i.e. optimizer steps: how often ``inner`` was
-      stepped. ``gradient_step * accum_steps + step`` is the number of ``update`` calls.
+      stepped. ``gradient_step * accum_steps + mini_step`` is the number of ``update`` calls.
     total_notfinite: communications whose averaged gradient held a NaN or an infinity (int32).
       Those steps hand the non-finite gradient to ``inner`` unchanged (wrap ``inner`` in
       ``optax.apply_if_finite`` to skip them) and leave the error-feedback residual as it was.
 
   Per device (a leading device axis; ``PartitionSpec(axis_name)``, see :func:`state_partition_spec`):
-    acc: float32 sum of this device's gradients in the current accumulation window, one array
-      ``(1, *param.shape)`` per parameter inside the step (``()`` if accum_steps == 1).
+    acc_grads: float32 sum of this device's gradients in the current accumulation window, one
+      array ``(1, *param.shape)`` per parameter inside the step (``()`` if accum_steps == 1).
+      Unlike ``MultiStepsState.acc_grads`` it is a sum, not a running mean.
     residual: float32 error-feedback residual of this device, likewise (``()`` unless
       error_feedback).
   """
 
-  inner: Any
-  step: jax.Array
+  inner_opt_state: Any
+  mini_step: jax.Array
   key: jax.Array
-  acc: Any
+  acc_grads: Any
   residual: Any
   gradient_step: jax.Array
   total_notfinite: jax.Array
 
 
-PER_DEVICE_FIELDS = ("acc", "residual")
+PER_DEVICE_FIELDS = ("acc_grads", "residual")
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
-  """The settings of a :func:`sync` transformation (read by :func:`qcomm.describe`)."""
+  """The settings of a :func:`sync` transformation (``config_of(tx)``; read by
+  :func:`qcomm.describe`)."""
 
   axis_name: Any
   codec: Codec
@@ -82,11 +88,8 @@ class SyncConfig:
   accum_steps: int
   error_feedback: bool
   comm_bucket_size: int
-
-
-# update function of every sync transformation -> its settings. Weak keys: a transformation that is
-# dropped (inject_hyperparams rebuilds one at every call) leaves nothing behind.
-_CONFIGS: "weakref.WeakKeyDictionary[Any, SyncConfig]" = weakref.WeakKeyDictionary()
+  seed: int = 0
+  check_varying: bool = True
 
 
 def config_of(tx: Any) -> SyncConfig:
@@ -95,17 +98,17 @@ def config_of(tx: Any) -> SyncConfig:
   ValueError for anything else, including a chain that contains a sync: optax combinators build
   new functions and do not expose their parts, so keep a reference to the sync transformation.
   """
-  cfg = _CONFIGS.get(getattr(tx, "update", None)) if hasattr(tx, "update") else None
-  if cfg is None:
+  owner = getattr(getattr(tx, "update", None), "__self__", None)
+  if not isinstance(owner, _Sync):
     raise ValueError(
         f"tx must be the transformation returned by qcomm.sync(...), got {tx!r}. A sync inside "
         f"optax.chain / MultiSteps / inject_hyperparams cannot be found from the outer "
-        f"transformation: keep a reference (s = qcomm.sync(...); tx = optax.chain(s, ...)) and "
+        f"transformation: keep a reference (s = qcomm.sync(...); tx = optax.chain(..., s)) and "
         f"pass s.")
-  return cfg
+  return owner.config
 
 
-def num_devices(axis_name: collectives.AxisName = "data") -> tuple[int, bool]:
+def num_devices(axis_name: AxisName = "data") -> tuple[int, bool]:
   """(D, bound): the number of devices along ``axis_name`` and whether the axis is bound here.
 
   Inside ``shard_map`` / ``pmap`` over the axis: its size, True. Elsewhere (False): the size of the
@@ -113,10 +116,10 @@ def num_devices(axis_name: collectives.AxisName = "data") -> tuple[int, bool]:
   has that axis, else ``jax.device_count()`` (all devices of all processes).
   """
   try:
-    return collectives.axis_size(axis_name), True
+    return axis_size(axis_name), True
   except ValueError:
     pass
-  names = collectives.axis_names(axis_name)
+  names = axis_names(axis_name)
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty and all(n in mesh.axis_names for n in names):
     return math.prod(mesh.shape[n] for n in names), False
@@ -138,38 +141,70 @@ def _fix_hint(axis_name: Any) -> str:
           f"axis_name={axis_name!r}). qcomm.data_parallel does all of this for you.")
 
 
-def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName = "data",
-         bits: int = 4, bucket_size: int = 128, accum_steps: int = 1, min_size: int = 1024,
-         exclude: str | Sequence[str] = (), scheme: str = "maxmin", error_feedback: bool = False,
-         compress_1d: bool = False, overrides: dict[str, Codec] | None = None,
-         comm_bucket_size: int = collectives.DEFAULT_COMM_BUCKET,
-         seed: int = 0, check_varying: bool = True,
-         summable: bool = False) -> optax.GradientTransformation:
+# Keyword arguments of earlier versions of sync -> what replaces them.
+_REMOVED = {
+    "summable": "codec=qcomm.Summable(bits, bucket_size)",
+    "scheme": "codec=qcomm.QSGD(bits, bucket_size, scheme=...)",
+    "compress_1d": "policy=qcomm.LeafPolicy(compress_1d=...)",
+    "overrides": "policy=qcomm.LeafPolicy(overrides={regex: codec})",
+}
+
+
+def _resolve_codec(codec: Any, bits: Any, bucket_size: Any, error_feedback: bool) -> Codec:
+  """The default codec from ``codec=`` or the ``bits`` / ``bucket_size`` shorthand."""
+  if codec is not None:
+    if bits is not None or bucket_size is not None:
+      raise ValueError(f"pass either codec= or the bits= / bucket_size= shorthand, not both; "
+                       f"got codec={codec!r}, bits={bits!r}, bucket_size={bucket_size!r}")
+    return check_instance("codec", codec, Codec, "a jax_qcomm codec (qcomm.QSGD(4), "
+                          "qcomm.Summable(4), qcomm.Cast(jnp.bfloat16), qcomm.NoCompression(), "
+                          "or any qcomm.Codec)")
+  # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit the
+  # residual (up to a whole bucket range) feeds the next range and training diverged.
+  return codec_for_bits(4 if bits is None else bits, 128 if bucket_size is None else bucket_size,
+                        rounding="nearest" if error_feedback else "stochastic")
+
+
+def _resolve_policy(policy: Any, min_size: Any, exclude: Any) -> packing.LeafPolicy:
+  """The leaf policy from ``policy=`` or the ``min_size`` / ``exclude`` shorthand."""
+  if policy is not None:
+    if min_size is not None or exclude is not None:
+      raise ValueError(f"pass either policy= or the min_size= / exclude= shorthand, not both; "
+                       f"got policy={policy!r}, min_size={min_size!r}, exclude={exclude!r}")
+    return check_instance("policy", policy, packing.LeafPolicy, "a qcomm.LeafPolicy")
+  return packing.LeafPolicy(min_size=1024 if min_size is None else min_size,
+                            exclude=() if exclude is None else exclude)
+
+
+def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
+         policy: packing.LeafPolicy | None = None, axis_name: AxisName = "data",
+         accum_steps: int = 1, error_feedback: bool = False,
+         comm_bucket_size: int = DEFAULT_COMM_BUCKET, seed: int = 0, check_varying: bool = True,
+         bits: int | None = None, bucket_size: int | None = None, min_size: int | None = None,
+         exclude: str | Sequence[str] | None = None,
+         **removed: Any) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that it sees gradients averaged across ``axis_name``.
 
   Args:
-    inner: the optimizer applied to the synchronised gradients.
-    axis_name: the data-parallel axis (a name, a tuple of names, or ``qcomm.Hierarchical``); ``update``
-      must run inside ``jax.shard_map`` or ``jax.pmap`` binding it.
-    bits: 32 exact ``pmean``; 16 bfloat16 on the wire with float32 sums; 1..8 QSGD.
-    bucket_size: QSGD bucket (positive multiple of 8).
+    inner: the optimizer applied to the synchronised gradients (any optax transformation; extra
+      arguments given to ``update``, such as ``value=`` for ``optax.contrib.reduce_on_plateau``,
+      reach it).
+    codec: the default codec, any :class:`qcomm.Codec` object: ``qcomm.QSGD(4)``,
+      ``qcomm.QSGD(2, bucket_size=256)``, ``qcomm.Summable(4)``, ``qcomm.Cast(jnp.bfloat16)``,
+      ``qcomm.NoCompression()``, or one of your own. Default: ``QSGD(4)``.
+    policy: the per-leaf rules (:class:`qcomm.LeafPolicy`): which leaves travel exact (small ones,
+      1-D ones, names matching ``exclude``) and which get another codec (``overrides``). Default
+      ``LeafPolicy()``.
+    axis_name: the data-parallel axis (a name, a tuple of names, or ``qcomm.Hierarchical``);
+      ``update`` must run inside ``jax.shard_map`` or ``jax.pmap`` binding it.
     accum_steps: communicate (and step ``inner``) every ``accum_steps`` calls; the gradients of the
       calls in between are averaged locally first. Counters outside (``TrainState.step``,
       ``nnx.Optimizer.step``) count calls; ``inner``'s own counts and ``SyncState.gradient_step``
       count optimizer steps.
-    min_size, exclude, compress_1d, overrides: the per-leaf policy (:class:`qcomm.LeafPolicy`): leaves
-      under ``min_size`` elements, 1-D leaves (unless ``compress_1d``) and leaves whose path matches
-      an ``exclude`` regex travel exact; ``overrides`` maps path regexes to codecs.
-    scheme: QSGD scheme, ``"maxmin"`` or ``"norm"``.
-    summable: with ``bits`` 2..8, use :class:`qcomm.Summable` instead of QSGD: a scale shared by
-      all devices (one small ``pmax``) and integer levels packed into uint32 words that XLA's own
-      all-reduce sums (one ``psum``), each value quantised once; where the all-gather and
-      all-to-all of QSGD's scatter-reduce-allgather run slower than the all-reduce (gloo on CPU),
-      the faster choice at the same bits. ``scheme`` must stay ``"maxmin"``; bits 32/16/1 with
-      ``summable=True`` are a ValueError. Error feedback works alike (rounding to nearest).
     error_feedback: keep, per device, what its own quantisation lost and add it to the next
-      gradient; QSGD then rounds to nearest (EF-SGD's deterministic compressor). Costs one float32
-      copy of the gradients per device (plus, with accumulation, the accumulator: another copy).
+      gradient (only for lossy codecs). Costs one float32 copy of the gradients per device. With
+      the ``bits`` shorthand QSGD then rounds to nearest (EF-SGD's deterministic compressor); a
+      codec object is used as given (``QSGD(1, rounding="nearest")`` is the stable choice).
     comm_bucket_size: most elements per flat communication buffer.
     seed: seeds the rounding key (the device index is folded in, so replicas still differ).
     check_varying: ``update`` raises ValueError for a gradient that is the same on every device
@@ -178,15 +213,23 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       updates D times too large. Pass False only if every device really computes the same
       gradient. JAX records variation only inside ``shard_map`` with ``check_vma=True`` (the
       default): under ``jax.pmap`` or ``check_vma=False`` this is not checked.
+    bits, bucket_size: shorthand for ``codec``: 32 exact (``NoCompression``), 16 bfloat16 on the
+      wire (``Cast``), 1..8 ``QSGD(bits, bucket_size)`` (default 4 bits, bucket 128).
+    min_size, exclude: shorthand for ``policy=qcomm.LeafPolicy(min_size=..., exclude=...)``.
 
   Returns:
-    An ``optax.GradientTransformation``. ``init(params)`` builds a :class:`SyncState`; called
-    inside ``shard_map``/``pmap`` over the axis its per-device parts are this device's,
+    An ``optax.GradientTransformationExtraArgs``. ``init(params)`` builds a :class:`SyncState`;
+    called inside ``shard_map``/``pmap`` over the axis its per-device parts are this device's,
     ``(1, *param.shape)``; called anywhere else (``tx.init(params)``, flax ``TrainState.create``,
     ``nnx.Optimizer``) they are global, ``(D, *param.shape)``, with D from :func:`num_devices`
     (the current mesh's axis if set, else ``jax.device_count()``), to be passed to ``shard_map``
-    with :func:`state_partition_spec`. ``update(grads, state, params)`` must run inside
-    ``shard_map``/``pmap``; it raises ValueError if the per-device parts arrive replicated.
+    with :func:`state_partition_spec`. ``update(grads, state, params, **extra_args)`` must run
+    inside ``shard_map``/``pmap``; it raises ValueError if the per-device parts arrive replicated.
+
+  Composition: put everything stateful *inside* (``sync(optax.chain(clip, adamw), ...)``). With
+  ``accum_steps > 1`` the calls that do not communicate return zero updates, which a stateful
+  transformation chained *after* the sync would take for real gradients (Adam's moments decay);
+  :func:`state_partition_spec` and :func:`qcomm.data_parallel` raise for such a chain.
 
   Non-finite gradients: a communication whose averaged gradient holds a NaN or an infinity (the
   same decision on every device: all replicas hold the same average) passes it to ``inner``
@@ -196,91 +239,103 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
   such steps and train on. Not ``optax.apply_if_finite(sync(...))``: outside, it would test each
   device's own gradient, and the devices would disagree on whether to communicate.
   """
+  for name in removed:
+    if name in _REMOVED:
+      raise ValueError(f"sync's {name}= was replaced: pass {_REMOVED[name]}")
+    raise TypeError(f"sync() got an unexpected keyword argument {name!r}")
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise ValueError(f"inner must be an optax.GradientTransformation, got {inner!r}")
-  check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
-                  "qcomm.Hierarchical(inner, outer)")
-  # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit the
-  # residual (up to a whole bucket range) feeds the next range and training diverged.
-  codec = codec_for_bits(bits, bucket_size, scheme,
-                         rounding="nearest" if error_feedback else "stochastic", summable=summable)
-  check_int("accum_steps", accum_steps)
-  check_bool("error_feedback", error_feedback)
-  check_bool("check_varying", check_varying)
-  if isinstance(seed, bool) or not isinstance(seed, int):
+  check_axis_name("axis_name", axis_name, (Hierarchical,), "qcomm.Hierarchical(inner, outer)")
+  error_feedback = check_bool("error_feedback", error_feedback)
+  codec = _resolve_codec(codec, bits, bucket_size, error_feedback)
+  policy = _resolve_policy(policy, min_size, exclude)
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
     raise ValueError(f"seed must be an integer, got {seed!r}")
-  policy = packing.LeafPolicy(min_size=min_size, compress_1d=compress_1d, exclude=exclude,
-                              overrides={} if overrides is None else overrides)
-  check_int("comm_bucket_size", comm_bucket_size)
-  use_ef = error_feedback and codec.lossy
-  names = collectives.axis_names(axis_name)
+  config = SyncConfig(axis_name=axis_name, codec=codec, policy=policy,
+                      accum_steps=check_int("accum_steps", accum_steps),
+                      error_feedback=error_feedback and codec.lossy,
+                      comm_bucket_size=check_int("comm_bucket_size", comm_bucket_size),
+                      seed=int(seed), check_varying=check_bool("check_varying", check_varying))
+  s = _Sync(optax.with_extra_args_support(inner), config)
+  return optax.GradientTransformationExtraArgs(s.init, s.update)
 
-  def init(params: Any) -> SyncState:
+
+class _Sync:
+  """The functions of one sync transformation, in named steps; ``config`` is its settings."""
+
+  def __init__(self, inner: optax.GradientTransformationExtraArgs, config: SyncConfig):
+    self.inner = inner
+    self.config = config
+    self.names = axis_names(config.axis_name)
+
+  # -- init ----------------------------------------------------------------------------------------
+  def init(self, params: Any) -> SyncState:
     check_array_leaves("params", params)
-    d, bound = num_devices(axis_name)
-    tracked = bound and _varying.tracked(names)
+    cfg = self.config
+    d, bound = num_devices(cfg.axis_name)
+    tracked = bound and _varying.tracked(self.names)
 
     def per_device(p):
       # Bound: this device's own part (1, ...), typed as varying like what update returns.
       # Elsewhere: the global array of all D devices' parts, to be split by state_partition_spec.
       z = jnp.zeros((1 if bound else d,) + jnp.shape(p), jnp.float32)
-      return _compat.make_varying(z, frozenset(names)) if tracked else z
+      return _compat.make_varying(z, frozenset(self.names)) if tracked else z
 
     return SyncState(
-        inner=inner.init(params),
-        step=jnp.zeros((), jnp.int32),
-        key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
-        acc=jax.tree_util.tree_map(per_device, params) if accum_steps > 1 else (),
-        residual=jax.tree_util.tree_map(per_device, params) if use_ef else (),
+        inner_opt_state=self.inner.init(params),
+        mini_step=jnp.zeros((), jnp.int32),
+        key=jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32),
+        acc_grads=jax.tree_util.tree_map(per_device, params) if cfg.accum_steps > 1 else (),
+        residual=jax.tree_util.tree_map(per_device, params) if cfg.error_feedback else (),
         gradient_step=jnp.zeros((), jnp.int32),
         total_notfinite=jnp.zeros((), jnp.int32),
     )
 
-  def check_state(state: Any, grads: Any) -> None:
-    """Clear errors for a state that does not fit this step (the commonest: passed with P())."""
-    if not isinstance(state, SyncState):
-      raise TypeError(f"state must be the qcomm.SyncState made by this transformation's init, "
-                      f"got {type(state).__name__}")
-    tracked = _varying.tracked(names)
-    want_treedef = jax.tree_util.tree_structure(grads)
-    for field, used in (("acc", accum_steps > 1), ("residual", use_ef)):
-      part = getattr(state, field)
-      if not used:
-        if jax.tree_util.tree_leaves(part):
-          raise ValueError(f"state.{field} is not empty but this sync has "
-                           f"{'accum_steps == 1' if field == 'acc' else 'no error feedback'}: "
-                           f"the state was made by a sync with other settings")
-        continue
-      leaves, treedef = jax.tree_util.tree_flatten_with_path(part)
-      if treedef != want_treedef:
-        raise ValueError(f"state.{field} does not have the structure of the gradients: "
-                         f"{treedef} vs {want_treedef}")
-      for (path, a), g in zip(leaves, jax.tree_util.tree_leaves(grads)):
-        where = f"SyncState.{field}, leaf '{packing.path_str(path) or '<root>'}'"
-        want = (1,) + tuple(jnp.shape(g))
-        if tuple(jnp.shape(a)) != want:
-          raise ValueError(
-              f"qcomm.sync: the per-device part of the optimizer state ({where}) has shape "
-              f"{tuple(jnp.shape(a))} inside the step; it must be {want}: a leading device axis "
-              f"of size 1 on each device, varying over {axis_name!r}. " + _fix_hint(axis_name))
-        if tracked and _varying.unvarying(a, names):
-          raise ValueError(
-              f"qcomm.sync: the per-device part of the optimizer state ({where}) is replicated "
-              f"(not varying over {axis_name!r}) inside the step. " + _fix_hint(axis_name))
+  # -- update ----------------------------------------------------------------------------------------
+  def update(self, grads: Any, state: SyncState, params: Any = None, **extra_args: Any):
+    """Accumulates this device's gradients; every ``accum_steps``-th call communicates."""
+    cfg = self.config
+    axis_size(cfg.axis_name)  # clear error outside shard_map / pmap
+    packing.check_float_leaves(grads, "grads")
+    if cfg.check_varying:
+      _varying.check_per_device(grads, self.names, "grads", "qcomm.sync(...).update")
+    self._check_state(state, grads)
+    g32 = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    if cfg.accum_steps == 1:
+      updates, new_state = self._communicate(g32, state, params, extra_args)
+      return _like(updates, grads), new_state
 
-  def communicate(grads: Any, state: SyncState, params: Any):
+    acc = jax.tree_util.tree_map(lambda a, g: a + g[None], state.acc_grads, g32)
+    mini_step = state.mini_step + 1
+
+    def emit():
+      mean = jax.tree_util.tree_map(lambda a: a[0] * jnp.float32(1.0 / cfg.accum_steps), acc)
+      updates, new = self._communicate(mean, state._replace(acc_grads=()), params, extra_args)
+      # The accumulator restarts after every communication, finite or not.
+      return _like(updates, grads), new._replace(acc_grads=_f32_zeros(acc))
+
+    def accumulate():
+      # Fresh zeros, not zeros_like: replicated (like real updates), not varying like grads.
+      zeros = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
+      return zeros, state._replace(mini_step=mini_step, acc_grads=acc)
+
+    return _compat.cond(mini_step >= cfg.accum_steps, (emit, accumulate))
+
+  def _communicate(self, grads: Any, state: SyncState, params: Any, extra_args: dict):
     """Allreduce (with error feedback) + inner step. grads: float32, this device's mean."""
+    cfg = self.config
     key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
-    if use_ef:
+    if cfg.error_feedback:
       grads = jax.tree_util.tree_map(lambda g, r: g + r[0], grads, state.residual)
     synced, lost = collectives.allreduce(
-        grads, axis_name, codec, sub, "mean", policy=policy, comm_bucket_size=comm_bucket_size,
-        return_residual=True, check_varying=False)  # grads were checked in update
+        grads, cfg.axis_name, cfg.codec, sub, "mean", policy=cfg.policy,
+        comm_bucket_size=cfg.comm_bucket_size, return_residual=True,
+        check_varying=False)  # grads were checked in update
     # Every device holds the same average (bit-identical replicas), so this decision is the same
     # everywhere without another collective.
     finite = _all_finite(synced)
     residual = ()
-    if use_ef:  # a non-finite window must not poison the residual of every later step
+    if cfg.error_feedback:  # a non-finite window must not poison the residual of later steps
       residual = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old[0])[None],
                                         lost, state.residual)
     if params is not None:  # inner sees gradients in the parameters' dtypes
@@ -289,45 +344,59 @@ def sync(inner: optax.GradientTransformation, *, axis_name: collectives.AxisName
       except (ValueError, TypeError) as e:
         raise ValueError(f"params must be None or the parameters, a pytree with the structure of "
                          f"grads, got {jax.tree_util.tree_structure(params)}: {e}") from None
-    updates, inner_state = inner.update(synced, state.inner, params)
+    updates, inner_state = self.inner.update(synced, state.inner_opt_state, params, **extra_args)
     return updates, SyncState(
-        inner=inner_state, step=jnp.zeros((), jnp.int32),
-        key=jax.random.key_data(key).astype(jnp.uint32), acc=state.acc, residual=residual,
-        gradient_step=state.gradient_step + 1,
+        inner_opt_state=inner_state, mini_step=jnp.zeros((), jnp.int32),
+        key=jax.random.key_data(key).astype(jnp.uint32), acc_grads=state.acc_grads,
+        residual=residual, gradient_step=state.gradient_step + 1,
         total_notfinite=state.total_notfinite + jnp.logical_not(finite).astype(jnp.int32))
 
-  def update(grads: Any, state: SyncState, params: Any = None):
-    collectives.axis_size(axis_name)  # clear error outside shard_map / pmap
-    packing.check_float_leaves(grads, "grads")
-    if check_varying:
-      _varying.check_per_device(grads, names, "grads", "qcomm.sync(...).update")
-    check_state(state, grads)
-    g32 = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
-    if accum_steps == 1:
-      updates, new_state = communicate(g32, state, params)
-      return _like(updates, grads), new_state
+  def _check_state(self, state: Any, grads: Any) -> None:
+    """Clear errors for a state that does not fit this step (the commonest: passed with P())."""
+    cfg = self.config
+    if not isinstance(state, SyncState):
+      raise TypeError(f"state must be the qcomm.SyncState made by this transformation's init, "
+                      f"got {type(state).__name__}")
+    tracked = _varying.tracked(self.names)
+    want_treedef = jax.tree_util.tree_structure(grads)
+    for field, used, why in (("acc_grads", cfg.accum_steps > 1, "accum_steps == 1"),
+                             ("residual", cfg.error_feedback, "no error feedback")):
+      part = getattr(state, field)
+      if not used:
+        if jax.tree_util.tree_leaves(part):
+          raise ValueError(f"state.{field} is not empty but this sync has {why}: the state was "
+                           f"made by a sync with other settings")
+        continue
+      leaves, treedef = jax.tree_util.tree_flatten_with_path(part)
+      if treedef != want_treedef:
+        raise ValueError(f"state.{field} does not have the structure of the gradients: "
+                         f"{treedef} vs {want_treedef}")
+      for (path, a), g in zip(leaves, jax.tree_util.tree_leaves(grads)):
+        where = f"SyncState.{field}, leaf '{packing.path_str(path) or '<root>'}'"
+        want = (1,) + tuple(jnp.shape(g))
+        got = tuple(jnp.shape(a))
+        if got != want:
+          raise ValueError(
+              f"qcomm.sync: the per-device part of the optimizer state ({where}) has shape {got} "
+              f"inside the step; it must be {want}: a leading device axis of size 1 on each "
+              f"device, varying over {cfg.axis_name!r}. " + _shape_hint(got, want, cfg.axis_name))
+        if tracked and _varying.unvarying(a, self.names):
+          raise ValueError(
+              f"qcomm.sync: the per-device part of the optimizer state ({where}) is replicated "
+              f"(not varying over {cfg.axis_name!r}) inside the step. " + _fix_hint(cfg.axis_name))
 
-    acc = jax.tree_util.tree_map(lambda a, g: a + g[None], state.acc, g32)
-    step = state.step + 1
 
-    def do_sync():
-      mean = jax.tree_util.tree_map(lambda a: a[0] * jnp.float32(1.0 / accum_steps), acc)
-      updates, new = communicate(mean, state._replace(acc=()), params)
-      # The accumulator restarts after every communication, finite or not.
-      return _like(updates, grads), new._replace(acc=_f32_zeros(acc))
-
-    def skip():
-      # Fresh zeros, not zeros_like: replicated (like real updates), not varying like grads.
-      zeros = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
-      return zeros, state._replace(step=step, acc=acc)
-
-    return _compat.cond(step >= accum_steps, (do_sync, skip))
-
-  tx = optax.GradientTransformation(init, update)
-  _CONFIGS[update] = SyncConfig(axis_name=axis_name, codec=codec, policy=policy,
-                                accum_steps=accum_steps, error_feedback=use_ef,
-                                comm_bucket_size=comm_bucket_size)
-  return tx
+def _shape_hint(got: tuple, want: tuple, axis_name: Any) -> str:
+  """Why the per-device part has the wrong leading size: a state passed with P(), or one made for
+  another number of devices (tx.init outside the step's mesh counts jax.device_count())."""
+  d = axis_size(axis_name)
+  if len(got) == len(want) and got[1:] == want[1:] and got[0] not in (1, d):
+    return (f"With state_partition_spec's specs this is a state made for {got[0] * d} devices "
+            f"along {axis_name!r}, but the step runs on {d}: tx.init outside the step's mesh "
+            f"counts all jax.device_count() = {jax.device_count()} devices. Create the state "
+            f"under the step's mesh: `with jax.set_mesh(mesh): opt_state = tx.init(params)` (or "
+            f"use qcomm.data_parallel(...).init(params)).")
+  return _fix_hint(axis_name)
 
 
 def _f32_zeros(tree: Any) -> Any:
@@ -340,7 +409,7 @@ def _like(updates: Any, grads: Any) -> Any:
 
 # ---- shard_map specs of any pytree holding sync states ------------------------------------------
 
-_REPLICATED_FIELDS = ("step", "key", "gradient_step", "total_notfinite")
+_REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
 
 
 def _single_leaf(tree: Any) -> Any:
@@ -357,7 +426,7 @@ def _is_sync_mapping(x: Any) -> bool:
   keys = set(x.keys())
   if not (set(_REPLICATED_FIELDS) <= keys <= set(SyncState._fields)):
     return False
-  key, step = _single_leaf(x["key"]), _single_leaf(x["step"])
+  key, step = _single_leaf(x["key"]), _single_leaf(x["mini_step"])
   return (key is not None and step is not None
           and tuple(getattr(key, "shape", ())) == (2,) and getattr(key, "dtype", None) == jnp.uint32
           and tuple(getattr(step, "shape", (0,))) == () and getattr(step, "dtype", None) == jnp.int32)
@@ -382,12 +451,12 @@ def _specs(tree: Any, dev: P) -> Any:
 
   def one(x):
     if isinstance(x, SyncState):
-      return SyncState(inner=_specs(x.inner, dev), step=rep(x.step), key=rep(x.key),
-                       acc=split(x.acc), residual=split(x.residual),
+      return SyncState(inner_opt_state=_specs(x.inner_opt_state, dev), mini_step=rep(x.mini_step),
+                       key=rep(x.key), acc_grads=split(x.acc_grads), residual=split(x.residual),
                        gradient_step=rep(x.gradient_step), total_notfinite=rep(x.total_notfinite))
     if _is_sync_mapping(x):
       return type(x)({k: split(v) if k in PER_DEVICE_FIELDS else
-                      _specs(v, dev) if k == "inner" else rep(v) for k, v in x.items()})
+                      _specs(v, dev) if k == "inner_opt_state" else rep(v) for k, v in x.items()})
     if isinstance(x, optax.MultiStepsState):
       raise ValueError(
           "optax.MultiSteps around qcomm.sync is not supported: MultiSteps adds up the raw "
@@ -404,10 +473,56 @@ def _specs(tree: Any, dev: P) -> Any:
           "gradient: qcomm.sync(optax.apply_if_finite(inner, max_consecutive_errors), ...).")
     return P()
 
+  _check_chains(tree)
   return jax.tree_util.tree_map(one, tree, is_leaf=_is_special)
 
 
-def state_partition_spec(tree: Any, axis_name: collectives.AxisName = "data") -> Any:
+def _accumulates(x: Any) -> bool:
+  """A sync state (or mapping of one) that accumulates: its acc_grads hold arrays."""
+  if isinstance(x, SyncState):
+    return bool(jax.tree_util.tree_leaves(x.acc_grads))
+  return _is_sync_mapping(x) and bool(jax.tree_util.tree_leaves(x.get("acc_grads", ())))
+
+
+def _check_chains(tree: Any) -> None:
+  """ValueError for ``optax.chain(sync(..., accum_steps > 1), <stateful>)``: the calls that do not
+  communicate return zero updates, which a stateful transformation after the sync would take for
+  gradients. A chain's state is a tuple of its parts' states, in order."""
+  def visit(node: Any) -> None:
+    if _is_sync(node):
+      visit(node.inner_opt_state if isinstance(node, SyncState) else node["inner_opt_state"])
+      return
+    children = node if isinstance(node, (tuple, list)) and not hasattr(node, "_fields") else None
+    if children is not None:
+      seen_acc = False
+      for child in children:
+        if seen_acc and jax.tree_util.tree_leaves(child):
+          raise ValueError(
+              "a stateful transformation follows a qcomm.sync with accum_steps > 1 in a chain: "
+              "the calls that do not communicate return zero updates, and it would take them for "
+              "gradients (Adam's moments would decay, schedules would advance at every call). "
+              "Move it inside the sync, where it runs once per optimizer step: "
+              "qcomm.sync(optax.chain(..., optimizer), accum_steps=k) instead of "
+              "optax.chain(qcomm.sync(optax.identity(), accum_steps=k), optimizer).")
+        seen_acc = seen_acc or any(_accumulates(n) for n in jax.tree_util.tree_leaves(
+            child, is_leaf=_is_sync) if _is_sync(n))
+    if isinstance(node, (str, bytes)) or _is_special(node):
+      return
+    for child in _children(node):
+      visit(child)
+
+  visit(tree)
+
+
+def _children(node: Any) -> list:
+  """The direct children of a pytree node ([] for a leaf)."""
+  leaves, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+  if treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is node:
+    return []
+  return leaves
+
+
+def state_partition_spec(tree: Any, axis_name: AxisName = "data") -> Any:
   """``shard_map`` specs for a pytree holding :class:`SyncState` s, e.g. an optimizer state.
 
   The per-device parts of every sync state in ``tree`` (the accumulator and the error-feedback
@@ -422,10 +537,10 @@ def state_partition_spec(tree: Any, axis_name: collectives.AxisName = "data") ->
 
   Use the result for the state in both ``in_specs`` and ``out_specs``; ``tx.init`` may run inside
   the ``shard_map`` (``jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec)(params)``)
-  or outside it. ValueError for ``optax.MultiSteps(sync(...))`` and
-  ``optax.apply_if_finite(sync(...))``, naming the call to use instead.
+  or outside it. ValueError for ``optax.MultiSteps(sync(...))``,
+  ``optax.apply_if_finite(sync(...))`` and ``optax.chain(sync(..., accum_steps > 1), <stateful>)``,
+  naming the call to use instead.
   """
-  check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
-                  "qcomm.Hierarchical(inner, outer)")
-  names = collectives.axis_names(axis_name)
+  check_axis_name("axis_name", axis_name, (Hierarchical,), "qcomm.Hierarchical(inner, outer)")
+  names = axis_names(axis_name)
   return _specs(tree, P(names[0] if len(names) == 1 else names))

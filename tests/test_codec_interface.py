@@ -39,7 +39,7 @@ class Fp8(qcomm.Codec):
   def payload_size(self, n: int) -> int:
     return n
 
-  def wire_bits(self) -> float:
+  def wire_bits(self, devices: int = 1) -> float:
     return 8.0
 
   def wire_encode(self, x, key):
@@ -71,7 +71,7 @@ class Int8Block(qcomm.Codec):
     blocks = -(-n // self.block)
     return 4 * blocks + blocks * self.block
 
-  def wire_bits(self) -> float:
+  def wire_bits(self, devices: int = 1) -> float:
     return 8.0 + 32.0 / self.block
 
   def wire_encode(self, x, key):
@@ -112,7 +112,7 @@ def _sra_oracle(codec: qcomm.Codec, x: np.ndarray) -> np.ndarray:
   """The mean allreduce of x[D, n] as the scatter-reduce-allgather computes it, from the codec's
   array API on the host (chunks padded with zeros to whole ``D * pad_multiple``)."""
   d, n = x.shape
-  n_pad = qcomm.collectives.sra_padded_size(n, d, codec)
+  n_pad = codec.padded_size(n, d)
   c = n_pad // d
   xp = np.pad(x, ((0, 0), (0, n_pad - n)))
   out = []
@@ -151,9 +151,9 @@ def test_allreduce_runs_the_sra_with_a_codec_defined_here(codec):
   np.testing.assert_allclose(out[0], _sra_oracle(codec, x), rtol=1e-6, atol=1e-7)
   assert np.abs(out[0] - x.mean(0)).max() < 0.1 * np.abs(x).max()
   # The cost model counts its bytes from the codec's own payload_size and the allreduce's padding.
-  c = qcomm.collectives.sra_padded_size(n, D, codec) // D
-  assert efficiency.payload_bytes(n, codec, D) == D * codec.payload_size(c)
-  assert efficiency.allreduce_bytes(n, D, codec) == pytest.approx(2 * (D - 1) / D * D * codec.payload_size(c))
+  c = codec.padded_size(n, D) // D
+  assert codec.sent_bytes(n, D) == pytest.approx(2 * (D - 1) / D * D * codec.payload_size(c))
+  assert efficiency.allreduce_bytes(n, D, codec) == codec.sent_bytes(n, D)
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
@@ -175,10 +175,12 @@ def test_reduce_scatter_and_all_gather(codec):
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_sync_with_a_codec_defined_here(codec):
-  """qcomm.sync sends the leaves its overrides name with the custom codec, the rest exact."""
+  """qcomm.sync sends the leaves its policy's overrides name with the custom codec, the rest
+  exact."""
   params = {"w": jnp.zeros((40, 25)), "b": jnp.zeros((25,))}
   grads = {"w": _grads(3, (40, 25)), "b": _grads(4, (25,))}
-  tx = qcomm.sync(optax.sgd(1.0), axis_name=AX, bits=32, overrides={"w": codec})
+  tx = qcomm.sync(optax.sgd(1.0), axis_name=AX, codec=qcomm.NoCompression(),
+                  policy=qcomm.LeafPolicy(overrides={"w": codec}))
   spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params))
   state = _smap(tx.init, P(), spec)(params)
 

@@ -3,8 +3,8 @@ graph has no cycles, and ``import jax_qcomm`` loads no tooling and changes nothi
 
 The layers (docs/architecture.md), lowest first::
 
-    wire, _checks, _compat  ->  _ffi, _reference (the kernels)  ->  codecs  ->  packing, _exchange,
-    _varying  ->  collectives  ->  accumulation, sync  ->  data_parallel, describe
+    wire, _checks, _compat  ->  axes, _exchange  ->  _ffi, _reference (the kernels)  ->  codecs
+    ->  packing, _varying  ->  collectives  ->  accumulation, sync  ->  data_parallel, describe
     ->  jax_qcomm (the public API)
 
 ``jax_qcomm.tools`` (the cost model ``efficiency``, the multi-process runtime ``distributed`` and
@@ -33,9 +33,10 @@ PACKAGE = "jax_qcomm"
 #: Lowest first. A module may import modules of its own layer or of a lower one.
 LAYERS: list[set[str]] = [
     {"wire", "_checks", "_compat"},                  # foundations: no package imports
+    {"axes", "_exchange"},                           # axis arguments; all-to-all schedules
     {"_ffi", "_reference"},                          # the kernels: FFI binding, pure-JAX reference
-    {"codecs"},                                      # the Codec interface and its implementations
-    {"packing", "_exchange", "_varying"},            # pytrees <-> flat buffers, all-to-all schedules
+    {"codecs"},                                      # the Codec interface (the reduction protocol)
+    {"packing", "_varying"},                         # pytrees <-> flat buffers, per-device checks
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
     {"data_parallel", "describe"},                   # the step helper, describe

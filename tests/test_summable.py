@@ -131,7 +131,8 @@ def test_words_layout_and_sizes():
   codes = fields.reshape(-1)
   assert np.all(codes[n:] == levels(4))  # padding: the code of 0
   assert codes[0] == 0 and codes[n - 1] == 2 * levels(4)  # -1 and +1: the bottom and top level
-  assert c.payload_size(n, 2) == 4 * (nw + 3)
+  assert c.sent_bytes(n, 2) == 4 * (nw + 3)  # D = 2: a ring all-reduce sends its buffer once
+  assert c.traffic(n, 2) == (("all-reduce", 4 * nw), ("all-reduce", 4 * 3))
   assert abs(qcomm.Summable(4, 128).wire_bits(2) - (32 / 6 + 0.25)) < 1e-12
 
 
@@ -335,8 +336,9 @@ def _train(summable: bool, ef: bool, bits: int = 4, steps: int = 60) -> tuple[fl
   kx, kw = jax.random.split(jax.random.key(0))
   x = jax.random.normal(kx, (d * 32, 64))
   y = x @ (jax.random.normal(kw, (64, 32)) / 8.0) + 1.0
-  tx = qcomm.sync(optax.sgd(0.3), axis_name=AX, bits=bits, summable=summable, error_feedback=ef,
-                  min_size=1)
+  codec = qcomm.Summable(bits, rounding="nearest" if ef else "stochastic") if summable else None
+  tx = qcomm.sync(optax.sgd(0.3), axis_name=AX, codec=codec, bits=None if summable else bits,
+                  error_feedback=ef, min_size=1)
   params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
 
   def mse(p, xb, yb):
@@ -372,26 +374,27 @@ def test_sync_summable_trains(ef):
   assert l1 <= exact * 1.05 + 1e-3, (l1, exact)
 
 
-def test_sync_and_codec_for_bits_pick_summable():
-  c = qcomm.codec_for_bits(4, 64, summable=True)
-  assert c == qcomm.Summable(4, 64) and c.summable and not qcomm.QSGD().summable
-  assert qcomm.codec_for_bits(3, rounding="nearest", summable=True).rounding == "nearest"
-  tx = qcomm.sync(optax.sgd(0.1), bits=3, summable=True, error_feedback=True)
+def test_sync_takes_summable_as_its_codec():
+  tx = qcomm.sync(optax.sgd(0.1), codec=qcomm.Summable(3, rounding="nearest"), error_feedback=True)
   from jax_qcomm.sync import config_of
   assert config_of(tx).codec == qcomm.Summable(3, 128, rounding="nearest")
+  assert config_of(tx).error_feedback
+  with pytest.raises(ValueError, match=r"summable= was replaced: pass codec=qcomm.Summable"):
+    qcomm.sync(optax.sgd(0.1), bits=4, summable=True)
 
 
 def test_cost_model_and_describe():
   c = qcomm.Summable(4, 128)
   n = 128 * 600
   words = -(-n // 6)  # D = 2: 6 fields per word
-  assert efficiency.payload_bytes(n, c, 2) == 4 * (words + 600)
+  assert c.sent_bytes(n, 2) == 4 * (words + 600)
   assert efficiency.allreduce_bytes(n, 2, c) == pytest.approx(4 * (words + 600))
   assert efficiency.allreduce_bytes(n, 8, c) == pytest.approx(2 * 7 / 8 * 4 * (n // 4 + 600))
-  tx = qcomm.sync(optax.sgd(0.1), axis_name=AX, bits=4, summable=True)
+  tx = qcomm.sync(optax.sgd(0.1), axis_name=AX, codec=c)
   desc = qcomm.describe(tx, {"w": jnp.zeros((300, 256))}, devices=4)
   leaf = desc.leaves[0]
-  assert leaf.payload_bytes == c.payload_size(300 * 256, 4) == 4 * (300 * 256 // 5 + 600)
+  assert leaf.payload_bytes == c.payload_size(300 * 256)  # the standalone payload (D = 1)
+  assert leaf.sent_bytes == c.sent_bytes(300 * 256, 4) == 1.5 * 4 * (300 * 256 // 5 + 600)
 
 
 # ---- ISA override and bad arguments --------------------------------------------------------------
@@ -455,23 +458,14 @@ def test_bad_codec_arguments(kwargs, match):
 
 
 def test_bad_summable_arguments_elsewhere():
-  with pytest.raises(ValueError, match="summable must be True or False"):
-    qcomm.codec_for_bits(4, summable="yes")
-  with pytest.raises(ValueError, match="bits must be an integer in 2..8 with summable=True"):
-    qcomm.codec_for_bits(16, summable=True)
-  with pytest.raises(ValueError, match="bits must be an integer in 2..8 with summable=True"):
-    qcomm.sync(optax.sgd(0.1), bits=1, summable=True)
-  with pytest.raises(ValueError, match="scheme applies to QSGD only"):
-    qcomm.sync(optax.sgd(0.1), bits=4, scheme="norm", summable=True)
-  with pytest.raises(ValueError, match="summable must be True or False"):
-    qcomm.sync(optax.sgd(0.1), bits=4, summable=1)
   c = qcomm.Summable()
   with pytest.raises(ValueError, match="count must be an integer in 1..devices"):
     c.wire_decode_summed(jnp.zeros((22,), jnp.uint32), jnp.zeros((1,), jnp.int32), 2, 3, 128)
   with pytest.raises(ValueError, match="key is required"):
     c.encode(jnp.ones(8))
-  with pytest.raises(NotImplementedError, match="not a summable codec"):
-    qcomm.QSGD().bucket_scale(jnp.ones(8))
+  with pytest.raises(ValueError, match="devices must be an integer in 1..306783378"):
+    c.sent_bytes(128, 306783379)
+  assert not hasattr(qcomm.QSGD(), "bucket_scale")  # Summable's own wire API, not the base's
 
 
 def test_all_gather_uses_the_standalone_payload():
@@ -508,4 +502,4 @@ def test_benchmark_codec_table():
     c = ar.make_codec(f"sum{bits}", 64)
     assert c == qcomm.Summable(bits, 64)
     payload, sent = ar.wire_bytes(f"sum{bits}", c, 1000, 4)
-    assert payload == c.payload_size(1000, 4) and sent == 2 * 3 * payload // 4
+    assert sent == round(c.sent_bytes(1000, 4)) and payload == round(c.sent_bytes(1000, 4) * 4 / 6)

@@ -4,19 +4,19 @@ Small pure functions; every size is in **bytes** or **elements** (float32 values
 **seconds**, link rates in **Gbit/s** (10**9 bits per second), throughputs in **elements per second**.
 
 Bytes each device sends per allreduce of ``n`` float32 values over ``D`` devices
-(:func:`allreduce_bytes`):
+(:func:`allreduce_bytes`) are the codec's own count, :meth:`jax_qcomm.Codec.traffic` /
+``sent_bytes`` (ring convention: all-reduce ``2 (D-1)/D`` of its buffer, all-to-all and all-gather
+``(D-1)/D`` of the gathered size), the same count :func:`jax_qcomm.describe` reports:
 
-* exact float32 (``lax.psum``, XLA's ring allreduce): ``2 (D-1)/D * 4 n``;
-* scatter-reduce-allgather (SRA) codecs (``QSGD``, ``Cast``): the buffer is padded to a multiple of
-  ``D * bucket`` elements (``Cast``: ``D``), its payload ``P`` is ``D`` chunk payloads (codes, scales
-  per bucket, :mod:`jax_qcomm.wire`), and each device sends ``D-1`` chunk payloads in the all_to_all
-  and its reduced chunk payload to ``D-1`` peers in the all_gather: ``2 (D-1)/D * P``;
-* summable codecs (``Summable``): XLA's ring all-reduce of the uint32 words and of the per-bucket
-  scale words (:meth:`jax_qcomm.Summable.payload_size` with ``devices=D``, no padding):
-  ``2 (D-1)/D * P``;
+* exact float32 (``NoCompression``, XLA's ring all-reduce): ``2 (D-1)/D * 4 n``;
+* scatter-reduce-allgather (SRA) codecs (``QSGD``, ``Cast``): the buffer padded to a multiple of
+  ``D * bucket`` elements, ``D`` chunk payloads ``P`` in an all-to-all and ``D`` reduced ones in an
+  all-gather: ``2 (D-1)/D * P``;
+* summable codecs (``Summable``): ring all-reduces of the uint32 words (fields as wide as the sum of
+  D payloads needs) and of one scale word per bucket;
 * :class:`jax_qcomm.Hierarchical` (``D_in`` fast x ``D_out`` slow devices,
   :func:`hierarchical_allreduce_bytes`): exact float32 reduce-scatter + all-gather on the fast links
-  (``2 (D_in-1)/D_in * 4 n``), an SRA of the ``n / D_in`` shard on the slow links.
+  (``2 (D_in-1)/D_in * 4 n``), the codec's allreduce of the ``n / D_in`` shard on the slow links.
 
 Communication time of one allreduce (:func:`comm_time`)::
 
@@ -65,8 +65,7 @@ from jax_qcomm._checks import check_int
 from jax_qcomm.codecs import Codec, codec_for_bits
 
 __all__ = [
-    "DEFAULT_COMM_BUCKET", "codec_of", "sra_padded_elements", "payload_bytes", "ring_allreduce_bytes",
-    "sra_allreduce_bytes", "allreduce_bytes", "hierarchical_allreduce_bytes", "tree_allreduce_bytes",
+    "DEFAULT_COMM_BUCKET", "codec_of", "ring_allreduce_bytes", "allreduce_bytes", "hierarchical_allreduce_bytes", "tree_allreduce_bytes",
     "messages_per_allreduce", "transfer_time", "codec_time", "Transport", "comm_time", "optimizer_step_time",
     "micro_step_time", "scaling_efficiency", "speedup", "algbw", "busbw", "BUS_FACTORS", "eta_table",
 ]
@@ -113,32 +112,6 @@ def codec_of(codec: Any) -> Codec:
 
 # -- bytes ------------------------------------------------------------------------------------------
 
-def sra_padded_elements(n: int, devices: int, codec: Any) -> int:
-  """Elements of the buffer after the SRA pads it to a multiple of ``devices * bucket``
-  (:func:`jax_qcomm.collectives.sra_padded_size`, what the allreduce itself pads to)."""
-  n = check_int("n", n, 0)
-  d = check_int("devices", devices, 1)
-  return collectives.sra_padded_size(n, d, codec_of(codec))
-
-
-def payload_bytes(n: int, codec: Any, devices: int = 1) -> int:
-  """Bytes of the payload of ``n`` float32 values as the allreduce sends them.
-
-  Exact float32: ``4 n``. SRA codecs: the buffer padded to ``devices * bucket`` elements and cut
-  into ``devices`` chunks, each with its own payload (codes + per-bucket scales,
-  :func:`jax_qcomm.wire.qsgd_payload_bytes`; ``Cast``: 2 bytes per value).
-  """
-  codec = codec_of(codec)
-  n = check_int("n", n, 0)
-  d = check_int("devices", devices, 1)
-  if codec.exact:
-    return 4 * n
-  if codec.summable:  # one psum of uint32 words + one pmax of a word per bucket, no SRA padding
-    return codec.payload_size(n, d)
-  c = sra_padded_elements(n, d, codec) // d
-  return d * codec.payload_size(c)
-
-
 def ring_allreduce_bytes(n: int, devices: int, itemsize: int = 4) -> float:
   """Bytes each device sends in a ring allreduce of ``n`` values of ``itemsize`` bytes:
   ``2 (D-1)/D * n * itemsize`` (0 for one device)."""
@@ -148,47 +121,28 @@ def ring_allreduce_bytes(n: int, devices: int, itemsize: int = 4) -> float:
   return 2 * (d - 1) / d * n * itemsize
 
 
-def sra_allreduce_bytes(n: int, devices: int, codec: Any) -> float:
-  """Bytes each device sends in a scatter-reduce-allgather allreduce of ``n`` float32 values with
-  ``codec``: ``2 (D-1)/D * payload_bytes(n, codec, D)`` (padding and scales included)."""
-  d = check_int("devices", devices, 1)
-  return 2 * (d - 1) / d * payload_bytes(n, codec, d)
-
-
 def allreduce_bytes(n: int, devices: int, codec: Any = 32) -> float:
-  """Bytes each device sends per allreduce of ``n`` float32 values: ring float32 for exact
-  (``NoCompression`` / bits 32), SRA for ``QSGD`` / ``Cast`` (bits 1..8 / 16)."""
-  codec = codec_of(codec)
-  if codec.exact:
-    return ring_allreduce_bytes(n, devices, 4)
-  if codec.summable:  # XLA's ring all-reduces (psum of the words, pmax of the scales)
-    return ring_allreduce_bytes(payload_bytes(n, codec, devices), devices, 1)
-  return sra_allreduce_bytes(n, devices, codec)
+  """Bytes each device sends per allreduce of one flat buffer of ``n`` float32 values:
+  ``codec.sent_bytes(n, devices)`` (padding and scales included)."""
+  return codec_of(codec).sent_bytes(check_int("n", n, 0), check_int("devices", devices, 1))
 
 
 def hierarchical_allreduce_bytes(n: int, inner: int, outer: int, codec: Any = 4) -> dict[str, float]:
   """Bytes each device sends in a ``Hierarchical(inner, outer)`` allreduce of ``n`` float32 values.
 
-  Returns ``{"inner": bytes on the fast links, "outer": bytes on the slow links}``. Compressed
-  codecs: the buffer is padded to ``inner * outer * bucket``; exact reduce-scatter and all-gather of
-  float32 over ``inner`` (``2 (Di-1)/Di * 4 n_pad``), SRA of the ``n_pad / Di`` shard over ``outer``.
-  Exact float32 (``NoCompression``): one flat ring ``pmean`` over all ``Di * Do`` devices, counted
-  on the slow links (a ring crosses them).
+  Returns ``{"inner": bytes on the fast links, "outer": bytes on the slow links}``: the buffer is
+  padded to ``inner * pad_multiple`` elements; an exact float32 reduce-scatter and all-gather over
+  ``inner`` (``2 (Di-1)/Di * 4 n_pad``), the codec's allreduce of the ``n_pad / Di`` shard over
+  ``outer``.
   """
   codec = codec_of(codec)
   di = check_int("inner", inner, 1)
   do = check_int("outer", outer, 1)
   n = check_int("n", n, 0)
-  if codec.exact:
-    return {"inner": 0.0, "outer": ring_allreduce_bytes(n, di * do, 4)}
-  if codec.summable:  # padded to inner * bucket; the shard's summable allreduce over outer
-    m = di * codec.pad_multiple
-    n_pad = -(-n // m) * m
-    return {"inner": 2 * (di - 1) / di * 4 * n_pad,
-            "outer": allreduce_bytes(n_pad // di, do, codec)}
-  n_pad = collectives.sra_padded_size(n, di * do, codec)
-  return {"inner": 2 * (di - 1) / di * 4 * n_pad,
-          "outer": sra_allreduce_bytes(n_pad // di, do, codec)}
+  m = di * codec.pad_multiple
+  n_pad = -(-n // m) * m
+  return {"inner": ring_allreduce_bytes(n_pad, di, 4),
+          "outer": codec.sent_bytes(n_pad // di, do)}
 
 
 def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any = None,
@@ -206,13 +160,8 @@ def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any
   codec = codec_of(codec)
   d = check_int("devices", devices, 1)
   comm_bucket_size = check_int("comm_bucket_size", comm_bucket_size, 1)
-  policy = packing.LeafPolicy() if policy is None else policy
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = [leaf for _, leaf in with_path]
-  if treedef.num_leaves == 1 and treedef.num_nodes == 1:
-    codecs = [codec]
-  else:
-    codecs = [policy.codec_for(packing.path_str(p), leaf, codec) for p, leaf in with_path]
+  leaves = jax.tree_util.tree_leaves(tree)
+  codecs = packing.leaf_codecs(tree, codec, policy)
   total, messages, coded, buffers = 0.0, 0, 0, []
   for group in packing.plan(leaves, codecs, comm_bucket_size):
     n = sum(packing.padded_size(int(math.prod(leaves[i].shape)), group.codec) for i in group.leaves)
@@ -270,12 +219,18 @@ class Transport:
   allreduce: float = 1.0
   all_to_all: float = 1.0
   all_gather: float = 1.0
+  reduce_scatter: float = 1.0
   latency_s: float = 0.0
 
   def __post_init__(self):
-    for name in ("allreduce", "all_to_all", "all_gather"):
+    for name in ("allreduce", "all_to_all", "all_gather", "reduce_scatter"):
       _num(name, getattr(self, name), positive=True)
     _num("latency_s", self.latency_s)
+
+  def factor(self, collective: str) -> float:
+    """The factor of an XLA collective named as :meth:`jax_qcomm.Codec.traffic` names it."""
+    return {"all-reduce": self.allreduce, "all-to-all": self.all_to_all,
+            "all-gather": self.all_gather, "reduce-scatter": self.reduce_scatter}[collective]
 
 
 def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: float = 0.0,
@@ -287,8 +242,9 @@ def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: 
   ``n / codec_elems_per_s`` (lossy codecs only). 0 on one device.
 
   ``transport`` (default: ideal) scales each collective's share of the bytes by its factor and
-  adds its per-message latency to ``latency_s``: exact and summable codecs travel in all-reduces;
-  an SRA sends half of its bytes in an ``all_to_all`` and half in an ``all_gather``.
+  adds its per-message latency to ``latency_s``, for each collective the codec's
+  :meth:`~jax_qcomm.Codec.traffic` names (exact and summable codecs: all-reduces; an SRA: half of
+  its bytes in an all-to-all and half in an all-gather).
 
   ``overlap_codec=True``: the codec work fully overlaps the transfer (several buffers pipelined:
   one is encoded while another travels), ``Tc = max(transfer, codec)`` -- the lower bound to the
@@ -304,17 +260,13 @@ def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: 
     raise ValueError(f"transport must be an efficiency.Transport or None, got {transport!r}")
   if d == 1:
     return 0.0
-  nbytes = allreduce_bytes(n, d, codec)
-  if codec.exact or codec.summable:
-    nbytes *= transport.allreduce
-  else:
-    nbytes *= (transport.all_to_all + transport.all_gather) / 2
-  # An exact allreduce is one collective; an SRA (all_to_all + all_gather) and a summable codec
-  # (pmax of the scales + psum of the words) are two, each paying the per-message latency.
-  collectives_used = 1 if codec.exact else 2
+  # Each of the codec's collectives carries its bytes at its transport factor and pays the
+  # per-message latency 2 (D-1) times.
+  traffic = codec.traffic(n, d)
+  nbytes = sum(b * transport.factor(kind) for kind, b in traffic)
   t = transfer_time(nbytes, link_gbps, latency_s=latency_s + transport.latency_s,
-                    messages=collectives_used * messages_per_allreduce(d) if n else 0)
-  c = 0.0 if codec.exact else codec_time(n, codec_elems_per_s)
+                    messages=len(traffic) * messages_per_allreduce(d) if n else 0)
+  c = codec_time(n, codec_elems_per_s) if codec.lossy else 0.0
   return max(t, c) if overlap_codec else t + c
 
 
