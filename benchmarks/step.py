@@ -130,11 +130,16 @@ def _inner(lr: float):
   return optax.sgd(lr, momentum=0.9)
 
 
-def make_sync_step(mesh, params_shape, bits: int, accum: int, bucket: int, lr: float,
-                   summable: bool = False):
+def make_codec(name: str, bucket: int):
+  """The codec a benchmark name stands for (SUMMABLE names: qcomm.Summable; the rest: bits)."""
+  if name in SUMMABLE:
+    return qcomm.Summable(CODECS[name], bucket)
+  return codec_for_bits(CODECS[name], bucket)
+
+
+def make_sync_step(mesh, params_shape, codec, accum: int, lr: float):
   """(jitted step(params, state, x, y) -> (params, state), state init) with qcomm.sync."""
-  tx = qcomm.sync(_inner(lr), axis_name="data", bits=bits, bucket_size=bucket, accum_steps=accum,
-                  summable=summable)
+  tx = qcomm.sync(_inner(lr), axis_name="data", codec=codec, accum_steps=accum)
   spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params_shape))
 
   def train_step(params, opt_state, x, y):
@@ -314,11 +319,11 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
   # codec work, per lossy codec (model input)
   comm = {}
   for name in args.codecs:
-    codec = codec_for_bits(CODECS[name], args.bucket, summable=name in SUMMABLE)
+    codec = make_codec(name, args.bucket)
     info = efficiency.tree_allreduce_bytes(params_shape, d, codec)
     codec_s = None
     # The probe times the SRA's codec work; a summable codec's (encode + decode once) is not probed.
-    if codec.lossy and not codec.summable and not args.no_codec_probe and d > 1:
+    if codec.lossy and name not in SUMMABLE and not args.no_codec_probe and d > 1:
       lossy = [n for (c, n, _) in info["buffers"] if c == repr(codec)]
       codec_s = codec_probe(mesh, lossy, codec, repeats=args.repeats, warmup=args.warmup)
       _common.log(f"  codec work {name:<6} {1e3 * codec_s:9.1f} ms per allreduce "
@@ -334,8 +339,7 @@ def run(args: argparse.Namespace, mesh) -> tuple[list[dict[str, Any]], dict[str,
     cyclers = {"": Cycler(lstep, p_dev, linit(p_dev), x, y, k)}
     del p_dev
     for name in args.codecs:
-      step, init = make_sync_step(mesh, params_shape, CODECS[name], k, args.bucket, lr,
-                                  summable=name in SUMMABLE)
+      step, init = make_sync_step(mesh, params_shape, make_codec(name, args.bucket), k, lr)
       params = _replicated(mesh, params_np)
       cyclers[name] = Cycler(step, params, init(params), x, y, k)
       del params

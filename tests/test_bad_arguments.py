@@ -33,7 +33,7 @@ AX = "d"
 
 #: The public methods of every codec class in __all__ (the array API and the sizes).
 CODEC_METHODS = ("encode", "decode", "decode_sum", "decode_sum_reencode", "roundtrip",
-                 "payload_size", "wire_size", "wire_bits")
+                 "payload_size", "wire_size", "wire_bits", "traffic", "sent_bytes")
 
 #: Parameters that cannot be bad, each with the reason. Keep it short.
 EXEMPT = {
@@ -104,6 +104,13 @@ def _codec_cases(name: str, codec: qcomm.Codec) -> list[Case]:
       c("payload_size", "n", lambda: codec.payload_size(-1)),
       c("payload_size", "n", lambda: codec.payload_size(2.5)),
       c("wire_size", "n", lambda: codec.wire_size(-1)),
+      c("wire_bits", "devices", lambda: codec.wire_bits(0)),
+      c("traffic", "n", lambda: codec.traffic(-1, 2)),
+      c("traffic", "devices", lambda: codec.traffic(16, 0)),
+      c("traffic", "collective", lambda: codec.traffic(16, 2, "broadcast")),
+      c("sent_bytes", "n", lambda: codec.sent_bytes(1.5, 2)),
+      c("sent_bytes", "devices", lambda: codec.sent_bytes(16, "2")),
+      c("sent_bytes", "collective", lambda: codec.sent_bytes(16, 2, None)),
   ]
 
 
@@ -125,11 +132,9 @@ def _summable_cases() -> list[Case]:
       Case("Summable", "bucket_size", lambda: qcomm.Summable(bucket_size=12)),
       Case("Summable", "rounding", lambda: qcomm.Summable(rounding="up")),
       Case("Summable", "impl", lambda: qcomm.Summable(impl="cuda")),
-      Case("Summable.payload_size", "devices", lambda: s.payload_size(16, devices=0)),
-      Case("Summable.wire_size", "devices", lambda: s.wire_size(16, devices="2")),
-      Case("Summable.wire_bits", "devices", lambda: s.wire_bits(devices=0)),
-      Case("codec_for_bits", "summable", lambda: qcomm.codec_for_bits(4, summable="yes")),
-      Case("sync", "summable", lambda: qcomm.sync(sgd, summable=1)),
+      Case("Summable.traffic", "devices", lambda: s.traffic(16, 10 ** 12)),
+      Case("sync", "codec", lambda: qcomm.sync(sgd, codec=4)),
+      Case("sync", "policy", lambda: qcomm.sync(sgd, policy={"min_size": 4})),
   ]
 
 
@@ -240,11 +245,7 @@ def _cases() -> list[Case]:
       c("sync", "accum_steps", lambda: qcomm.sync(sgd, accum_steps=0)),
       c("sync", "min_size", lambda: qcomm.sync(sgd, min_size=-1)),
       c("sync", "exclude", lambda: qcomm.sync(sgd, exclude=5)),
-      c("sync", "scheme", lambda: qcomm.sync(sgd, scheme="l2")),
       c("sync", "error_feedback", lambda: qcomm.sync(sgd, error_feedback="yes")),
-      c("sync", "compress_1d", lambda: qcomm.sync(sgd, compress_1d="no")),
-      c("sync", "overrides", lambda: qcomm.sync(sgd, overrides=5)),
-      c("sync", "overrides", lambda: qcomm.sync(sgd, overrides={"w": 4})),
       c("sync", "comm_bucket_size", lambda: qcomm.sync(sgd, comm_bucket_size=0)),
       c("sync", "seed", lambda: qcomm.sync(sgd, seed="0")),
       c("sync", "check_varying", lambda: qcomm.sync(sgd, check_varying="yes")),
@@ -362,9 +363,9 @@ def test_cast_pmean_integer_dtype_is_an_error_not_a_truncation():
     _traced(lambda v: qcomm.cast_pmean(v, AX, dtype=jnp.int8))()
 
 
-def test_sync_compress_1d_must_be_a_bool():
+def test_leaf_policy_compress_1d_must_be_a_bool():
   with pytest.raises(ValueError, match=r"^compress_1d must be True or False, got 'no'"):
-    qcomm.sync(optax.sgd(0.1), compress_1d="no")
+    qcomm.LeafPolicy(compress_1d="no")
 
 
 def test_codec_key_and_shape_errors_name_the_parameter():
@@ -393,7 +394,7 @@ OFFENDERS = [
      "dtype must be a floating dtype (float32, bfloat16 or float16), got int8"),
     (_traced(lambda v: qcomm.cast_pmean(v, AX, dtype="foo")),
      "dtype must be a floating dtype (float32, bfloat16 or float16), got 'foo'"),
-    (lambda: qcomm.sync(optax.sgd(0.1), compress_1d="no"),
+    (lambda: qcomm.LeafPolicy(compress_1d="no"),
      "compress_1d must be True or False, got 'no'"),
     (lambda: _Q.encode(X, key=42),
      "key must be a JAX PRNG key (jax.random.key(...), or the raw uint32[2] of "

@@ -118,7 +118,7 @@ def test_bare_state_from_tx_init_with_accumulation_and_error_feedback(bits):
   inner = optax.sgd(0.2, momentum=0.9)
   tx = make_sync(inner, bits, accum_steps=2, error_feedback=True)
   state = tx.init(init_params())  # outside shard_map: per-device parts are (D, ...)
-  assert state.acc["s"].shape == (D,) and state.acc["w"].shape == (D, DIN, DOUT)
+  assert state.acc_grads["s"].shape == (D,) and state.acc_grads["w"].shape == (D, DIN, DOUT)
   if bits < 32:  # error feedback only where the codec loses something
     assert state.residual["s"].shape == (D,)
 
@@ -128,7 +128,7 @@ def test_bare_state_from_tx_init_with_accumulation_and_error_feedback(bits):
     return optax.apply_updates(params, u), opt_state
 
   params, opt_state = run((init_params(), state), step)
-  assert int(opt_state.gradient_step) == CALLS // 2 and int(opt_state.step) == 0
+  assert int(opt_state.gradient_step) == CALLS // 2 and int(opt_state.mini_step) == 0
   check(params, reference(inner, accum=2), bits)
 
 
@@ -163,7 +163,7 @@ def test_sync_inside_inject_hyperparams(bits):
 
   state = tx.init(init_params())
   spec = qcomm.state_partition_spec(state)
-  assert spec.inner_state.acc["w"] == P(AX) and spec.hyperparams["learning_rate"] == P()
+  assert spec.inner_state.acc_grads["w"] == P(AX) and spec.hyperparams["learning_rate"] == P()
   params, _ = run((init_params(), state), step)
   check(params, reference(optax.sgd(0.2, momentum=0.9), accum=2), bits)
 
@@ -198,7 +198,7 @@ def test_apply_if_finite_around_sync_fails_at_once_naming_the_inside_form():
     with pytest.raises(ValueError, match=r"qcomm.sync\(optax.apply_if_finite"):
       qcomm.state_partition_spec(tx.init(init_params()))
   ok = make_sync(optax.apply_if_finite(optax.sgd(0.05), 3), 4, accum_steps=2)
-  assert qcomm.state_partition_spec(ok.init(init_params())).acc["w"] == P(AX)
+  assert qcomm.state_partition_spec(ok.init(init_params())).acc_grads["w"] == P(AX)
 
 
 # ---- flax TrainState -----------------------------------------------------------------------------
@@ -248,8 +248,8 @@ def test_nnx_optimizer(bits):
   graphdef, state = nnx.split((model, optimizer))
   spec = qcomm.state_partition_spec(state)
   assert isinstance(spec, nnx.State)
-  assert spec[1]["opt_state"]["acc"]["w"].get_value() == P(AX)
-  assert spec[1]["opt_state"]["inner"][0]["trace"]["w"].get_value() == P()
+  assert spec[1]["opt_state"]["acc_grads"]["w"].get_value() == P(AX)
+  assert spec[1]["opt_state"]["inner_opt_state"][0]["trace"]["w"].get_value() == P()
 
   def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
@@ -277,7 +277,7 @@ def test_nnx_state_of_optimizer_specs_and_forgotten_pcast():
   flat = {jax.tree_util.keystr(path): s for path, s in
           jax.tree_util.tree_flatten_with_path(spec, is_leaf=lambda s: isinstance(s, P))[0]}
   split = sorted(k for k, s in flat.items() if s != P())
-  assert split == [f"['opt_state']['acc']['{k}'].value" for k in ("b", "s", "w")], flat
+  assert split == [f"['opt_state']['acc_grads']['{k}'].value" for k in ("b", "s", "w")], flat
   assert all(flat[k] == P(AX) for k in split)
   assert len(flat) == 15, flat  # adam's count, mu, nu, the counters, the key: replicated
 
@@ -303,8 +303,8 @@ def test_sharded_state_orbax_roundtrip(tmp_path):
   opt_state = dp.init(params)
   x, y = problem()
   params, opt_state, _, _ = dp.step(params, opt_state, (x[0], y[0]))  # acc now differs per device
-  assert opt_state.acc["w"].sharding.spec == P(AX)
-  acc = np.asarray(opt_state.acc["w"])
+  assert opt_state.acc_grads["w"].sharding.spec == P(AX)
+  acc = np.asarray(opt_state.acc_grads["w"])
   assert acc.shape == (D, DIN, DOUT) and not np.allclose(acc[0], acc[1])
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(tmp_path / "ckpt", opt_state)

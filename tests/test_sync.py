@@ -398,7 +398,7 @@ def test_pmap_skips_the_varying_check_and_accumulates():
   step = jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name=AX, devices=devs)
   rep = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (D,) + a.shape), params)
   state = init(rep)
-  assert state.acc["w"].shape == (D, 1, 64, 32)
+  assert state.acc_grads["w"].shape == (D, 1, 64, 32)
   g1, g2 = _device_grads(1), _device_grads(2)
   u1, state = step(rep, state, g1)
   u2, state = step(rep, state, g2)
@@ -431,12 +431,12 @@ def test_state_partition_spec_scalars_and_tuple_axes():
   params = {"s": jnp.float32(1.0), "v": jnp.zeros((3,))}
   state = jax.eval_shape(tx.init, params)
   spec = qcomm.state_partition_spec(state, ("a", "b"))
-  assert spec.acc == {"s": P(("a", "b")), "v": P(("a", "b"))}
-  assert spec.residual["s"] == P(("a", "b")) and spec.step == P() and spec.key == P()
-  assert all(s == P() for s in jax.tree_util.tree_leaves(spec.inner))
-  assert state.acc["s"].shape == (jax.device_count(),)  # no mesh set: all devices
+  assert spec.acc_grads == {"s": P(("a", "b")), "v": P(("a", "b"))}
+  assert spec.residual["s"] == P(("a", "b")) and spec.mini_step == P() and spec.key == P()
+  assert all(s == P() for s in jax.tree_util.tree_leaves(spec.inner_opt_state))
+  assert state.acc_grads["s"].shape == (jax.device_count(),)  # no mesh set: all devices
   with jax.set_mesh(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))):
-    assert jax.eval_shape(tx.init, params).acc["v"].shape == (4, 3)  # the current mesh's axes
+    assert jax.eval_shape(tx.init, params).acc_grads["v"].shape == (4, 3)  # the current mesh's axes
 
 
 # ---- 9. non-finite steps: error feedback and accumulation are not poisoned -----------------------
@@ -491,8 +491,8 @@ def test_training_recovers_from_one_nan_with_error_feedback(accum):
   _, state, u = hist[sync_call]
   for leaf in jax.tree_util.tree_leaves(u):  # that step is skipped (zeros) by apply_if_finite
     assert not np.any(np.asarray(leaf))
-  assert int(state.total_notfinite) == 1 and int(state.inner.total_notfinite) == 1
-  for leaf in jax.tree_util.tree_leaves((state.residual, state.acc)):  # nothing poisoned
+  assert int(state.total_notfinite) == 1 and int(state.inner_opt_state.total_notfinite) == 1
+  for leaf in jax.tree_util.tree_leaves((state.residual, state.acc_grads)):  # nothing poisoned
     assert np.all(np.isfinite(np.asarray(leaf)))
   np.testing.assert_array_equal(  # the residual of before the bad window
       np.asarray(state.residual["w"]), np.asarray(hist[sync_call - accum][1].residual["w"]))
@@ -507,7 +507,7 @@ def test_nonfinite_synced_gradient_is_not_made_finite():
   _, state, u = hist[NAN_AT + 1]  # the communicating call of the bad window
   assert all(not np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree_util.tree_leaves(u))
   assert int(state.total_notfinite) == 1 and int(state.gradient_step) == (NAN_AT + 2) // 2
-  for leaf in jax.tree_util.tree_leaves((state.residual, state.acc)):
+  for leaf in jax.tree_util.tree_leaves((state.residual, state.acc_grads)):
     assert np.all(np.isfinite(np.asarray(leaf)))
 
 
@@ -543,7 +543,7 @@ def test_hierarchical_axis_state_from_tx_init():
   params = _params()
   state = tx.init(params)
   spec = qcomm.state_partition_spec(state, axis)
-  assert state.acc["w"].shape == (D, 64, 32) and spec.acc["w"] == P(("i", "o"))
+  assert state.acc_grads["w"].shape == (D, 64, 32) and spec.acc_grads["w"] == P(("i", "o"))
 
   def two_calls(p, s, g1, g2):
     _, s = tx.update(_first(g1), s, p)

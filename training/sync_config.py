@@ -1,8 +1,9 @@
 """A trainer config's gradient synchronisation, shared by the example trainers (train.py, lm.py).
 
-Both configs carry ``qcomm.sync``'s parameters under its own names (``bits``, ``bucket_size``,
-``scheme``, ``accum_steps``, ``error_feedback``, ``min_size``, ``compress_1d``, ``exclude``,
-``seed``; ``comm_bucket_size`` where the config has it). The library checks them:
+Both configs carry the settings under the library's own names: the codec's (``bits``,
+``bucket_size``, ``scheme``: :func:`qcomm.codec_for_bits`), the leaf policy's (``min_size``,
+``compress_1d``, ``exclude``: :class:`qcomm.LeafPolicy`) and ``qcomm.sync``'s (``accum_steps``,
+``error_feedback``, ``seed``; ``comm_bucket_size`` where the config has it). The library checks them:
 :func:`check_sync_fields` builds the sync once, before any compute, and hands its ValueError on
 with the field named (``config.bits must be ...``), so no trainer repeats the codec's rules.
 """
@@ -24,10 +25,12 @@ def create_sync(config: ml_collections.ConfigDict, inner: optax.GradientTransfor
                 axis_name: str) -> optax.GradientTransformation:
   """``qcomm.sync(inner)`` with every synchronisation setting taken from the config."""
   extra = {"comm_bucket_size": config.comm_bucket_size} if "comm_bucket_size" in config else {}
-  return qcomm.sync(inner, axis_name=axis_name, bits=config.bits, bucket_size=config.bucket_size,
-                    accum_steps=config.accum_steps, min_size=config.min_size,
-                    exclude=exclude_patterns(config), scheme=config.scheme,
-                    error_feedback=config.error_feedback, compress_1d=config.compress_1d,
+  codec = qcomm.codec_for_bits(config.bits, config.bucket_size, config.scheme,
+                               rounding="nearest" if config.error_feedback else "stochastic")
+  policy = qcomm.LeafPolicy(min_size=config.min_size, compress_1d=config.compress_1d,
+                            exclude=exclude_patterns(config))
+  return qcomm.sync(inner, axis_name=axis_name, codec=codec, policy=policy,
+                    accum_steps=config.accum_steps, error_feedback=config.error_feedback,
                     seed=config.seed, **extra)
 
 

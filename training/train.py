@@ -235,7 +235,7 @@ def make_local_step(config, model, inner, mesh: Mesh, spec: TrainState):
     _, _, _, grads = _local_grads(config, model, state, batch)
     params = lax.pcast(state.params, AXIS, to="varying")
     inner_state = jax.tree_util.tree_map(lambda a: lax.pcast(a, AXIS, to="varying"),
-                                         state.opt_state.inner)
+                                         state.opt_state.inner_opt_state)
     updates, _ = inner.update(grads, inner_state, params)
     new = optax.apply_updates(params, updates)
     return sum(jnp.sum(x) for x in jax.tree_util.tree_leaves(new))[None]
