@@ -252,7 +252,7 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
     if CODECS[name][1] != "sra":
       continue
     codec = make_codec(name, bucket, impl)
-    c = collectives.sra_padded_size(n, d, codec) // d  # chunk length per device, as the allreduce pads
+    c = codec.padded_size(n, d) // d  # chunk length per device, as the allreduce pads
     key = jax.random.key(1)
     chunks = jax.device_put(jax.random.normal(jax.random.key(2), (d, c), jnp.float32), dev)
     enc_rows = jax.jit(lambda xs, k: jax.vmap(codec.encode)(xs, jax.random.split(k, xs.shape[0])))

@@ -9,7 +9,7 @@ own: ``from jax_qcomm.tools import efficiency, distributed`` (this module never 
 """
 
 from jax_qcomm import _ffi
-from jax_qcomm._ffi import implementation
+from jax_qcomm._selftest import implementation, self_test
 from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression, Summable
 from jax_qcomm.axes import Hierarchical
 from jax_qcomm.collectives import all_gather, allreduce, cast_pmean, reduce_scatter
@@ -26,6 +26,6 @@ __all__ = [
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
     "accumulate_gradients", "sync", "SyncState", "codec_for_bits", "state_partition_spec",
     "data_parallel", "DataParallel", "describe", "Description",
-    "implementation",
+    "implementation", "self_test",
 ]
 __version__ = "0.1.0"

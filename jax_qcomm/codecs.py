@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _exchange, _ffi, _reference, wire
+from jax_qcomm import _exchange, _ffi, _reference, _selftest, wire
 from jax_qcomm.axes import AxisName, axis_size, device_key
 from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int,
                                check_int_in, check_key, check_real, check_shape)
@@ -383,8 +383,12 @@ class _Bucketed(Codec):
 
   def _select(self, ffi_fn, jax_fn, *args):
     """Runs ffi_fn on platforms with a compiled kernel, jax_fn elsewhere (chosen per lowering by
-    ``lax.platform_dependent``); impl="jax": always jax_fn; impl="ffi": no fallback."""
+    ``lax.platform_dependent``); impl="auto" uses a platform's kernels once they passed their
+    known-answer test there (:mod:`jax_qcomm._selftest`); impl="jax": always jax_fn;
+    impl="ffi": the kernels, untested, with no fallback."""
     platforms = self._kernel_platforms()
+    if self.impl == "auto":  # only kernels that passed their known-answer test on this platform
+      platforms = tuple(p for p in platforms if _selftest.trusted(p))
     if self.impl == "jax" or not platforms:
       return jax_fn(*args)
     branches = {p: ffi_fn for p in platforms}

@@ -25,14 +25,14 @@ def test_ring_fp32_bytes():
 def test_sra_qsgd_bytes_with_scales_and_padding():
   # n = 1000 over D = 4, bucket 128: padded to 1024 (a multiple of 4 * 128); chunk 256 = 2 buckets,
   # each bucket 8 scale bytes (maxmin: min, step) + 128 * 4 / 8 = 64 code bytes.
-  assert eff.sra_padded_elements(1000, 4, 4) == 1024
-  assert eff.payload_bytes(1000, 4, devices=4) == 4 * 2 * 72
+  q4 = qcomm.QSGD(4)
+  assert q4.padded_size(1000, 4) == 1024
+  assert q4.traffic(1000, 4) == (("all-to-all", 3 / 4 * 4 * 2 * 72), ("all-gather", 3 / 4 * 4 * 2 * 72))
   assert eff.allreduce_bytes(1000, 4, 4) == pytest.approx(2 * 3 / 4 * 576)
   # 2 bits, bucket 64, norm scheme: 4 scale bytes + 16 code bytes per bucket; 8 devices.
   codec = qcomm.QSGD(bits=2, bucket_size=64, scheme="norm")
   n_pad = -(-5000 // 512) * 512
-  assert eff.payload_bytes(5000, codec, 8) == n_pad // 64 * 20
-  assert eff.sra_allreduce_bytes(5000, 8, codec) == pytest.approx(2 * 7 / 8 * n_pad // 64 * 20)
+  assert eff.allreduce_bytes(5000, 8, codec) == pytest.approx(2 * 7 / 8 * n_pad // 64 * 20)
 
 
 def test_sra_bytes_match_the_allreduce_benchmark_convention():
@@ -40,8 +40,7 @@ def test_sra_bytes_match_the_allreduce_benchmark_convention():
   for name, codec in (("qsgd4", qcomm.QSGD(4)), ("qsgd2", qcomm.QSGD(2)),
                       ("cast_bf16", qcomm.Cast(jnp.bfloat16))):
     for n, d in ((5000, 4), (25_600_000, 4), (12345, 8)):
-      payload, sent = wire_bytes(name, codec, n, d)
-      assert eff.payload_bytes(n, codec, d) == payload
+      _, sent = wire_bytes(name, codec, n, d)
       assert eff.allreduce_bytes(n, d, codec) == pytest.approx(sent, abs=1)
 
 
@@ -55,8 +54,9 @@ def test_hierarchical_bytes():
   h = eff.hierarchical_allreduce_bytes(1000, inner=2, outer=2, codec=4)
   assert h["inner"] == pytest.approx(2 * 1 / 2 * 4 * 1024)
   assert h["outer"] == pytest.approx(2 * 1 / 2 * 288)
+  # Exact: the same composition (reduce-scatter inside, the shard's all-reduce across), unpadded.
   exact = eff.hierarchical_allreduce_bytes(1000, 2, 2, 32)
-  assert exact == {"inner": 0.0, "outer": pytest.approx(2 * 3 / 4 * 4000)}
+  assert exact == {"inner": pytest.approx(4000), "outer": pytest.approx(2 * 1 / 2 * 4 * 500)}
 
 
 def test_tree_bytes_follow_the_leaf_policy():

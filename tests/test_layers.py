@@ -3,7 +3,8 @@ graph has no cycles, and ``import jax_qcomm`` loads no tooling and changes nothi
 
 The layers (docs/architecture.md), lowest first::
 
-    wire, _checks, _compat  ->  axes, _exchange  ->  _ffi, _reference (the kernels)  ->  codecs
+    wire, _checks, _compat  ->  axes, _exchange  ->  _ffi, _reference (the kernels)  ->  _selftest
+    ->  codecs
     ->  packing, _varying  ->  collectives  ->  accumulation, sync  ->  data_parallel, describe
     ->  jax_qcomm (the public API)
 
@@ -34,7 +35,8 @@ PACKAGE = "jax_qcomm"
 LAYERS: list[set[str]] = [
     {"wire", "_checks", "_compat"},                  # foundations: no package imports
     {"axes", "_exchange"},                           # axis arguments; all-to-all schedules
-    {"_ffi", "_reference"},                          # the kernels: FFI binding, pure-JAX reference
+    {"_ffi", "_reference", "_known_answers"},        # the kernels: FFI binding, pure-JAX reference
+    {"_selftest"},                                   # the kernels' known-answer test
     {"codecs"},                                      # the Codec interface (the reduction protocol)
     {"packing", "_varying"},                         # pytrees <-> flat buffers, per-device checks
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather

@@ -37,7 +37,8 @@ def test_calibrates_then_predicts(tmp_path, capsys):
                      str(tmp_path / "none.json"), "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   assert result["calibration"]["transport"] == dict(allreduce=1.1, all_to_all=2.0,
-                                                    all_gather=1.8, latency_s=0.002)
+                                                    all_gather=1.8, reduce_scatter=1.0,
+                                                    latency_s=0.002)
   errors = {p["label"]: p["error"] for p in result["points"]}
   assert errors["25.6M fp32"] == pytest.approx(0.0, abs=1e-9)
   assert errors["25.6M qsgd4"] == pytest.approx(1 / 1.3 - 1)
