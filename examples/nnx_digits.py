@@ -10,15 +10,13 @@ step:
 
 The last line printed is a JSON object with each run's test accuracy.
 
-What differs from single-device NNX code, all inside ``train_step``:
-* the step runs inside ``jax.shard_map``; the model/optimizer/metrics state goes in and out with
-  ``qcomm.state_partition_spec(state)`` (replicated, except the sync state's per-device parts);
-* the gradient is taken with respect to a *varying* copy of the parameters (``lax.pcast``), so each
-  device gets its own gradient for ``qcomm.sync`` to average (forgetting it raises a ValueError);
-* dropout gets a key of its own on each device (``fold_in`` of the step key and the device index);
-* BatchNorm normalises with each device's batch statistics; the running averages are averaged
-  across devices (``lax.pmean``) so that every replica keeps the same ones;
-* metrics are updated on the global batch, outside the shard_map (logits come back as one array).
+What differs from single-device NNX code: the five lines marked ``# qcomm (n)``. A mesh; the
+optimizer wrapped in ``qcomm.sync`` and created under the mesh; ``qcomm.nnx_data_parallel`` built
+from the loss; and ``dp.step(model, optimizer, batch, key=key)`` in place of
+``nnx.value_and_grad`` + ``optimizer.update``. The step splits the batch over the devices, takes
+each device's own gradient (of a copy whose parameters vary per device), averages it with
+``qcomm.sync``, gives dropout a key of its own per device, averages the BatchNorm statistics
+across devices and returns the logits of the global batch for the metrics.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ from sklearn.model_selection import train_test_split
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 from flax import nnx
 import optax
 
@@ -76,55 +73,36 @@ def train(bits: int, accum_steps: int, epochs: int, batch_size: int, lr: float, 
       return self.linear2(x)
 
   x_tr, y_tr, x_te, y_te = load_digits(seed)
-  mesh = Mesh(np.array(jax.devices()), ("data",))
+  mesh = Mesh(np.array(jax.devices()), ("data",))                                     # qcomm (1)
   d = mesh.devices.size
   if batch_size % d:
     raise ValueError(f"batch_size must be a multiple of the {d} devices, got {batch_size}")
 
   model = CNN(rngs=nnx.Rngs(seed))  # in training mode (dropout on, batch statistics)
-  tx = qcomm.sync(optax.adamw(lr, 0.9), axis_name="data", bits=bits, accum_steps=accum_steps)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)  # outside shard_map, like any NNX code
+  tx = qcomm.sync(optax.adamw(lr, 0.9), axis_name="data", bits=bits,                   # qcomm (2)
+                  accum_steps=accum_steps)
+  with jax.set_mesh(mesh):                                                             # qcomm (3)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
-  graphdef, state = nnx.split((model, optimizer, metrics))
-  spec = qcomm.state_partition_spec(state)  # an nnx.State of PartitionSpecs
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), spec,
-                           is_leaf=lambda s: isinstance(s, P))
-  place = functools.partial(jax.device_put, device=shardings)  # as the step returns it: one compile
-  state = place(state)
 
   def loss_fn(model, batch, rngs):
     logits = model(batch["image"], rngs=rngs)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
     return loss, logits
 
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec, P("data"), P()),
-                     out_specs=(spec, P(), P("data")))
-  def sharded_step(state, batch, key):  # one device's share of the batch
-    model, optimizer, metrics = nnx.merge(graphdef, state)
-    rngs = nnx.Rngs(dropout=jax.random.fold_in(key, lax.axis_index("data")))  # per device
-    # A copy of the model with varying parameters: its gradient is this device's own.
-    gdef, params, rest = nnx.split(model, nnx.Param, ...)
-    local_model = nnx.merge(gdef, lax.pcast(params, "data", to="varying"), rest)
-    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(local_model, batch, rngs)
-    stats = nnx.state(local_model, nnx.BatchStat)  # this device's new BatchNorm statistics
-    optimizer.update(model, grads)  # qcomm.sync averages the devices' gradients
-    nnx.update(model, lax.pmean(stats, "data"))  # the devices' mean BatchNorm statistics
-    return nnx.state((model, optimizer, metrics)), lax.pmean(loss, "data"), logits
+  dp = qcomm.nnx_data_parallel(loss_fn, mesh, has_aux=True)                            # qcomm (4)
 
-  @jax.jit
-  def train_step(state, batch, key):
-    state, loss, logits = sharded_step(state, batch, key)
-    model, optimizer, metrics = nnx.merge(graphdef, state)
+  def train_step(model, optimizer, metrics, batch, key):
+    loss, logits = dp.step(model, optimizer, batch, key=key)                          # qcomm (5)
     metrics.update(loss=loss, logits=logits, labels=batch["label"])  # on the global batch
-    return nnx.state((model, optimizer, metrics))
 
-  @jax.jit
-  def evaluate(state, images, labels):
-    model, _, _ = nnx.merge(graphdef, state)
+  @nnx.jit
+  def evaluate(model, images, labels):
     model.eval()
-    return jnp.mean(jnp.argmax(model(images), -1) == labels)
+    acc = jnp.mean(jnp.argmax(model(images), -1) == labels)
+    model.train()
+    return acc
 
-  batch_sharding = NamedSharding(mesh, P("data"))
   order = np.random.default_rng(seed)
   steps_per_epoch = len(x_tr) // batch_size
   history, call, t0 = [], 0, time.perf_counter()
@@ -132,19 +110,16 @@ def train(bits: int, accum_steps: int, epochs: int, batch_size: int, lr: float, 
     idx = order.permutation(len(x_tr))
     for i in range(steps_per_epoch):
       take = idx[i * batch_size:(i + 1) * batch_size]
-      batch = jax.device_put({"image": x_tr[take], "label": y_tr[take]}, batch_sharding)
-      state = train_step(state, batch, jax.random.fold_in(jax.random.key(seed), call))
+      batch = {"image": x_tr[take], "label": y_tr[take]}
+      train_step(model, optimizer, metrics, batch, jax.random.fold_in(jax.random.key(seed), call))
       call += 1
-    model, optimizer, metrics = nnx.merge(graphdef, state)
     train_metrics = {k: float(v) for k, v in metrics.compute().items()}
     metrics.reset()
-    state = place(nnx.state((model, optimizer, metrics)))
-    test_acc = float(evaluate(state, x_te, y_te))
+    test_acc = float(evaluate(model, x_te, y_te))
     history.append({"epoch": epoch + 1, **train_metrics, "test_accuracy": test_acc})
     if verbose:
       print(f"bits {bits:2d}  epoch {epoch + 1:3d}  train loss {train_metrics['loss']:.4f}  "
             f"train acc {train_metrics['accuracy']:.4f}  test acc {test_acc:.4f}", flush=True)
-  _, optimizer, _ = nnx.merge(graphdef, state)
   return {"bits": bits, "accum_steps": accum_steps, "calls": call,
           "optimizer_steps": int(optimizer.opt_state.gradient_step[...]),
           "nnx_optimizer_step": int(optimizer.step[...]), "test_accuracy": history[-1]["test_accuracy"],

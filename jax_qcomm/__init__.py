@@ -29,3 +29,11 @@ __all__ = [
     "implementation", "self_test",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+  # The Flax NNX step loads flax: only when it is asked for.
+  if name in ("nnx_data_parallel", "NNXDataParallel"):
+    from jax_qcomm import flax_nnx
+    return getattr(flax_nnx, name)
+  raise AttributeError(f"module 'jax_qcomm' has no attribute {name!r}")

@@ -26,9 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat, collectives
 from jax_qcomm._checks import check_axis_name, check_bool, check_choice, check_key
-from jax_qcomm.sync import state_partition_spec
+from jax_qcomm.sync import holds_sync, state_partition_spec
 
-AUX_REDUCTIONS = ("mean", "sum", "stack")
+AUX_REDUCTIONS = ("mean", "sum", "stack", "concat")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,7 +67,9 @@ class DataParallel:
 
   def state_spec(self, opt_state: Any) -> Any:
     """``shard_map`` specs of ``opt_state`` (arrays or ``jax.ShapeDtypeStruct`` s)."""
-    return state_partition_spec(opt_state, self.axis_name)
+    spec = state_partition_spec(opt_state, self.axis_name)
+    _require_sync(opt_state, self.axis_name)
+    return spec
 
   def _put(self, tree: Any, spec: Any) -> Any:
     """tree placed as spec says (a no-op for arrays already there). Needed for meshes with
@@ -126,7 +128,7 @@ class DataParallel:
       return params, opt_state, loss, _reduce_aux(aux, reduce, names)
 
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
-    aux_spec = self._device_spec if reduce == "stack" else P()
+    aux_spec = self._device_spec if reduce in ("stack", "concat") else P()
     in_specs = (P(), spec, batch_spec, P()) + ((P(),) if with_key else ())
     fn = jax.shard_map(local_step, mesh=self.mesh, in_specs=in_specs,
                        out_specs=(P(), spec, P(), aux_spec))
@@ -156,6 +158,8 @@ def _reduce_aux(aux: Any, how: str, names: tuple) -> Any:
   axes = frozenset(names)
   if how == "stack":
     return jax.tree_util.tree_map(lambda a: _compat.make_varying(jnp.asarray(a), axes)[None], aux)
+  if how == "concat":
+    return jax.tree_util.tree_map(lambda a: _compat.make_varying(jnp.asarray(a), axes), aux)
   op = lax.pmean if how == "mean" else lax.psum
   return jax.tree_util.tree_map(lambda a: op(_compat.make_varying(jnp.asarray(a), axes), names), aux)
 
@@ -177,8 +181,9 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     axis_name: the data axis of ``mesh`` (a name or a tuple of names).
     has_aux: loss_fn returns ``(loss, aux)``.
     aux_reduce: how the per-device ``aux`` leaves come back: ``"mean"`` (``lax.pmean``: BatchNorm
-      statistics, mean metrics), ``"sum"`` (``lax.psum``: counts) or ``"stack"`` (every leaf with
-      a leading device axis of size D).
+      statistics, mean metrics), ``"sum"`` (``lax.psum``: counts), ``"stack"`` (every leaf with
+      a leading device axis of size D) or ``"concat"`` (the devices' leaves concatenated along
+      their leading axis: per-example outputs such as logits, for the global batch).
     batch_spec: how the batch is split (default ``PartitionSpec(axis_name)``: leading axis).
     donate: donate the params and optimizer state buffers to the step (saves memory; the arrays
       passed in are then invalid).
@@ -200,7 +205,7 @@ def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate
   """ValueError naming the first bad argument of :func:`data_parallel` / :class:`DataParallel`."""
   if not callable(loss_fn):
     raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
-  if not (hasattr(tx, "init") and hasattr(tx, "update")):
+  if tx is not None and not (hasattr(tx, "init") and hasattr(tx, "update")):
     raise ValueError(f"tx must be an optax.GradientTransformation, got {tx!r}")
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
@@ -215,3 +220,14 @@ def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate
   if batch_spec is not None and not isinstance(batch_spec, P):
     raise ValueError(f"batch_spec must be None or a PartitionSpec, got {batch_spec!r}")
   check_bool("donate", donate)
+
+
+def _require_sync(opt_state: Any, axis_name: Any) -> None:
+  """ValueError for an optimizer state with no qcomm.sync state in it: a plain optax optimizer
+  would step on each device's own gradient and the replicas would drift apart."""
+  if not holds_sync(opt_state):
+    raise ValueError(
+        f"tx must contain a qcomm.sync over {axis_name!r}: the optimizer state holds none, so each "
+        f"device would step with its own gradient. Wrap the optimizer: qcomm.sync(tx, "
+        f"axis_name={axis_name!r}) (compressed, QSGD 4 bits), or qcomm.sync(tx, "
+        f"axis_name={axis_name!r}, codec=qcomm.NoCompression()) for exact data parallelism.")

@@ -436,13 +436,14 @@ def _is_sync(x: Any) -> bool:
   return isinstance(x, SyncState) or _is_sync_mapping(x)
 
 
-def _holds_sync(tree: Any) -> bool:
+def holds_sync(tree: Any) -> bool:
+  """True if any node of ``tree`` is a sync state (or a mapping of one, as in an ``nnx.State``)."""
   return any(_is_sync(node) for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_sync))
 
 
 def _is_special(x: Any) -> bool:
   return _is_sync(x) or (isinstance(x, (optax.MultiStepsState, optax.ApplyIfFiniteState))
-                         and _holds_sync(x))
+                         and holds_sync(x))
 
 
 def _specs(tree: Any, dev: P) -> Any:

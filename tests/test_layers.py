@@ -6,7 +6,8 @@ The layers (docs/architecture.md), lowest first::
     wire, _checks, _compat  ->  axes, _exchange  ->  _ffi, _reference (the kernels)  ->  _selftest
     ->  codecs
     ->  packing, _varying  ->  collectives  ->  accumulation, sync  ->  data_parallel, describe
-    ->  jax_qcomm (the public API)
+    ->  flax_nnx (the NNX step; the one module that imports flax, loaded only when
+    ``qcomm.nnx_data_parallel`` is asked for)  ->  jax_qcomm (the public API)
 
 ``jax_qcomm.tools`` (the cost model ``efficiency``, the multi-process runtime ``distributed`` and
 ``launch``, the simulated cluster ``cluster``) sits above the library: its modules may import the library and each other, and nothing
@@ -42,6 +43,7 @@ LAYERS: list[set[str]] = [
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
     {"data_parallel", "describe"},                   # the step helper, describe
+    {"flax_nnx"},                                    # the NNX step (imports flax; loaded lazily)
     {"__init__"},                                    # the public API
 ]
 #: The tooling subpackage (jax_qcomm/tools): above the library, never imported by it.
@@ -54,6 +56,8 @@ NEVER_IN_LIBRARY = {"benchmarks", "training", "configs", "matplotlib", "flax", "
 #: The one module allowed to reach jax's private modules (jax._src, jaxlib._jax): _compat, for the
 #: gloo-on-an-interface registration (its GLOO_PRIVATE_NAMES; tests/test_faults.py checks them).
 JAX_PRIVATE_ALLOWED = {"_compat"}
+#: Library modules allowed one optional framework each, never loaded by ``import jax_qcomm``.
+OPTIONAL_FRAMEWORK = {"flax_nnx": {"flax"}}
 _PRIVATE_PREFIXES = ("jax._src", "jaxlib._")
 
 
@@ -171,7 +175,8 @@ def test_library_imports_no_tooling_and_no_jax_internals():
              **{f"{TOOLS}.{k}": v for k, v in _modules(f"{PACKAGE}.{TOOLS}").items()}}
   for name, path in modules.items():
     outside = _imports(path, PACKAGE)[1]
-    bad += [f"{name} imports {o}" for o in outside & NEVER_IN_LIBRARY]
+    bad += [f"{name} imports {o}"
+            for o in outside & NEVER_IN_LIBRARY - OPTIONAL_FRAMEWORK.get(name, set())]
     if name in JAX_PRIVATE_ALLOWED:
       continue
     # import statements, and module names handed to importlib as strings

@@ -1,0 +1,156 @@
+"""``qcomm.nnx_data_parallel``: the data-parallel train step for a Flax NNX model and optimizer.
+
+From single-device NNX::
+
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    grads = nnx.grad(loss_fn)(model, batch); optimizer.update(model, grads)
+
+to compressed data parallelism over the devices of a mesh::
+
+    optimizer = nnx.Optimizer(model, qcomm.sync(optax.adamw(1e-3), accum_steps=2), wrt=nnx.Param)
+    dp = qcomm.nnx_data_parallel(loss_fn, mesh)
+    loss = dp.step(model, optimizer, batch)         # updates model and optimizer in place
+
+The step splits the batch over the data axis, differentiates a copy of the model whose parameters
+vary per device (so that :func:`qcomm.sync` receives each device's own gradient), updates the
+optimizer with the model itself (the update of the copy, which would train nothing, cannot be
+written), averages what the forward pass changed per device (BatchNorm statistics) and returns the
+devices' mean loss. This module imports flax; ``import jax_qcomm`` does not load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from flax import nnx
+
+from jax_qcomm import _compat
+from jax_qcomm._checks import check_key
+from jax_qcomm.axes import AxisName, axis_names
+from jax_qcomm.data_parallel import _check, _reduce_aux, _require_sync, _SpecKey
+from jax_qcomm.sync import state_partition_spec
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NNXDataParallel:
+  """A data-parallel step for an ``nnx.Module`` and its ``nnx.Optimizer``, made by
+  :func:`nnx_data_parallel`. ``step(model, optimizer, batch, *extra, key=None)`` updates both in
+  place and returns the mean loss (and ``aux`` with ``has_aux``)."""
+
+  loss_fn: Callable[..., Any]
+  mesh: Mesh
+  axis_name: AxisName = "data"
+  has_aux: bool = False
+  aux_reduce: str = "concat"
+  batch_spec: P | None = None
+
+  def __post_init__(self):
+    _check(self.loss_fn, None, self.mesh, self.axis_name, self.has_aux, self.aux_reduce,
+           self.batch_spec, False)
+
+  @property
+  def _spec(self) -> P:
+    names = axis_names(self.axis_name)
+    return P(names[0] if len(names) == 1 else names)
+
+  def step(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *extra: Any,
+           key: jax.Array | None = None) -> Any:
+    """One train step on the global ``batch`` (its leading axis split over the devices); ``extra``
+    arguments reach ``loss_fn`` replicated; ``key`` gives ``loss_fn`` a per-device
+    ``rngs=nnx.Rngs(dropout=...)``. Updates ``model`` and ``optimizer`` in place."""
+    if not isinstance(model, nnx.Module):
+      raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, nnx.Optimizer):
+      raise ValueError(f"optimizer must be an nnx.Optimizer(model, qcomm.sync(...), wrt=...), got "
+                       f"{type(optimizer).__name__}")
+    check_key("key", key)
+    graphdef, state = nnx.split((model, optimizer))
+    with jax.set_mesh(self.mesh):
+      spec = state_partition_spec(state, self.axis_name)
+    _require_sync(state, self.axis_name)
+    fn = self._step_fn(graphdef, _SpecKey(spec), len(extra), key is not None)
+    put = lambda tree, s: jax.device_put(tree, jax.tree_util.tree_map(  # noqa: E731
+        lambda p: NamedSharding(self.mesh, p), s, is_leaf=lambda p: isinstance(p, P)))
+    batch_spec = self.batch_spec if self.batch_spec is not None else self._spec
+    args = (put(state, spec), put(batch, batch_spec), put(extra, P()))
+    if key is not None:
+      args += (put(key, P()),)
+    new_state, loss, aux = fn(*args)
+    nnx.update((model, optimizer), new_state)
+    return (loss, aux) if self.has_aux else loss
+
+  __call__ = step
+
+  @functools.lru_cache(maxsize=None)
+  def _step_fn(self, graphdef, spec_key, n_extra: int, with_key: bool):
+    names = axis_names(self.axis_name)
+    axes = frozenset(names)
+    loss_fn, has_aux, reduce = self.loss_fn, self.has_aux, self.aux_reduce
+
+    def local_step(state, batch, extra, key=None):
+      model, optimizer = nnx.merge(graphdef, state)
+      # A copy whose parameters vary per device: its gradient is this device's own.
+      gdef, params, rest = nnx.split(model, nnx.Param, ...)
+      local = nnx.merge(gdef, jax.tree_util.tree_map(
+          lambda p: _compat.make_varying(p, axes), params), rest)
+      kwargs = {}
+      if key is not None:  # dropout: different randomness on every device
+        kwargs["rngs"] = nnx.Rngs(dropout=jax.random.fold_in(key, lax.axis_index(names)))
+      out, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *extra, **kwargs)
+      loss, aux = out if has_aux else (out, None)
+      # What the forward pass changed per device (BatchNorm statistics): the devices' mean.
+      changed = nnx.state(local, nnx.Not(nnx.Param))
+      nnx.update(model, jax.tree_util.tree_map(lambda a: _mean_if_varying(a, names), changed))
+      optimizer.update(model, grads)  # qcomm.sync averages the devices' gradients
+      loss = lax.pmean(_compat.make_varying(loss, axes), names)
+      return nnx.state((model, optimizer)), loss, _reduce_aux(aux, reduce, names)
+
+    batch_spec = self.batch_spec if self.batch_spec is not None else self._spec
+    aux_spec = self._spec if reduce in ("stack", "concat") else P()
+    in_specs = (spec_key.spec, batch_spec, P()) + ((P(),) if with_key else ())
+    return jax.jit(jax.shard_map(local_step, mesh=self.mesh, in_specs=in_specs,
+                                 out_specs=(spec_key.spec, P(), aux_spec)))
+
+
+def _mean_if_varying(a: jax.Array, names: tuple) -> jax.Array:
+  """The devices' mean of a model variable the forward pass made per device; ValueError for one
+  that cannot be averaged."""
+  if not set(names) & set(_compat.vma_of(a)):
+    return a
+  if not jnp.issubdtype(a.dtype, jnp.floating):
+    raise ValueError(f"the forward pass made a non-float model variable (dtype {a.dtype}) differ "
+                     f"between devices; it cannot be averaged. Keep such state out of the model "
+                     f"(pass rngs to loss_fn: step(..., key=key)).")
+  return lax.pmean(a, names)
+
+
+def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: AxisName = "data",
+                      has_aux: bool = False, aux_reduce: str = "concat",
+                      batch_spec: P | None = None) -> NNXDataParallel:
+  """A jitted data-parallel train step for a Flax NNX model and its ``nnx.Optimizer``.
+
+  Args:
+    loss_fn: ``loss_fn(model, batch, *extra) -> loss`` (a scalar: the mean over this device's share
+      of the batch), or ``-> (loss, aux)`` with ``has_aux``; called with ``rngs=`` (an
+      ``nnx.Rngs`` with a per-device ``dropout`` stream) when the step gets a ``key``.
+    mesh: a mesh with the data axis.
+    axis_name: the data axis of ``mesh`` (the ``axis_name`` of the optimizer's ``qcomm.sync``).
+    has_aux: loss_fn returns ``(loss, aux)``.
+    aux_reduce: ``"concat"`` (default: per-example outputs such as logits, for the global batch),
+      ``"mean"``, ``"sum"`` or ``"stack"``, as in :func:`qcomm.data_parallel`.
+    batch_spec: how the batch is split (default ``PartitionSpec(axis_name)``).
+
+  Returns:
+    An :class:`NNXDataParallel`; ``loss = dp.step(model, optimizer, batch, *extra, key=key)``
+    updates ``model`` and ``optimizer`` in place. The optimizer must be
+    ``nnx.Optimizer(model, qcomm.sync(...), wrt=nnx.Param)`` (ValueError otherwise); create it
+    under ``jax.set_mesh(mesh)`` or on all devices (its per-device parts are split over the axis).
+  """
+  return NNXDataParallel(loss_fn=loss_fn, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                         aux_reduce=aux_reduce, batch_spec=batch_spec)
