@@ -17,6 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset = "imagenet2012"    # imagenet2012, image_folder, digits, synthetic
   config.data_dir = ""               # tfds data_dir (imagenet2012) or the image folder root
   config.manual_dir = ""             # where ILSVRC2012_img_{train,val}.tar were downloaded
+                                     # (default: <tfds data_dir>/downloads/manual)
   config.train_split = "train"
   config.eval_split = "validation"
   config.image_size = 224

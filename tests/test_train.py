@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 import jax  # noqa: E402
 
-from configs import default, digits  # noqa: E402
+from configs import default, digits, imagenet_resnet50  # noqa: E402
 from training import input_pipeline, models, train  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +67,15 @@ def _mock_imagenet(num_examples: int):
     labels = np.arange(lo, hi, dtype=np.int64) + offset
     return tf.data.Dataset.from_tensor_slices({"image": images, "label": labels})
 
-  return tfds.testing.mock_data(num_examples=num_examples, as_dataset_fn=as_dataset)
+  # The mock leaves is_prepared() False, and the trainer asks it before reading anything.
+  return _both(tfds.testing.mock_data(num_examples=num_examples, as_dataset_fn=as_dataset),
+               mock.patch.object(tfds.core.DatasetBuilder, "is_prepared", return_value=True))
+
+
+@contextlib.contextmanager
+def _both(a, b):
+  with a, b:
+    yield
 
 
 def _imagenet_config(image_size: int = 32):
@@ -153,6 +163,66 @@ def test_digits_split_is_fixed_and_disjoint():
   rows = {r.tobytes() for r in x_tr}
   assert sum(r.tobytes() in rows for r in x_ev) < 5  # a handful of duplicate digits exist
   assert set(y_ev.tolist()) == set(range(10))
+
+
+def _imagenet_r50(**overrides):
+  config = imagenet_resnet50.get_config()
+  for k, v in overrides.items():
+    config[k] = v
+  return config
+
+
+def test_missing_imagenet_says_what_to_download_where_and_how_to_prepare(tmp_path, monkeypatch):
+  """The headline config without prepared data: a DatasetNotFoundError naming the tars, where
+  they go and the command that prepares them, raised before anything is compiled."""
+  data_dir = tmp_path / "tfds"
+  config = _imagenet_r50(data_dir=str(data_dir))
+  monkeypatch.setattr(train, "create_train_state", lambda *a, **k: pytest.fail("compute ran"))
+  with pytest.raises(input_pipeline.DatasetNotFoundError) as e:
+    train.train_and_evaluate(config, None, quiet=True)
+  assert isinstance(e.value, FileNotFoundError)
+  message = str(e.value)
+  manual = os.path.join(str(data_dir), "downloads", "manual")
+  for part in ("image-net.org", "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", manual,
+               "--config.manual_dir", "--config.dataset=synthetic",
+               "--config.dataset=image_folder"):
+    assert part in message, part
+  # The preparation command is valid Python naming this data_dir and manual dir.
+  command = re.search(r'python -c "(.*)"', message).group(1)
+  compile(command, "<prepare>", "exec")
+  assert f"data_dir={str(data_dir)!r}" in command and f"manual_dir={manual!r}" in command
+
+  # A manual dir holding one of the two tars: the message names the one still missing.
+  (tmp_path / "tars").mkdir()
+  (tmp_path / "tars" / "ILSVRC2012_img_train.tar").write_bytes(b"")
+  config = _imagenet_r50(data_dir=str(data_dir), manual_dir=str(tmp_path / "tars"))
+  with pytest.raises(input_pipeline.DatasetNotFoundError, match="lacks ILSVRC2012_img_val.tar\\."):
+    input_pipeline.dataset_info(config)
+
+
+def test_imagenet_config_on_synthetic_data_gives_imagenet_shaped_batches():
+  """--config.dataset=synthetic turns the ImageNet config into a smoke test on 224x224x3 images
+  with 1000 classes (the documented command in docs/training.md); nothing is read from disk."""
+  config = _imagenet_r50(dataset="synthetic")
+  train.validate_config(config, 8)
+  info = input_pipeline.dataset_info(config)
+  assert (info.num_classes, info.image_shape) == (1000, (224, 224, 3))
+  b = next(input_pipeline.train_iterator(config, 4))
+  assert b["image"].shape == (4, 224, 224, 3) and b["image"].dtype == np.float32
+  assert b["label"].dtype == np.int32 and 0 <= b["label"].min() and b["label"].max() < 1000
+  assert b["mask"].all()
+  ev = list(input_pipeline.eval_iterator(config, 4, process_index=1, process_count=2))
+  assert ev and all(e["image"].shape == (4, 224, 224, 3) for e in ev)
+
+
+def test_imagenet_config_trains_on_synthetic_data_with_a_small_model():
+  """The ImageNet recipe (bf16, 4-bit QSGD, accumulation 2, 224x224, 1000 classes) end to end on
+  synthetic batches, with a 4-filter ResNetMini standing in for ResNet50."""
+  config = _imagenet_r50(dataset="synthetic", model="ResNetMini", num_filters=4, batch_size=8,
+                         num_train_steps=1, measure_sync_steps=0, progress_bar=False)
+  result = train.train_and_evaluate(config, None, quiet=True)
+  assert result["steps"] == 1 and result["accum_steps"] == 2 and result["bits"] == 4
+  assert np.isfinite(result["train_loss"]) and result["replicas_identical"]
 
 
 # ---- models --------------------------------------------------------------------------------------

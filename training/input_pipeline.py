@@ -1,6 +1,8 @@
 """Input pipelines: ImageNet (tfds ``imagenet2012``), any image folder (tfds ``ImageFolder``), the
 embedded ``digits`` dataset (scikit-learn's 8x8 handwritten digits, shipped inside its wheel), and
-synthetic data for throughput runs.
+synthetic data for throughput runs. ImageNet not yet prepared in the tfds data_dir is prepared from
+the two ILSVRC2012 tars in the manual dir; without them, :class:`DatasetNotFoundError` says where
+to get them, where to put them and how to prepare them, before the trainer compiles anything.
 
 Every pipeline yields *per-process* batches of numpy arrays::
 
@@ -26,9 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
+import os
 from typing import Any, Iterator
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
@@ -121,9 +126,67 @@ def _check_process(process_index: int, process_count: int) -> None:
     raise ValueError(f"process_index must be in 0..{process_count - 1}, got {process_index}")
 
 
+IMAGENET_TARS = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
+
+
+class DatasetNotFoundError(FileNotFoundError):
+  """The configured dataset is not on disk; the message says how to get it."""
+
+
+def _imagenet_builder(config: Any):
+  """tfds' ``imagenet2012`` builder, prepared: as it is, or from the tars in the manual dir (a
+  one-time job of hours), else :class:`DatasetNotFoundError` saying what to download and where."""
+  builder = tfds.builder("imagenet2012", data_dir=config.data_dir or None)
+  if builder.is_prepared():
+    return builder
+  root = os.fspath(builder.data_dir_root)
+  manual_dir = os.path.expanduser(config.manual_dir or os.path.join(root, "downloads", "manual"))
+  missing = [t for t in IMAGENET_TARS if not os.path.isfile(os.path.join(manual_dir, t))]
+  if not missing:
+    if not _has_importlib_resources():
+      raise ModuleNotFoundError("tensorflow_datasets prepares imagenet2012 through the package "
+                                "importlib_resources, which is not installed: "
+                                "pip install importlib_resources")
+    logging.warning("Preparing imagenet2012 in %s from the tars in %s: a one-time job of a few "
+                    "hours.", root, manual_dir)
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    return builder
+  raise DatasetNotFoundError(_imagenet_missing_message(root, manual_dir, missing))
+
+
+def _has_importlib_resources() -> bool:
+  # tfds (4.9.10) prepares through importlib_resources but declares it for Python < 3.9 only.
+  return importlib.util.find_spec("importlib_resources") is not None
+
+
+def _imagenet_missing_message(root: str, manual_dir: str, missing: list[str]) -> str:
+  needs = "" if _has_importlib_resources() else "pip install importlib_resources && "
+  prepare = (f"{needs}python -c \"import tensorflow_datasets as tfds; "
+             "tfds.builder('imagenet2012', "
+             f"data_dir={root!r}).download_and_prepare(download_config="
+             f"tfds.download.DownloadConfig(manual_dir={manual_dir!r}))\"")
+  return f"""\
+ImageNet (tfds dataset 'imagenet2012') is not prepared in {root}
+(the tfds data_dir: --config.data_dir, else $TFDS_DATA_DIR, else ~/tensorflow_datasets),
+and the manual download folder {manual_dir} lacks {' and '.join(missing)}.
+To prepare it, once:
+  1. Register at https://image-net.org/download-images and download, from its ILSVRC2012 page,
+     ILSVRC2012_img_train.tar (138 GiB) and ILSVRC2012_img_val.tar (6.3 GiB): a manual
+     download, tfds cannot fetch them.
+  2. Put both tars in {manual_dir}/
+     (or in any folder, then name it with --config.manual_dir=...).
+  3. Build the tfds dataset (a few hours; roughly as much disk again, in {root}):
+       {prepare}
+     or rerun the trainer with the tars in place: it prepares the data before compiling anything.
+No ImageNet? --config.dataset=synthetic trains on random ImageNet-shaped batches (224x224x3,
+1000 classes: a smoke test of this config), and --config.dataset=image_folder
+--config.data_dir=DIR reads any DIR/<split>/<class>/<image> tree (docs/training.md)."""
+
+
 def _tfds_builder(config: Any):
   if config.dataset == "imagenet2012":
-    return tfds.builder("imagenet2012", data_dir=config.data_dir or None)
+    return _imagenet_builder(config)
   if config.dataset == "image_folder":
     if not config.data_dir:
       raise ValueError("config.data_dir must name the image folder (data_dir/<split>/<class>/*.jpg) "
@@ -188,9 +251,6 @@ def _records(config: Any, split: str, process_index: int, process_count: int,
   """(encoded image bytes, label) of this process's share of a tfds split; the file order is
   shuffled with ``shuffle_seed`` (deterministically) or kept."""
   builder = _tfds_builder(config)
-  if config.dataset == "imagenet2012":
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        manual_dir=config.manual_dir or None))
   decoders = {"image": tfds.decode.SkipDecoding()}
   if config.dataset == "image_folder":
     # ImageFolder has no sub-splits: every process lists the folder and keeps every n-th image.
