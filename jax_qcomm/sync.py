@@ -75,6 +75,10 @@ class SyncState(NamedTuple):
 
 
 PER_DEVICE_FIELDS = ("acc_grads", "residual")
+# What state_partition_spec reads of a qcomm state class (see register_state).
+SyncState.PER_DEVICE_FIELDS = PER_DEVICE_FIELDS
+SyncState.NESTED_FIELDS = ("inner_opt_state",)
+SyncState.REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +97,18 @@ class SyncConfig:
 
 
 def config_of(tx: Any) -> SyncConfig:
-  """The :class:`SyncConfig` of a transformation returned by :func:`sync`.
+  """The :class:`SyncConfig` of a transformation returned by :func:`sync` (or the config of
+  another qcomm transformation whose ``update`` is a method of an object with a ``config`` that has
+  the fields :func:`qcomm.describe` reads: ``axis_name``, ``codec``, ``policy``,
+  ``comm_bucket_size`` and ``accum_steps``, the calls per communication).
 
   ValueError for anything else, including a chain that contains a sync: optax combinators build
   new functions and do not expose their parts, so keep a reference to the sync transformation.
   """
   owner = getattr(getattr(tx, "update", None), "__self__", None)
-  if not isinstance(owner, _Sync):
+  if not hasattr(owner, "config") or not all(
+      hasattr(owner.config, a) for a in ("axis_name", "codec", "policy", "comm_bucket_size",
+                                         "accum_steps")):
     raise ValueError(
         f"tx must be the transformation returned by qcomm.sync(...), got {tx!r}. A sync inside "
         f"optax.chain / MultiSteps / inject_hyperparams cannot be found from the outer "
@@ -409,35 +418,45 @@ def _like(updates: Any, grads: Any) -> Any:
 
 # ---- shard_map specs of any pytree holding sync states ------------------------------------------
 
-_REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
+# The NamedTuple state classes of the library's transformations (SyncState here; others register
+# themselves with register_state). Each declares PER_DEVICE_FIELDS (split over the data axis),
+# NESTED_FIELDS (optimizer states inside, specified recursively) and REPLICATED_FIELDS (the
+# counters and keys, always present: they identify the state when a container such as nnx.State
+# has turned it into a mapping). Any other field is replicated.
+_STATE_TYPES: list[type] = [SyncState]
 
 
-def _single_leaf(tree: Any) -> Any:
-  leaves = jax.tree_util.tree_leaves(tree)
-  return leaves[0] if len(leaves) == 1 else None
+def register_state(cls: type) -> type:
+  """Makes ``state_partition_spec`` (and ``data_parallel``) know a state class; a decorator."""
+  for attr in ("PER_DEVICE_FIELDS", "NESTED_FIELDS", "REPLICATED_FIELDS"):
+    if not hasattr(cls, attr):
+      raise TypeError(f"{cls.__name__} must declare {attr} to be a qcomm state")
+  if cls not in _STATE_TYPES:
+    _STATE_TYPES.append(cls)
+  return cls
 
 
-def _is_sync_mapping(x: Any) -> bool:
-  """A SyncState seen through a container that turned it into a mapping (``nnx.State`` of an
-  ``nnx.Optimizer``, a dict restored without a target): keys among SyncState's fields, with the
-  counters and the key of the right shapes and dtypes."""
-  if isinstance(x, SyncState) or not isinstance(x, collections.abc.Mapping):
-    return False
+def _state_type(x: Any) -> type | None:
+  """The qcomm state class of ``x``: a state itself, or a mapping with its fields (an
+  ``nnx.State`` of an ``nnx.Optimizer``, a dict restored without a target)."""
+  for cls in _STATE_TYPES:
+    if isinstance(x, cls):
+      return cls
+  if not isinstance(x, collections.abc.Mapping) or isinstance(x, tuple(_STATE_TYPES)):
+    return None
   keys = set(x.keys())
-  if not (set(_REPLICATED_FIELDS) <= keys <= set(SyncState._fields)):
-    return False
-  key, step = _single_leaf(x["key"]), _single_leaf(x["mini_step"])
-  return (key is not None and step is not None
-          and tuple(getattr(key, "shape", ())) == (2,) and getattr(key, "dtype", None) == jnp.uint32
-          and tuple(getattr(step, "shape", (0,))) == () and getattr(step, "dtype", None) == jnp.int32)
+  for cls in _STATE_TYPES:
+    if set(cls.REPLICATED_FIELDS) <= keys <= set(cls._fields):
+      return cls
+  return None
 
 
 def _is_sync(x: Any) -> bool:
-  return isinstance(x, SyncState) or _is_sync_mapping(x)
+  return _state_type(x) is not None
 
 
 def holds_sync(tree: Any) -> bool:
-  """True if any node of ``tree`` is a sync state (or a mapping of one, as in an ``nnx.State``)."""
+  """True if any node of ``tree`` is a qcomm state (or a mapping of one, as in an ``nnx.State``)."""
   return any(_is_sync(node) for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_sync))
 
 
@@ -450,14 +469,17 @@ def _specs(tree: Any, dev: P) -> Any:
   rep = lambda t: jax.tree_util.tree_map(lambda _: P(), t)  # noqa: E731
   split = lambda t: jax.tree_util.tree_map(lambda _: dev, t)  # noqa: E731
 
+  def field(cls, name, value):
+    if name in cls.PER_DEVICE_FIELDS:
+      return split(value)
+    return _specs(value, dev) if name in cls.NESTED_FIELDS else rep(value)
+
   def one(x):
-    if isinstance(x, SyncState):
-      return SyncState(inner_opt_state=_specs(x.inner_opt_state, dev), mini_step=rep(x.mini_step),
-                       key=rep(x.key), acc_grads=split(x.acc_grads), residual=split(x.residual),
-                       gradient_step=rep(x.gradient_step), total_notfinite=rep(x.total_notfinite))
-    if _is_sync_mapping(x):
-      return type(x)({k: split(v) if k in PER_DEVICE_FIELDS else
-                      _specs(v, dev) if k == "inner_opt_state" else rep(v) for k, v in x.items()})
+    cls = _state_type(x)
+    if cls is not None and isinstance(x, cls):
+      return cls(*(field(cls, name, value) for name, value in zip(cls._fields, x)))
+    if cls is not None:  # the mapping form
+      return type(x)({k: field(cls, k, v) for k, v in x.items()})
     if isinstance(x, optax.MultiStepsState):
       raise ValueError(
           "optax.MultiSteps around qcomm.sync is not supported: MultiSteps adds up the raw "
@@ -478,11 +500,14 @@ def _specs(tree: Any, dev: P) -> Any:
   return jax.tree_util.tree_map(one, tree, is_leaf=_is_special)
 
 
+def _field(x: Any, name: str, default: Any = ()) -> Any:
+  """A field of a qcomm state or of its mapping form."""
+  return x.get(name, default) if isinstance(x, collections.abc.Mapping) else getattr(x, name, default)
+
+
 def _accumulates(x: Any) -> bool:
-  """A sync state (or mapping of one) that accumulates: its acc_grads hold arrays."""
-  if isinstance(x, SyncState):
-    return bool(jax.tree_util.tree_leaves(x.acc_grads))
-  return _is_sync_mapping(x) and bool(jax.tree_util.tree_leaves(x.get("acc_grads", ())))
+  """A qcomm state (or mapping of one) that accumulates: its acc_grads hold arrays."""
+  return bool(jax.tree_util.tree_leaves(_field(x, "acc_grads")))
 
 
 def _check_chains(tree: Any) -> None:
@@ -491,7 +516,8 @@ def _check_chains(tree: Any) -> None:
   gradients. A chain's state is a tuple of its parts' states, in order."""
   def visit(node: Any) -> None:
     if _is_sync(node):
-      visit(node.inner_opt_state if isinstance(node, SyncState) else node["inner_opt_state"])
+      for name in _state_type(node).NESTED_FIELDS:
+        visit(_field(node, name, None))
       return
     children = node if isinstance(node, (tuple, list)) and not hasattr(node, "_fields") else None
     if children is not None:
