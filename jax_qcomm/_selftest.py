@@ -141,8 +141,9 @@ def _run(platform: str, device) -> tuple[bool, str, float]:
 
 
 def _devices(platform: str) -> list:
+  """This process's devices of a platform (in a multi-process run, the test runs on its own)."""
   try:
-    return jax.devices("gpu" if platform == "cuda" else platform)
+    return jax.local_devices(backend="gpu" if platform == "cuda" else platform)
   except RuntimeError:
     return []
 

@@ -201,11 +201,12 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                       aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)
 
 
-def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate) -> None:
+def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate,
+           check_tx: bool = True) -> None:
   """ValueError naming the first bad argument of :func:`data_parallel` / :class:`DataParallel`."""
   if not callable(loss_fn):
     raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
-  if tx is not None and not (hasattr(tx, "init") and hasattr(tx, "update")):
+  if check_tx and not (hasattr(tx, "init") and hasattr(tx, "update")):
     raise ValueError(f"tx must be an optax.GradientTransformation, got {tx!r}")
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")

@@ -52,7 +52,7 @@ class NNXDataParallel:
 
   def __post_init__(self):
     _check(self.loss_fn, None, self.mesh, self.axis_name, self.has_aux, self.aux_reduce,
-           self.batch_spec, False)
+           self.batch_spec, False, check_tx=False)
 
   @property
   def _spec(self) -> P:
