@@ -4,7 +4,9 @@
 #
 #   PYTHON=python3.13 bash scripts/bootstrap.sh   # choose the interpreter (default: the newest
 #                                                  # python3.1x >= 3.12 on PATH or under pyenv)
-#   QCOMM_EXTRAS=test                              # which extras to install (default: test)
+#   QCOMM_EXTRAS=test                              # which extras of pyproject.toml to install,
+#                                                  # comma-separated (default: test, everything;
+#                                                  # scripts/run.sh: train; "" : the library only)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -20,7 +22,7 @@ VPY=.venv/bin/python
 # 1. Every dependency (runtime + extras), read from pyproject.toml, WITH build isolation: a
 #    dependency that ships only an sdist (tensorflow-datasets' `promise`) builds with its own
 #    declared build requirements, whatever this venv or the pip cache holds.
-"$VPY" scripts/requirements.py "${QCOMM_EXTRAS:-test}" > .venv/qcomm-requirements.txt
+"$VPY" scripts/requirements.py "${QCOMM_EXTRAS-test}" > .venv/qcomm-requirements.txt
 "$VPY" -m pip install -q -r .venv/qcomm-requirements.txt
 # 2. The project itself WITHOUT build isolation, so that its build compiles against the jaxlib
 #    installed in step 1 (the XLA FFI headers must match the jaxlib that loads the module).

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# README command 2: install everything into .venv and run the whole test suite.
+# README command 2: install everything into .venv (the "test" extra: test tools, the trainer's and
+# the notebooks' libraries) and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/bootstrap.sh
+QCOMM_EXTRAS=test bash scripts/bootstrap.sh
 # Two pytest-xdist workers, a file per worker at a time (module fixtures run once); a later -n
 # overrides (-n 0: one process, e.g. with -x or pdb).
 exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile "$@"
