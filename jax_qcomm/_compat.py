@@ -21,6 +21,10 @@ What differs, and what does not:
   three private names (``jax._src``, ``jaxlib._jax``), listed in :data:`GLOO_PRIVATE_NAMES` and
   imported only here, the package's only use of private jax names. tests/test_faults.py checks they exist with the arguments used
   here, so a jax release that moves one fails that test by name, not a benchmark in a netns.
+* **The ``jax.distributed`` state** (the coordination client, this process's index and the process
+  count, known only after ``jax.distributed.initialize`` when jax's cluster detection chose them).
+  ``jax.distributed`` has no public accessor before a backend exists (``jax.process_index()`` would
+  create one). :func:`distributed_state` reads the same private ``global_state`` as above.
 """
 
 from __future__ import annotations
@@ -119,6 +123,40 @@ def gloo_private_api_problems() -> list[str]:
   for arg in ("distributed_client", "hostname", "interface"):
     if arg not in doc:
       problems.append(f"jaxlib's make_gloo_tcp_collectives has no {arg!r} argument: {doc[:200]}")
+  return problems
+
+
+def distributed_state() -> tuple[Any, int | None, int | None]:
+  """(coordination client or None, this process's index, process count) of ``jax.distributed``,
+  without creating a backend. The client answers ``get_live_nodes(process_ids)``."""
+  import importlib
+
+  try:
+    state = importlib.import_module("jax._src.distributed").global_state
+  except (ImportError, AttributeError):
+    return None, None, None
+  if getattr(state, "client", None) is None:
+    return None, None, None
+  return state.client, getattr(state, "process_id", None), getattr(state, "num_processes", None)
+
+
+def distributed_state_problems() -> list[str]:
+  """What is missing in the private ``jax.distributed`` state :func:`distributed_state` reads and
+  the client method it relies on (empty if all are as expected)."""
+  import importlib
+
+  try:
+    state = importlib.import_module("jax._src.distributed").global_state
+  except (ImportError, AttributeError) as e:
+    return [f"jax._src.distributed.global_state is gone ({e})"]
+  problems = [f"jax._src.distributed.global_state has no {name!r}"
+              for name in ("client", "process_id", "num_processes") if not hasattr(state, name)]
+  try:
+    client_type = importlib.import_module("jaxlib._jax").DistributedRuntimeClient
+  except (ImportError, AttributeError) as e:
+    return problems + [f"jaxlib._jax.DistributedRuntimeClient is gone ({e})"]
+  if not hasattr(client_type, "get_live_nodes"):
+    problems.append("jaxlib's DistributedRuntimeClient has no get_live_nodes")
   return problems
 
 

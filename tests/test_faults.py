@@ -3,11 +3,17 @@
 Two JAX processes run cross-process psums in a loop (tests/fault_worker.py); the tests kill one
 (SIGKILL), stop one (SIGSTOP), make one stall while alive or raise, or signal the launcher, and
 check that every process is gone within the timeout in force, with a non-zero status and a message
-naming the process. The timeouts are short here (heartbeat 5 s, collective 5 s where it matters) so
-that each test takes seconds; docs/distributed.md has the times measured with the defaults.
+naming the process, in jax's recoverability mode (the default) and without it. The timeouts are
+short here (heartbeat 5 s, collective 5-10 s where it matters) so that each test takes seconds;
+docs/distributed.md has the times measured with the defaults.
 
-Also, without processes: :class:`jax_qcomm.tools.distributed.Timeouts` (the one place for the timeouts)
-and the private jax names that binding gloo to an interface needs (jax_qcomm._compat).
+Also: a healthy run ends the same with and without the recoverability mode; processes started
+under (faked) SLURM variables or a real ``mpirun`` join through jax's cluster detection; mutual TLS
+admits a process with a certificate of the run's CA and refuses one without.
+
+Without processes: :class:`jax_qcomm.tools.distributed.Timeouts` (the one place for the timeouts),
+the checks of :func:`~jax_qcomm.tools.distributed.initialize`'s arguments, and the private jax names
+that binding gloo to an interface and naming a lost process need (jax_qcomm._compat).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,11 +155,11 @@ def test_killed_process_is_named_and_the_others_stopped(victim):
 
 
 @multiprocess
-def test_stopped_process_ends_the_others_within_the_heartbeat_timeout():
-  """SIGSTOP: alive but silent. The coordination service declares it dead after the heartbeat
-  timeout and ends the other process (XLA aborts it, naming the task); the launcher names the
-  stopped one and kills it."""
-  proc, out, pids = _launch("--heartbeat-timeout", str(HEARTBEAT))
+def test_stopped_process_ends_the_others_within_the_heartbeat_timeout_without_recoverability():
+  """SIGSTOP: alive but silent. Without the recoverability mode the coordination service declares
+  it dead after the heartbeat timeout and ends the other process (XLA aborts it, naming the task);
+  the launcher names the stopped one and kills it."""
+  proc, out, pids = _launch("--heartbeat-timeout", str(HEARTBEAT), "--no-recoverable")
   try:
     os.kill(pids[1], signal.SIGSTOP)
     took = _wait_launcher(proc, out, HEARTBEAT + MARGIN)
@@ -168,6 +175,27 @@ def test_stopped_process_ends_the_others_within_the_heartbeat_timeout():
 
 
 @multiprocess
+def test_stopped_process_is_named_by_the_survivor_in_the_recoverability_mode():
+  """SIGSTOP in the recoverability mode: no abort; the survivor's psum times out at the collective
+  timeout, by when the service has declared process 1 dead, and its line names process 1."""
+  collective = 2 * HEARTBEAT
+  proc, out, pids = _launch("--heartbeat-timeout", str(HEARTBEAT),
+                            "--collective-timeout", str(collective))
+  try:
+    os.kill(pids[1], signal.SIGSTOP)
+    took = _wait_launcher(proc, out, collective + MARGIN)
+    print(f"rank 1 stopped, recoverable: launcher exited {proc.returncode} after {took:.1f} s")
+    assert proc.returncode == distributed.FAIL_FAST_EXIT, out.text[-3000:]
+    assert "[0] jax_qcomm.tools.distributed: process 0 of 2 exits with status 1: lost process 1 " \
+        in out.text, out.text[-3000:]
+    assert "[launch] process 1 is stopped (SIGSTOP or SIGTSTP)" in out.text, out.text[-3000:]
+    assert "SIGABRT" not in out.text and "Check failure" not in out.text, out.text[-3000:]
+    _wait_gone(pids.values(), 5)
+  finally:
+    _kill_leftovers(pids.values())
+
+
+@multiprocess
 def test_alive_process_that_skips_a_collective_hits_the_collective_timeout():
   """Process 1 sleeps instead of joining the psum (heartbeats go on): process 0's psum fails after
   the collective timeout (the XLA flag reached the backend), it exits with status 1 at once, and
@@ -177,12 +205,13 @@ def test_alive_process_that_skips_a_collective_hits_the_collective_timeout():
                             worker_args=["--stall-rank", "1"])
   try:
     out.wait_for(r"^\[1\] stalling", 1, lambda: proc.poll() is None, 60)
-    took = _wait_launcher(proc, out, collective + MARGIN)
+    took = _wait_launcher(proc, out, collective + distributed.ASK_LIVE_WAIT_AFTER_TIMEOUT + MARGIN)
     print(f"rank 1 stalled: launcher exited {proc.returncode} after {took:.1f} s")
     assert proc.returncode == distributed.FAIL_FAST_EXIT, out.text[-3000:]
     assert "Timed out" in out.text, out.text[-3000:]
-    assert ("jax_qcomm.tools.distributed: process 0 of 2 exits with status 1: a collective across "
-            "processes failed") in out.text
+    assert ("jax_qcomm.tools.distributed: process 0 of 2 exits with status 1: no process declared "
+            "lost within 5 s: a process alive by its heartbeats did not reach the collective") \
+        in out.text, out.text[-3000:]
     assert "[launch] process 0 exited with status 1; stopping the others" in out.text
     _wait_gone(pids.values(), 5)
   finally:
@@ -224,39 +253,204 @@ def test_launcher_forwards_sigterm_and_sigint(signum):
 # -- without the launcher: the survivors end by themselves --------------------------------------------
 
 @multiprocess
+@pytest.mark.parametrize("recoverable", [True, False], ids=["recoverable", "abort"])
 @pytest.mark.parametrize("victim", [1, 0])
-def test_survivor_exits_by_itself_when_its_peer_is_killed(victim):
-  """No launcher to stop anyone: the survivor's psum fails (connection reset) and it exits with
-  status 1 at once, or -- if it was not inside a psum, or the dead process ran the coordination
-  service (process 0) -- XLA's coordination client aborts it, at once for process 0, after the
-  heartbeat timeout otherwise. Either way non-zero within the heartbeat timeout."""
-  procs = _spawn_ranks(2, {distributed.ENV_HEARTBEAT_TIMEOUT: str(HEARTBEAT)})
+def test_survivor_exits_by_itself_when_its_peer_is_killed(victim, recoverable):
+  """No launcher to stop anyone.
+
+  Recoverability mode (the default): the survivor's psum fails (connection reset) and, once the
+  coordination service has declared the dead process lost (within the heartbeat timeout), it exits
+  with status 1 and a line naming it. Process 0 runs the service: when it dies, the survivor's
+  line names it at once -- unless the survivor's coordination client aborts it first (SIGABRT):
+  jax hands the recoverability mode to the service only, not to the clients, and the client's
+  abort on losing the service is a race with gloo's error.
+
+  Without it: the survivor exits with status 1 (psum failed) or is aborted by XLA's coordination
+  client (SIGABRT), at once for process 0, after the heartbeat timeout otherwise.
+  """
+  procs = _spawn_ranks(2, {distributed.ENV_HEARTBEAT_TIMEOUT: str(HEARTBEAT),
+                           distributed.ENV_RECOVERABLE: "1" if recoverable else "0"})
   outs = [_Output(p) for p in procs]
   survivor = 1 - victim
+  limit = HEARTBEAT + distributed.ASK_LIVE_WAIT_AFTER_TIMEOUT + MARGIN
   try:
     for p, o in zip(procs, outs):
       o.wait_for(r"^ready pid=", 1, lambda p=p: p.poll() is None, START_LIMIT)
     procs[victim].kill()
     start = time.monotonic()
     try:
-      procs[survivor].wait(timeout=HEARTBEAT + MARGIN)
+      procs[survivor].wait(timeout=limit)
     except subprocess.TimeoutExpired:
-      pytest.fail(f"process {survivor} still alive {HEARTBEAT + MARGIN} s after process {victim} "
+      pytest.fail(f"process {survivor} still alive {limit} s after process {victim} "
                   f"was killed:\n{outs[survivor].text[-3000:]}")
     took = time.monotonic() - start
     outs[survivor].thread.join(timeout=5)
     text = outs[survivor].text
-    print(f"rank {victim} killed, no launcher: rank {survivor} exited "
-          f"{procs[survivor].returncode} after {took:.1f} s")
-    assert procs[survivor].returncode in (distributed.FAIL_FAST_EXIT, -signal.SIGABRT), text[-3000:]
-    assert ("a collective across processes failed" in text
-            or "Terminating process because the JAX distributed service detected fatal errors"
-            in text), text[-3000:]
+    code = procs[survivor].returncode
+    print(f"rank {victim} killed, no launcher, recoverable={recoverable}: rank {survivor} exited "
+          f"{code} after {took:.1f} s")
+    assert code in (distributed.FAIL_FAST_EXIT, -signal.SIGABRT), text[-3000:]
+    if recoverable and (victim == 1 or code == distributed.FAIL_FAST_EXIT):
+      assert code == distributed.FAIL_FAST_EXIT, text[-3000:]
+      line = f"jax_qcomm.tools.distributed: process {survivor} of 2 exits with status 1: lost process {victim}"
+      assert line in text, text[-3000:]
+    else:
+      assert ("a collective across processes failed" in text
+              or "Terminating process because the JAX distributed service detected fatal errors"
+              in text), text[-3000:]
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
       p.wait()
+
+
+# -- healthy runs: the recoverability mode changes nothing; cluster detection; mutual TLS ----------
+
+@multiprocess
+@pytest.mark.parametrize("linger", [None, 0, 1])
+def test_healthy_run_is_the_same_with_and_without_recoverability(linger):
+  """Exit status 0, no wait at exit beyond the usual, bit-identical results. With ``linger``,
+  that process returns 5 s after the other: in the recoverability mode jax's shutdown barrier no
+  longer waits for it, and without initialize()'s own barrier process 0 stopped the coordination
+  service under the other's feet (its client aborted: SIGABRT)."""
+  results = {}
+  extra = [] if linger is None else ["--linger-rank", str(linger)]
+  for option in ("--recoverable", "--no-recoverable"):
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2", "--timeout", "120", option,
+         str(WORKER), "--steps", "30", *extra], cwd=ROOT, env=_env(), capture_output=True,
+        text=True, timeout=180)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    found = dict(re.findall(r"^\[(\d)\] result (\S+) process", proc.stdout, re.M))
+    assert set(found) == {"0", "1"} and found["0"] == found["1"], proc.stdout[-2000:]
+    assert f"recoverable={option == '--recoverable'}" in proc.stdout
+    assert "barrier failed" not in proc.stderr and "SIGABRT" not in proc.stderr, proc.stderr[-3000:]
+    if linger is not None:
+      assert f"[{linger}] lingered" in proc.stdout, proc.stdout[-2000:]
+    results[option] = (found["0"], took)
+    print(f"{option}: result {found['0']}, launcher took {took:.1f} s")
+  assert results["--recoverable"][0] == results["--no-recoverable"][0]
+  assert results["--recoverable"][1] < results["--no-recoverable"][1] + 20
+
+
+def _run_pair(envs: list[dict[str, str]], args=(), limit: float = 150):
+  procs = [subprocess.Popen([sys.executable, str(WORKER), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for env in envs]
+  try:
+    return [(p.wait(timeout=limit), p.stdout.read()) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+@multiprocess
+def test_processes_under_slurm_join_through_jax_cluster_detection():
+  """No coordinator given: initialize() defers to jax's SLURM detection (the variables srun sets,
+  faked here for two tasks on one node); the timeouts and the recoverability mode still apply."""
+  port = free_port()
+  envs = []
+  for rank in range(2):
+    env = dict(_env(), SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_STEP_NUM_NODES="1",
+               JAX_COORDINATOR_PORT=str(port))
+    env[distributed.ENV_HEARTBEAT_TIMEOUT] = "7"
+    envs.append(env)
+  results = _run_pair(envs, ["--steps", "5"])
+  for rank, (code, text) in enumerate(results):
+    assert code == 0, text[-3000:]
+    assert re.search(rf"^result \S+ process {rank} of 2 recoverable=True$", text, re.M), text[-2000:]
+    assert "heartbeat=7" in text or "result" in text
+
+
+@multiprocess
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (apt-get install openmpi-bin)")
+def test_processes_under_mpirun_join_through_jax_cluster_detection():
+  """A real Open MPI ``mpirun``: jax's detection reads its OMPI_* variables."""
+  command = ["mpirun", "-np", "2", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
+             "-x", "PYTHONUNBUFFERED", sys.executable, str(WORKER), "--steps", "5"]
+  proc = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+  text = proc.stdout + proc.stderr
+  assert proc.returncode == 0, text[-3000:]
+  for rank in range(2):  # mpirun merges the processes' lines
+    assert re.search(rf"result \S+ process {rank} of 2 recoverable=True", text), text[-3000:]
+
+
+def test_no_coordinator_and_no_cluster_is_a_clear_error():
+  code = ("from jax_qcomm.tools import distributed\n"
+          "try:\n  distributed.initialize()\nexcept ValueError as e:\n  print('ERR', e)\n")
+  env = {k: v for k, v in _env().items()
+         if not k.startswith(("SLURM_", "OMPI_", "PMI", "KUBERNETES_", "JAX_COORDINATOR"))}
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert ("ERR jax_qcomm.tools.distributed.initialize: coordinator_address (QCOMM_COORDINATOR), "
+          "num_processes (QCOMM_NUM_PROCESSES), process_id (QCOMM_PROCESS_ID) not given, not set in "
+          "the environment, and jax's cluster detection") in proc.stdout, proc.stdout + proc.stderr
+
+
+def _throwaway_ca(directory: pathlib.Path, name: str) -> None:
+  """A CA and a certificate for localhost / 127.0.0.1 signed by it, in ``directory``."""
+  directory.mkdir(parents=True)
+  def run(*args):
+    subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
+  run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name} CA",
+      "-keyout", "ca-key.pem", "-out", "ca.pem")
+  run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "key.pem",
+      "-out", "req.pem")
+  (directory / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                                     "extendedKeyUsage=serverAuth,clientAuth\n")
+  run("x509", "-req", "-in", "req.pem", "-CA", "ca.pem", "-CAkey", "ca-key.pem",
+      "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", "cert.pem")
+
+
+@multiprocess
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a throwaway CA")
+def test_mutual_tls_admits_the_runs_certificates_and_refuses_others(tmp_path):
+  """The coordination service with mutual TLS: two processes with certificates of the run's CA
+  join and compute; a process whose certificate comes from another CA, or that has none, is
+  refused (both processes then fail within the initialization timeout)."""
+  _throwaway_ca(tmp_path / "run", "run")
+  _throwaway_ca(tmp_path / "other", "other")
+
+  def envs():
+    port = free_port()
+    out = []
+    for rank in range(2):
+      env = dict(_env())
+      env.update({distributed.ENV_COORDINATOR: f"localhost:{port}",
+                  distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: str(rank),
+                  distributed.ENV_INITIALIZATION_TIMEOUT: "15"})
+      out.append(env)
+    return out
+
+  good = _run_pair(envs(), ["--steps", "3", "--mtls-dir", str(tmp_path / "run")])
+  for rank, (code, text) in enumerate(good):
+    assert code == 0, text[-3000:]
+    assert f"process {rank} of 2" in text, text[-2000:]
+
+  for intruder in (["--mtls-dir", str(tmp_path / "other")], []):
+    env0, env1 = envs()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--steps", "3", "--mtls-dir",
+                               str(tmp_path / "run")], cwd=ROOT, env=env0, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True),
+             subprocess.Popen([sys.executable, str(WORKER), "--steps", "3", *intruder], cwd=ROOT,
+                              env=env1, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    try:
+      for p in procs:
+        p.wait(timeout=120)
+      texts = [p.stdout.read() for p in procs]
+      assert procs[1].returncode != 0, texts[1][-3000:]
+      assert not any(re.search(r"^result ", t, re.M) for t in texts), texts
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
 
 
 # -- no processes -------------------------------------------------------------------------------------
@@ -294,6 +488,60 @@ def test_xla_accepts_the_collective_timeout_flags():
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=120)
   assert proc.returncode == 0 and proc.stdout.strip() == "cpu", proc.stderr[-2000:]
+
+
+def test_initialize_rejects_bad_new_arguments_by_name(monkeypatch, tmp_path):
+  """Checked before jax is touched: each bad value is a ValueError naming the parameter."""
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1")
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "1")
+  monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+  pem = tmp_path / "x.pem"
+  pem.write_text("not used")
+  cases = [
+      (dict(recoverable="yes"), "recoverable must be True or False"),
+      (dict(fail_fast=1), "fail_fast must be True or False"),
+      (dict(cluster_detection_method="pbs"), "cluster_detection_method must be one of"),
+      (dict(coordinator_bind_address="nohost"), "coordinator_bind_address must be 'host:port'"),
+      (dict(coordinator_bind_address="[::]:99999"), "coordinator_bind_address must be 'host:port'"),
+      (dict(coordinator_address="host"), "coordinator_address must be 'host:port'"),
+      (dict(mtls_cert_file=str(tmp_path / "missing.pem"), mtls_key_file=str(pem),
+            mtls_ca_file=str(pem)), "mtls_cert_file must be the path of an existing PEM file"),
+      (dict(mtls_cert_file=str(pem), mtls_ca_file=str(pem)),
+       "mtls_cert_file and mtls_key_file must be given together"),
+      (dict(mtls_cert_file=str(pem), mtls_key_file=str(pem)), "mtls_ca_file must be given"),
+      (dict(mtls_peer_uri_prefix="spiffe://example.org"), "mtls_peer_uri_prefix must be a URI prefix"),
+  ]
+  for kwargs, message in cases:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      distributed.initialize(**kwargs)
+  monkeypatch.setenv(distributed.ENV_RECOVERABLE, "maybe")
+  with pytest.raises(ValueError, match="QCOMM_RECOVERABLE must be one of"):
+    distributed.initialize()
+  monkeypatch.delenv(distributed.ENV_COORDINATOR)
+  with pytest.raises(ValueError, match="cluster_detection_method='deactivate'"):
+    distributed.initialize(recoverable=True, cluster_detection_method="deactivate")
+
+
+def test_launcher_sets_the_recoverability_variable():
+  from jax_qcomm.tools import launch
+  assert launch.build_parser().parse_args(["-n", "2"]).recoverable is True
+  assert launch.build_parser().parse_args(["-n", "2", "--no-recoverable"]).recoverable is False
+  assert launch.split_argv(["-n", "2", "--no-recoverable", "w.py", "--no-recoverable"]) == (
+      ["-n", "2", "--no-recoverable"], ["w.py", "--no-recoverable"])
+  with pytest.raises(ValueError, match="recoverable must be True or False"):
+    launch.launch(["w.py"], 2, recoverable="no")
+
+
+def test_cluster_detection_methods_are_jaxs():
+  from jax._src import clusters  # the test may look at private names; the package does not
+  names = {env.name for env in clusters.ClusterEnv._cluster_types if env.name}
+  assert set(distributed.CLUSTER_DETECTION_METHODS) - {"deactivate"} <= names, names
+
+
+def test_private_distributed_state_is_where_compat_expects():
+  """Naming a lost process and reading the process index chosen by cluster detection read jax's
+  private distributed state (jax_qcomm._compat.distributed_state)."""
+  assert _compat.distributed_state_problems() == []
 
 
 def test_private_names_for_gloo_on_an_interface_are_where_compat_expects():

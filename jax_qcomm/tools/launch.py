@@ -5,6 +5,7 @@ Usage::
     python -m jax_qcomm.tools.launch -n 4 [--local-devices 2] [--port P] [--host 127.0.0.1]
                                [--interface eth0] [--timeout S] [--env K=V ...]
                                [--heartbeat-timeout S] [--collective-timeout S]
+                               [--no-recoverable]
                                (script.py [args...] | -m module [args...])
 
 Starts ``n`` copies of ``sys.executable script.py args`` (or ``-m module args``), each with the
@@ -13,7 +14,8 @@ environment read by :func:`jax_qcomm.tools.distributed.initialize`:
 * ``QCOMM_COORDINATOR=host:port`` (default port: a free one), ``QCOMM_NUM_PROCESSES=n``,
   ``QCOMM_PROCESS_ID=rank``, and, when given, ``QCOMM_LOCAL_DEVICES``, ``QCOMM_GLOO_INTERFACE``,
   ``QCOMM_HEARTBEAT_TIMEOUT`` and ``QCOMM_COLLECTIVE_TIMEOUT`` (see
-  :class:`jax_qcomm.tools.distributed.Timeouts`);
+  :class:`jax_qcomm.tools.distributed.Timeouts`), and ``QCOMM_RECOVERABLE`` (``1``, or ``0`` with
+  ``--no-recoverable``: jax's recoverability mode, on by default);
 * ``PYTHONUNBUFFERED=1``, so that output arrives line by line;
 * ``QCOMM_LAUNCH_COMMAND``: the launcher's command line (recorded by the benchmarks).
 
@@ -49,7 +51,7 @@ from jax_qcomm.tools import distributed
 _VALUE_OPTIONS = {"-n", "--num-processes", "--local-devices", "--port", "--host", "--interface",
                   "--timeout", "--env", "--kill-grace", "--heartbeat-timeout",
                   "--collective-timeout"}
-_FLAG_OPTIONS = {"-h", "--help"}
+_FLAG_OPTIONS = {"-h", "--help", "--recoverable", "--no-recoverable"}
 TIMEOUT_EXIT = 124
 #: The launcher's own command line, for the processes' records (benchmarks' metadata).
 ENV_LAUNCH_COMMAND = "QCOMM_LAUNCH_COMMAND"
@@ -89,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--collective-timeout", type=int, default=None,
                       help="seconds a collective waits for a peer before it fails "
                            "(QCOMM_COLLECTIVE_TIMEOUT; default: 60)")
+  parser.add_argument("--recoverable", action=argparse.BooleanOptionalAction, default=True,
+                      help="jax's recoverability mode (QCOMM_RECOVERABLE): a lost process makes "
+                           "the others raise from their next collective instead of being aborted "
+                           "(default: on; --no-recoverable for jax's abort)")
   return parser
 
 
@@ -256,7 +262,8 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
            timeout: float | None = None, env: dict[str, str] | None = None,
            kill_grace: float = 3.0, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, launch_command: str | None = None,
-           heartbeat_timeout: int | None = None, collective_timeout: int | None = None) -> int:
+           heartbeat_timeout: int | None = None, collective_timeout: int | None = None,
+           recoverable: bool = True) -> int:
   """Runs ``sys.executable *command`` in ``num_processes`` processes; returns the exit status.
 
   0 if all succeeded; else the failed process's status (the others are stopped); 124 on timeout;
@@ -270,6 +277,8 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
                       ("collective_timeout", collective_timeout)):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
       raise ValueError(f"{name} must be a positive integer (seconds), got {value!r}")
+  if not isinstance(recoverable, bool):
+    raise ValueError(f"recoverable must be True or False, got {recoverable!r}")
   if not command:
     raise ValueError("nothing to run: give a script or -m module")
   stdout = sys.stdout if stdout is None else stdout
@@ -280,6 +289,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
   base_env.update({distributed.ENV_COORDINATOR: f"{host}:{port}",
                    ENV_LAUNCH_COMMAND: launch_command or shlex.join(["python", *command]),
                    distributed.ENV_NUM_PROCESSES: str(num_processes),
+                   distributed.ENV_RECOVERABLE: "1" if recoverable else "0",
                    "PYTHONUNBUFFERED": "1"})
   for name in (distributed.ENV_LOCAL_DEVICES, distributed.ENV_GLOO_INTERFACE):
     base_env.pop(name, None)
@@ -375,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kill_grace=args.kill_grace,
                 launch_command=shlex.join(["python", "-m", "jax_qcomm.tools.launch", *argv]),
                 heartbeat_timeout=args.heartbeat_timeout,
-                collective_timeout=args.collective_timeout)
+                collective_timeout=args.collective_timeout, recoverable=args.recoverable)
 
 
 if __name__ == "__main__":
