@@ -15,7 +15,9 @@ from jax_qcomm.axes import Hierarchical
 from jax_qcomm.collectives import all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
 from jax_qcomm.accumulation import accumulate_gradients
-from jax_qcomm.sync import SyncState, codec_for_bits, state_partition_spec, sync
+from jax_qcomm.sync import (ShardedSyncState, SyncState, codec_for_bits, state_partition_spec,
+                            sync)
+from jax_qcomm.clipping import clip_by_global_norm
 from jax_qcomm.data_parallel import DataParallel, data_parallel
 from jax_qcomm.describe import Description, describe
 
@@ -24,7 +26,8 @@ _ffi.register()
 __all__ = [
     "QSGD", "Cast", "Codec", "NoCompression", "Summable",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
-    "accumulate_gradients", "sync", "SyncState", "codec_for_bits", "state_partition_spec",
+    "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "clip_by_global_norm",
+    "codec_for_bits", "state_partition_spec",
     "data_parallel", "DataParallel", "describe", "Description",
     "implementation", "self_test",
 ]

@@ -12,16 +12,20 @@ codecs' own :meth:`Codec.sent_bytes` of the communication buffers the allreduce 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, PartitionSpec as P, use_abstract_mesh
 
 from jax_qcomm import packing
 from jax_qcomm._checks import check_array_leaves, check_axis_name, check_instance, check_int
 from jax_qcomm.axes import Hierarchical
 from jax_qcomm.codecs import Codec, NoCompression
-from jax_qcomm.sync import config_of, num_devices
+from jax_qcomm.shard_layout import Layout
+from jax_qcomm.axes import axis_names
+from jax_qcomm.sync import config_of, num_devices, state_partition_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,8 @@ class Description:
   accum_steps: int
   axis_name: Any
   default_codec: Codec
+  scalar_bytes: float = 0.0
+  state_bytes_per_device: int | None = None
 
   def __post_init__(self):  # made by describe(); checked for a Description made by hand
     if not (isinstance(self.leaves, tuple) and all(isinstance(x, LeafTraffic) for x in self.leaves)):
@@ -68,6 +74,10 @@ class Description:
     check_int("accum_steps", self.accum_steps)
     check_axis_name("axis_name", self.axis_name)
     check_instance("default_codec", self.default_codec, Codec, "a jax_qcomm codec")
+    if not (isinstance(self.scalar_bytes, (int, float)) and self.scalar_bytes >= 0):
+      raise ValueError(f"scalar_bytes must be a non-negative number, got {self.scalar_bytes!r}")
+    if self.state_bytes_per_device is not None:
+      check_int("state_bytes_per_device", self.state_bytes_per_device, 0)
 
   @property
   def elements(self) -> int:
@@ -83,7 +93,9 @@ class Description:
 
   @property
   def sent_bytes_per_sync(self) -> float:
-    return sum(leaf.sent_bytes for leaf in self.leaves)
+    """Bytes each device sends per synchronisation: the leaves' shares of the buffers, and
+    ``scalar_bytes`` (the sharded mode's one scalar psum)."""
+    return sum(leaf.sent_bytes for leaf in self.leaves) + self.scalar_bytes
 
   @property
   def sent_bytes_per_call(self) -> float:
@@ -117,8 +129,10 @@ class Description:
       return "  ".join(c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(r, widths, right))
 
     rule = "-" * len(line(head))
+    state = ("" if self.state_bytes_per_device is None else
+             f", optimizer state {self.state_bytes_per_device:,} B per device")
     out = [f"qcomm.sync over {self.axis_name!r}: {self.devices} devices, default codec "
-           f"{self.default_codec.name}, accum_steps={self.accum_steps}",
+           f"{self.default_codec.name}, accum_steps={self.accum_steps}{state}",
            line(head), rule, *map(line, rows), rule, line(total),
            f"per device: {self.sent_bytes_per_sync:,.0f} B per sync, "
            f"{self.sent_bytes_per_call:,.0f} B per call; exact fp32 would send "
@@ -164,11 +178,23 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
             for _, x in with_path]
   codecs = packing.leaf_codecs(params, cfg.codec, cfg.policy)
   sent = [0.0] * len(shapes)
-  for group in packing.plan(shapes, codecs, cfg.comm_bucket_size):
-    sizes = [packing.padded_size(shapes[i].size, group.codec) for i in group.leaves]
-    total = group.codec.sent_bytes(sum(sizes), devices)
-    for i, size in zip(group.leaves, sizes):
-      sent[i] = total * size / sum(sizes) if sum(sizes) else 0.0
+  extra = 0.0
+  if getattr(cfg, "shard_state", False):
+    # Per buffer of rows: a reduce-scatter of the gradients with the leaves' codec, an all-gather
+    # of the weight differences with the gather codec (exact leaves exact); one int32 psum of
+    # the non-finite count.
+    layout = Layout.of([s.shape for s in shapes], devices, codecs, cfg.comm_bucket_size)
+    for group in layout.groups:
+      gather = NoCompression() if group.codec.exact else cfg.gather_codec
+      m = layout.row_size(group)
+      total = (group.codec.sent_bytes(devices * m, devices, "reduce_scatter")
+               + gather.sent_bytes(layout.row_size(_regroup(group, gather)), devices, "all_gather"))
+      _share(sent, group.leaves, [layout.leaves[i].size for i in group.leaves], total)
+    extra = NoCompression().sent_bytes(1, devices)
+  else:
+    for group in packing.plan(shapes, codecs, cfg.comm_bucket_size):
+      sizes = [packing.padded_size(shapes[i].size, group.codec) for i in group.leaves]
+      _share(sent, group.leaves, sizes, group.codec.sent_bytes(sum(sizes), devices))
   leaves = []
   for (path, _), shape, codec, nbytes in zip(with_path, shapes, codecs, sent):
     n = shape.size
@@ -176,4 +202,33 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
         path=packing.path_str(path) or "<root>", shape=shape.shape, elements=n, codec=codec,
         payload_bytes=codec.payload_size(packing.padded_size(n, codec)), sent_bytes=nbytes))
   return Description(leaves=tuple(leaves), devices=devices, accum_steps=cfg.accum_steps,
-                     axis_name=cfg.axis_name, default_codec=cfg.codec)
+                     axis_name=cfg.axis_name, default_codec=cfg.codec, scalar_bytes=extra,
+                     state_bytes_per_device=_state_bytes(tx, params, cfg.axis_name, devices))
+
+
+def _state_bytes(tx: Any, params: Any, axis_name: Any, devices: int) -> int:
+  """Bytes of the optimizer state one device holds, counted from the arrays ``tx.init`` makes on
+  ``devices`` devices: a replicated leaf whole, a per-device leaf (split over the axis) / D."""
+  names = axis_names(axis_name)
+  mesh = AbstractMesh((devices,) + (1,) * (len(names) - 1), names)
+  with use_abstract_mesh(mesh):
+    state = jax.eval_shape(tx.init, params)
+  specs = state_partition_spec(state, axis_name)
+  total = 0
+  for leaf, spec in zip(jax.tree_util.tree_leaves(state),
+                        jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+    nbytes = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+    total += nbytes if spec == P() else nbytes // leaf.shape[0]
+  return total
+
+
+def _share(sent: list, indices, sizes, total: float) -> None:
+  """Splits a buffer's bytes among its leaves by their elements in it."""
+  whole = sum(sizes)
+  for i, size in zip(indices, sizes):
+    sent[i] = total * size / whole if whole else 0.0
+
+
+def _regroup(group: packing.Group, codec: Codec) -> packing.Group:
+  """The same leaves padded to another codec's buckets (the gather's rows)."""
+  return packing.Group(codec, group.leaves)

@@ -33,13 +33,15 @@ import optax
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_qcomm import _compat, _varying, collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
                                check_int)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
-from jax_qcomm.codecs import Codec, codec_for_bits
+from jax_qcomm.codecs import QSGD, Codec, NoCompression, codec_for_bits
+from jax_qcomm.shard_layout import SHARDED, Layout
 from jax_qcomm.collectives import DEFAULT_COMM_BUCKET
 
 
@@ -74,6 +76,9 @@ class SyncState(NamedTuple):
   total_notfinite: jax.Array
 
 
+#: The weight differences' codec of the sharded mode by default (sync(..., shard_state=True)).
+DEFAULT_GATHER_CODEC = QSGD(8, rounding="nearest")
+
 PER_DEVICE_FIELDS = ("acc_grads", "residual")
 # What state_partition_spec reads of a qcomm state class (see register_state).
 SyncState.PER_DEVICE_FIELDS = PER_DEVICE_FIELDS
@@ -94,6 +99,8 @@ class SyncConfig:
   comm_bucket_size: int
   seed: int = 0
   check_varying: bool = True
+  shard_state: bool = False
+  gather_codec: Codec | None = None
 
 
 def config_of(tx: Any) -> SyncConfig:
@@ -190,7 +197,8 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
          accum_steps: int = 1, error_feedback: bool = False,
          comm_bucket_size: int = DEFAULT_COMM_BUCKET, seed: int = 0, check_varying: bool = True,
          bits: int | None = None, bucket_size: int | None = None, min_size: int | None = None,
-         exclude: str | Sequence[str] | None = None,
+         exclude: str | Sequence[str] | None = None, shard_state: bool = False,
+         gather_codec: Codec | None = None,
          **removed: Any) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that it sees gradients averaged across ``axis_name``.
 
@@ -225,6 +233,24 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
     bits, bucket_size: shorthand for ``codec``: 32 exact (``NoCompression``), 16 bfloat16 on the
       wire (``Cast``), 1..8 ``QSGD(bits, bucket_size)`` (default 4 bits, bucket 128).
     min_size, exclude: shorthand for ``policy=qcomm.LeafPolicy(min_size=..., exclude=...)``.
+    shard_state: sharded optimizer state (ZeRO-1 style, per-parameter dim-0 shards as PyTorch
+      FSDP2): the gradients are reduce-scattered with ``codec`` (each value quantised once on its
+      way to its owner); ``inner`` runs on this device's shard of every parameter (a pytree with
+      the parameters' structure, each leaf ``(ceil(n0 / D), *rest)``; 0-d leaves whole) against
+      an fp32 master shard; the new parameters travel as the quantised *difference* from the
+      current ones through ``gather_codec``, and every device applies the same decoded
+      difference (what quantisation lost stays in the master: error feedback on the weight path).
+      ``update`` needs ``params`` and returns that difference, so ``optax.apply_updates`` works
+      as always. The optimizer state per device is 1/D of the replicated one. Whole-model
+      quantities inside ``inner``: use :func:`qcomm.clip_by_global_norm` (one scalar psum), not
+      ``optax.clip_by_global_norm`` (which cannot be detected and would clip each shard by its
+      own norm); trust-ratio optimizers (LAMB, LARS) need whole-parameter norms: use them
+      unsharded. ``optax.apply_if_finite`` inside is an error: a non-finite window is skipped by
+      the sync itself (the same decision on every device, one scalar psum) and counted in
+      ``total_notfinite``.
+    gather_codec: the codec of the weight differences with ``shard_state`` (default
+      ``qcomm.QSGD(8, rounding="nearest")``; ``QSGD(4, rounding="nearest")`` halves the bytes).
+      Leaves the policy sends exact travel exact on both paths.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` builds a :class:`SyncState`;
@@ -260,17 +286,31 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
   policy = _resolve_policy(policy, min_size, exclude)
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
     raise ValueError(f"seed must be an integer, got {seed!r}")
+  shard_state = check_bool("shard_state", shard_state)
+  if gather_codec is not None and not shard_state:
+    raise ValueError("gather_codec applies to shard_state=True only (the weight differences of "
+                     "the sharded mode); pass shard_state=True or leave gather_codec out")
+  if shard_state:
+    gather_codec = DEFAULT_GATHER_CODEC if gather_codec is None else check_instance(
+        "gather_codec", gather_codec, Codec, "a jax_qcomm codec, e.g. qcomm.QSGD(8, "
+        "rounding='nearest')")
+    if isinstance(axis_name, Hierarchical):
+      raise ValueError("axis_name must be a name or a tuple of names with shard_state=True: the "
+                       "shards are split over the whole axis (qcomm.Hierarchical is not sharded)")
   config = SyncConfig(axis_name=axis_name, codec=codec, policy=policy,
                       accum_steps=check_int("accum_steps", accum_steps),
                       error_feedback=error_feedback and codec.lossy,
                       comm_bucket_size=check_int("comm_bucket_size", comm_bucket_size),
-                      seed=int(seed), check_varying=check_bool("check_varying", check_varying))
-  s = _Sync(optax.with_extra_args_support(inner), config)
+                      seed=int(seed), check_varying=check_bool("check_varying", check_varying),
+                      shard_state=shard_state, gather_codec=gather_codec)
+  s = (_ShardedSync if shard_state else _Sync)(optax.with_extra_args_support(inner), config)
   return optax.GradientTransformationExtraArgs(s.init, s.update)
 
 
 class _Sync:
   """The functions of one sync transformation, in named steps; ``config`` is its settings."""
+
+  state_type = SyncState
 
   def __init__(self, inner: optax.GradientTransformationExtraArgs, config: SyncConfig):
     self.inner = inner
@@ -363,9 +403,9 @@ class _Sync:
   def _check_state(self, state: Any, grads: Any) -> None:
     """Clear errors for a state that does not fit this step (the commonest: passed with P())."""
     cfg = self.config
-    if not isinstance(state, SyncState):
-      raise TypeError(f"state must be the qcomm.SyncState made by this transformation's init, "
-                      f"got {type(state).__name__}")
+    if not isinstance(state, self.state_type):
+      raise TypeError(f"state must be the qcomm.{self.state_type.__name__} made by this "
+                      f"transformation's init, got {type(state).__name__}")
     tracked = _varying.tracked(self.names)
     want_treedef = jax.tree_util.tree_structure(grads)
     for field, used, why in (("acc_grads", cfg.accum_steps > 1, "accum_steps == 1"),
@@ -408,6 +448,176 @@ def _shape_hint(got: tuple, want: tuple, axis_name: Any) -> str:
   return _fix_hint(axis_name)
 
 
+class ShardedSyncState(NamedTuple):
+  """State of ``qcomm.sync(..., shard_state=True)``: :class:`SyncState`'s fields, with the inner
+  optimizer's state and the fp32 master copy of this device's shards per device.
+
+  Per device (a leading device axis; ``PartitionSpec(axis_name)``):
+    inner_opt_state: ``inner``'s state for this device's shards (every leaf ``(1, ...)`` inside
+      the step, ``(D, ...)`` as a global array).
+    master: float32 shards of the parameters (``(1, ceil(n0 / D), *rest)`` per leaf inside the
+      step; 0-d leaves whole), which the weight differences are taken from.
+    acc_grads, residual: as in :class:`SyncState` (full-size, this device's own).
+  Replicated: mini_step, key, gradient_step, total_notfinite, as in :class:`SyncState`.
+  """
+
+  inner_opt_state: Any
+  master: Any
+  mini_step: jax.Array
+  key: jax.Array
+  acc_grads: Any
+  residual: Any
+  gradient_step: jax.Array
+  total_notfinite: jax.Array
+
+  PER_DEVICE_FIELDS = ("inner_opt_state", "master", "acc_grads", "residual")
+  NESTED_FIELDS = ()
+  REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
+
+
+def _refuse_shard_blind(inner_state: Any) -> None:
+  """ValueError for an inner transformation that a shard makes silently wrong and that its state
+  shows (optax.apply_if_finite). The trust ratios of LAMB / LARS keep an optax.EmptyState, which
+  shows nothing: the docs say to use them unsharded."""
+  for node in jax.tree_util.tree_leaves(
+      inner_state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState)):
+    if isinstance(node, optax.ApplyIfFiniteState):
+      raise ValueError("optax.apply_if_finite inside a sync with shard_state=True would decide per "
+                       "shard, differently on every device; the sharded sync itself skips a "
+                       "non-finite window (counted in total_notfinite): drop apply_if_finite.")
+
+
+class _ShardedSync(_Sync):
+  """The sharded mode: reduce-scatter, ``inner`` on this device's shards, all-gather of the
+  quantised weight differences (see :func:`sync`, ``shard_state``)."""
+
+  state_type = ShardedSyncState
+
+  def _layout(self, tree: Any, devices: int) -> Layout:
+    shapes = [tuple(jnp.shape(x)) for x in jax.tree_util.tree_leaves(tree)]
+    codecs = packing.leaf_codecs(tree, self.config.codec, self.config.policy)
+    return Layout.of(shapes, devices, codecs, self.config.comm_bucket_size)
+
+  def _gather_codec(self, grad_codec: Codec) -> Codec:
+    return NoCompression() if grad_codec.exact else self.config.gather_codec
+
+  def init(self, params: Any) -> ShardedSyncState:
+    check_array_leaves("params", params)
+    cfg = self.config
+    d, bound = num_devices(cfg.axis_name)
+    tracked = bound and _varying.tracked(self.names)
+    layout = self._layout(params, d)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    f32 = [jnp.asarray(x, jnp.float32) for x in leaves]
+    if bound:  # this device's shards, (1, ...)
+      index = lax.axis_index(self.names)
+      shards = [layout.shard_of(x, i, index) for i, x in enumerate(f32)]
+      master = jax.tree_util.tree_unflatten(treedef, shards)
+      inner_state = jax.tree_util.tree_map(lambda a: a[None], self.inner.init(master))
+      master = jax.tree_util.tree_map(lambda a: a[None], master)
+    else:  # every device's shards, (D, ...): split by state_partition_spec
+      shards = [layout.rows(x, i).reshape((d,) + layout.leaves[i].shard_shape)
+                for i, x in enumerate(f32)]
+      master = jax.tree_util.tree_unflatten(treedef, shards)
+      inner_state = jax.vmap(self.inner.init)(master)
+    _refuse_shard_blind(inner_state)
+
+    def per_device(tree):
+      return jax.tree_util.tree_map(lambda z: _compat.make_varying(z, frozenset(self.names)),
+                                    tree) if tracked else tree
+
+    def zeros(p):
+      return jnp.zeros((1 if bound else d,) + jnp.shape(p), jnp.float32)
+
+    return ShardedSyncState(
+        inner_opt_state=per_device(inner_state), master=per_device(master),
+        mini_step=jnp.zeros((), jnp.int32),
+        key=jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32),
+        acc_grads=per_device(jax.tree_util.tree_map(zeros, params)) if cfg.accum_steps > 1 else (),
+        residual=per_device(jax.tree_util.tree_map(zeros, params)) if cfg.error_feedback else (),
+        gradient_step=jnp.zeros((), jnp.int32), total_notfinite=jnp.zeros((), jnp.int32))
+
+  def _check_state(self, state: Any, grads: Any) -> None:
+    super()._check_state(state, grads)
+    for path, a in jax.tree_util.tree_flatten_with_path(state.master)[0]:
+      if jnp.shape(a)[:1] != (1,):
+        raise ValueError(
+            f"qcomm.sync: the per-device part of the optimizer state (ShardedSyncState.master, "
+            f"leaf '{packing.path_str(path) or '<root>'}') has shape {tuple(jnp.shape(a))} inside "
+            f"the step; it must have a leading device axis of size 1. "
+            + _fix_hint(self.config.axis_name))
+
+  def _communicate(self, grads: Any, state: ShardedSyncState, params: Any, extra_args: dict):
+    cfg = self.config
+    if params is None:
+      raise ValueError("params must be given to update with shard_state=True: the weight "
+                       "differences are taken from them (tx.update(grads, state, params))")
+    names = self.names
+    d = axis_size(cfg.axis_name)
+    index = lax.axis_index(names)
+    layout = self._layout(grads, d)
+    key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
+    if cfg.error_feedback:
+      grads = jax.tree_util.tree_map(lambda g, r: g + r[0], grads, state.residual)
+    g_leaves, treedef = jax.tree_util.tree_flatten(grads)
+    p_leaves = jax.tree_util.tree_leaves(params)
+    n = len(g_leaves)
+
+    # 1. Reduce-scatter: this device's shard of the mean gradient of every leaf.
+    shards, lost = [None] * n, [None] * n
+    for k, group in enumerate(layout.groups):
+      rows = layout.pack(group, [layout.rows(g_leaves[i], i) for i in group.leaves], group.codec)
+      block, res = group.codec.reduce_scatter_flat(rows.reshape(-1), cfg.axis_name,
+                                                   jax.random.fold_in(sub, 2 * k), "mean")
+      for i, seg in zip(group.leaves, layout.unpack(group, block, group.codec)):
+        shards[i] = seg.reshape(layout.leaves[i].shard_shape)
+      for i, seg in zip(group.leaves, layout.unpack(group, res.reshape(d, -1), group.codec)):
+        lost[i] = layout.unrows(seg, i)
+
+    # 2. Whole-model finiteness, the same decision on every device: one scalar psum.
+    bad = sum((jnp.sum(~jnp.isfinite(x)) for x in shards), jnp.int32(0))
+    finite = lax.psum(bad, names) == 0
+
+    # 3. inner on the shards, against the fp32 master.
+    inner_state = jax.tree_util.tree_map(lambda a: a[0], state.inner_opt_state)
+    master = jax.tree_util.tree_map(lambda a: a[0], state.master)
+    grad_shards = jax.tree_util.tree_unflatten(treedef, shards)
+    weights = tuple(1.0 if leaf.split else 1.0 / d for leaf in layout.leaves)
+    token = SHARDED.set((names, weights))
+    try:
+      updates, new_inner = self.inner.update(grad_shards, inner_state, master, **extra_args)
+    finally:
+      SHARDED.reset(token)
+    new_master = optax.apply_updates(master, updates)
+    keep = lambda new, old: jax.tree_util.tree_map(  # noqa: E731
+        lambda a, b: jnp.where(finite, a, b), new, old)
+    new_master, new_inner = keep(new_master, master), keep(new_inner, inner_state)
+
+    # 4. All-gather of the quantised differences from the current (replicated) parameters.
+    m_leaves = jax.tree_util.tree_leaves(new_master)
+    diffs = [None] * n
+    for k, group in enumerate(layout.groups):
+      codec = self._gather_codec(group.codec)
+      parts = [(m_leaves[i] - layout.shard_of(jnp.asarray(p_leaves[i], jnp.float32), i, index))
+               .reshape(-1) for i in group.leaves]
+      rows = codec.all_gather_flat(layout.pack(group, parts, codec), cfg.axis_name,
+                                   jax.random.fold_in(sub, 2 * k + 1))
+      for i, seg in zip(group.leaves, layout.unpack(group, rows, codec)):
+        diffs[i] = jnp.where(finite, layout.unrows(seg, i), 0.0).astype(jnp.result_type(p_leaves[i]))
+
+    residual = ()
+    if cfg.error_feedback:
+      lost_tree = jax.tree_util.tree_unflatten(treedef, lost)
+      residual = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old[0])[None],
+                                        lost_tree, state.residual)
+    return jax.tree_util.tree_unflatten(treedef, diffs), ShardedSyncState(
+        inner_opt_state=jax.tree_util.tree_map(lambda a: a[None], new_inner),
+        master=jax.tree_util.tree_map(lambda a: a[None], new_master),
+        mini_step=jnp.zeros((), jnp.int32), key=jax.random.key_data(key).astype(jnp.uint32),
+        acc_grads=state.acc_grads, residual=residual, gradient_step=state.gradient_step + 1,
+        total_notfinite=state.total_notfinite + jnp.logical_not(finite).astype(jnp.int32))
+
+
 def _f32_zeros(tree: Any) -> Any:
   return jax.tree_util.tree_map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
 
@@ -423,7 +633,7 @@ def _like(updates: Any, grads: Any) -> Any:
 # NESTED_FIELDS (optimizer states inside, specified recursively) and REPLICATED_FIELDS (the
 # counters and keys, always present: they identify the state when a container such as nnx.State
 # has turned it into a mapping). Any other field is replicated.
-_STATE_TYPES: list[type] = [SyncState]
+_STATE_TYPES: list[type] = [SyncState, ShardedSyncState]
 
 
 def register_state(cls: type) -> type:

@@ -41,6 +41,7 @@ EXEMPT = {
     # ShapeDtypeStructs), so its fields cannot be checked when it is made; sync's update checks
     # the state it receives (see the ("sync().update", "state") case).
     **{("SyncState", f): "pytree container" for f in qcomm.SyncState._fields},
+    **{("ShardedSyncState", f): "pytree container" for f in qcomm.ShardedSyncState._fields},
     # Handed to grad_fn unchanged: any pytree grad_fn accepts is valid.
     ("accumulate_gradients", "params"): "passed through to grad_fn",
     # Only the structure is read; any pytree (a leaf gets PartitionSpec()) is valid.
@@ -249,6 +250,9 @@ def _cases() -> list[Case]:
       c("sync", "comm_bucket_size", lambda: qcomm.sync(sgd, comm_bucket_size=0)),
       c("sync", "seed", lambda: qcomm.sync(sgd, seed="0")),
       c("sync", "check_varying", lambda: qcomm.sync(sgd, check_varying="yes")),
+      c("sync", "shard_state", lambda: qcomm.sync(sgd, shard_state=1)),
+      c("sync", "gather_codec", lambda: qcomm.sync(sgd, shard_state=True, gather_codec="q8")),
+      c("clip_by_global_norm", "max_norm", lambda: qcomm.clip_by_global_norm("1")),
       c("sync().init", "params", lambda: tx.init({"w": "abc"})),
       c("sync().update", "grads", _sync_update(grads=lambda v: {"w": v.astype(jnp.int32)})),
       c("sync().update", "state", _sync_update(state=lambda v: "state"), TypeError),
@@ -293,6 +297,8 @@ def _cases() -> list[Case]:
       c("Description", "accum_steps", _description(accum_steps=-1)),
       c("Description", "axis_name", _description(axis_name=None)),
       c("Description", "default_codec", _description(default_codec="qsgd")),
+      c("Description", "scalar_bytes", _description(scalar_bytes=-1.0)),
+      c("Description", "state_bytes_per_device", _description(state_bytes_per_device=1.5)),
   ]
   for name, codec in CODEC_INSTANCES.items():
     cases += _codec_cases(name, codec)

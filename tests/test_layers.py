@@ -5,7 +5,8 @@ The layers (docs/architecture.md), lowest first::
 
     wire, _checks, _compat  ->  axes, _exchange  ->  _ffi, _reference (the kernels)  ->  _selftest
     ->  codecs
-    ->  packing, _varying  ->  collectives  ->  accumulation, sync  ->  data_parallel, describe
+    ->  packing, _varying  ->  shard_layout, clipping  ->  collectives  ->  accumulation, sync
+    ->  data_parallel, describe
     ->  flax_nnx (the NNX step; the one module that imports flax, loaded only when
     ``qcomm.nnx_data_parallel`` is asked for)  ->  jax_qcomm (the public API)
 
@@ -40,6 +41,7 @@ LAYERS: list[set[str]] = [
     {"_selftest"},                                   # the kernels' known-answer test
     {"codecs"},                                      # the Codec interface (the reduction protocol)
     {"packing", "_varying"},                         # pytrees <-> flat buffers, per-device checks
+    {"shard_layout", "clipping"},                    # dim-0 shards and their rows; global norm
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
     {"data_parallel", "describe"},                   # the step helper, describe

@@ -1,0 +1,148 @@
+"""Dim-0 sharding of a pytree over D devices, and the flat rows the sharded collectives carry.
+
+Sharded optimizer state (``qcomm.sync(..., shard_state=True)``) gives every device 1/D of every
+parameter, as PyTorch FSDP2 does: a leaf of shape ``(n0, *rest)`` is padded with zero rows to
+``D * s0`` rows, ``s0 = ceil(n0 / D)``, and device ``j`` owns rows ``j*s0 .. (j+1)*s0``, a shard
+of shape ``(s0, *rest)``. A 0-d leaf is not split: every device holds it whole (its D copies are
+identical, and the all-gather takes the first).
+
+The collectives work on flat buffers of ``D`` rows: row ``j`` is the concatenation of every leaf's
+shard ``j`` (flattened, padded to the codec's ``pad_multiple`` so that no quantisation bucket
+straddles two leaves). A reduce-scatter of the rows hands device ``j`` the reduced row ``j``, its
+shards; an all-gather of every device's row gives every device all shards. Leaves are grouped by
+codec (and into buffers of at most ``comm_bucket_size`` elements per row) by
+:func:`jax_qcomm.packing.plan`, as the allreduce groups them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_qcomm import packing
+from jax_qcomm.codecs import Codec
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafShard:
+  """How one leaf is sharded over ``devices``: ``shard_shape`` is each device's part, ``size`` its
+  elements (the leaf's segment of a row). ``split`` is False for a 0-d leaf (whole everywhere)."""
+
+  shape: tuple[int, ...]
+  devices: int
+
+  @property
+  def split(self) -> bool:
+    return len(self.shape) > 0
+
+  @property
+  def rows_per_device(self) -> int:
+    return -(-self.shape[0] // self.devices) if self.split else 1
+
+  @property
+  def shard_shape(self) -> tuple[int, ...]:
+    return (self.rows_per_device,) + self.shape[1:] if self.split else ()
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shard_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The sharding of a pytree's leaves over ``devices`` and the buffers of its collectives.
+
+  ``groups``: :class:`jax_qcomm.packing.Group` s of leaf indices sharing a codec; each group's row
+  holds those leaves' segments, each padded to whole buckets (:meth:`row_size`)."""
+
+  leaves: tuple[LeafShard, ...]
+  devices: int
+  groups: tuple[packing.Group, ...]
+
+  @staticmethod
+  def of(shapes: Sequence[tuple[int, ...]], devices: int, codecs: Sequence[Codec],
+         comm_bucket_size: int) -> "Layout":
+    leaves = tuple(LeafShard(tuple(int(d) for d in s), devices) for s in shapes)
+    segments = [jax.ShapeDtypeStruct((leaf.size,), jnp.float32) for leaf in leaves]
+    return Layout(leaves, devices, tuple(packing.plan(segments, codecs, comm_bucket_size)))
+
+  def row_size(self, group: packing.Group) -> int:
+    """Elements of one row of the group's buffer (what each device owns of it)."""
+    return sum(packing.padded_size(self.leaves[i].size, group.codec) for i in group.leaves)
+
+  # -- leaves <-> rows ------------------------------------------------------------------------------
+  def rows(self, x: jax.Array, i: int) -> jax.Array:
+    """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (flattened)."""
+    leaf = self.leaves[i]
+    if not leaf.split:
+      return jnp.broadcast_to(x.reshape(1), (self.devices, 1))
+    pad = self.devices * leaf.rows_per_device - leaf.shape[0]
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+    return x.reshape(self.devices, -1)
+
+  def unrows(self, rows: jax.Array, i: int) -> jax.Array:
+    """float32[D, size] -> the leaf (its shape; padding rows dropped; a 0-d leaf from row 0)."""
+    leaf = self.leaves[i]
+    if not leaf.split:
+      return rows[0, 0]
+    full = rows.reshape((self.devices * leaf.rows_per_device,) + leaf.shape[1:])
+    return full[:leaf.shape[0]]
+
+  def shard_of(self, x: jax.Array, i: int, index: jax.Array) -> jax.Array:
+    """Device ``index``'s shard of leaf ``x`` (shape ``shard_shape``)."""
+    leaf = self.leaves[i]
+    if not leaf.split:
+      return x
+    rows = self.rows(x, i)
+    return lax.dynamic_index_in_dim(rows, index, keepdims=False).reshape(leaf.shard_shape)
+
+  # -- rows <-> group buffers ---------------------------------------------------------------------
+  def pack(self, group: packing.Group, parts: Sequence[jax.Array], pad_codec: Codec) -> jax.Array:
+    """float32[..., size_i] per leaf of the group -> float32[..., row_size]: the segments, each
+    padded to ``pad_codec``'s buckets with its neutral fill."""
+    out = []
+    for i, part in zip(group.leaves, parts):
+      size = self.leaves[i].size
+      pad = packing.padded_size(size, pad_codec) - size
+      if pad:
+        fill = jax.vmap(pad_codec.pad_fill)(part.reshape(-1, size)).reshape(part.shape[:-1] + (1,))
+        part = jnp.concatenate([part, jnp.broadcast_to(fill, part.shape[:-1] + (pad,))], axis=-1)
+      out.append(part)
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
+
+  def unpack(self, group: packing.Group, row: jax.Array, pad_codec: Codec) -> list[jax.Array]:
+    """float32[..., row_size] -> the group's segments float32[..., size_i]."""
+    out, offset = [], 0
+    for i in group.leaves:
+      size = self.leaves[i].size
+      out.append(row[..., offset:offset + size])
+      offset += packing.padded_size(size, pad_codec)
+    return out
+
+
+# While a sharded sync runs ``inner``: (axis_name, weight per leaf) -- the weight is 1 for a split
+# leaf and 1/D for a 0-d leaf held whole by every device -- so that whole-model quantities
+# (jax_qcomm.clip_by_global_norm) can complete a sum over all shards with one scalar psum.
+SHARDED = contextvars.ContextVar("jax_qcomm_sharded", default=None)
+
+
+def global_sum_of_squares(tree: Any) -> jax.Array:
+  """Sum of squares of every element of ``tree``; inside a sharded sync's ``inner``, over the
+  whole model (this device's shards, then one scalar ``psum``)."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  ctx = SHARDED.get()
+  if ctx is None:
+    return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.float32(0))
+  axis_name, weights = ctx
+  if len(weights) != len(leaves):
+    raise ValueError(f"inside a sharded qcomm.sync, whole-model sums need the gradients' own "
+                     f"tree ({len(weights)} leaves), got {len(leaves)} leaves")
+  local = sum((jnp.float32(w) * jnp.sum(jnp.square(x.astype(jnp.float32)))
+               for w, x in zip(weights, leaves)), jnp.float32(0))
+  return lax.psum(local, axis_name)
