@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, PartitionSpec as P, use_abstract_mesh
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P, use_abstract_mesh
 
 from jax_qcomm import packing
 from jax_qcomm._checks import check_array_leaves, check_axis_name, check_instance, check_int
@@ -210,9 +210,12 @@ def _state_bytes(tx: Any, params: Any, axis_name: Any, devices: int) -> int:
   """Bytes of the optimizer state one device holds, counted from the arrays ``tx.init`` makes on
   ``devices`` devices: a replicated leaf whole, a per-device leaf (split over the axis) / D."""
   names = axis_names(axis_name)
-  mesh = AbstractMesh((devices,) + (1,) * (len(names) - 1), names)
+  mesh = AbstractMesh((devices,) + (1,) * (len(names) - 1), names,
+                      axis_types=(AxisType.Auto,) * len(names))
+  shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                                  params)
   with use_abstract_mesh(mesh):
-    state = jax.eval_shape(tx.init, params)
+    state = jax.eval_shape(tx.init, shapes)
   specs = state_partition_spec(state, axis_name)
   total = 0
   for leaf, spec in zip(jax.tree_util.tree_leaves(state),
