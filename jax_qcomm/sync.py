@@ -75,15 +75,15 @@ class SyncState(NamedTuple):
   gradient_step: jax.Array
   total_notfinite: jax.Array
 
+  # What state_partition_spec reads of a qcomm state class (see register_state).
+  PER_DEVICE_FIELDS = ("acc_grads", "residual")
+  NESTED_FIELDS = ("inner_opt_state",)
+  REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
+
 
 #: The weight differences' codec of the sharded mode by default (sync(..., shard_state=True)).
 DEFAULT_GATHER_CODEC = QSGD(8, rounding="nearest")
 
-PER_DEVICE_FIELDS = ("acc_grads", "residual")
-# What state_partition_spec reads of a qcomm state class (see register_state).
-SyncState.PER_DEVICE_FIELDS = PER_DEVICE_FIELDS
-SyncState.NESTED_FIELDS = ("inner_opt_state",)
-SyncState.REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
 
 
 @dataclasses.dataclass(frozen=True)
