@@ -20,6 +20,8 @@ from jax_qcomm.sync import (ShardedSyncState, SyncState, codec_for_bits, state_p
 from jax_qcomm.clipping import clip_by_global_norm
 from jax_qcomm.data_parallel import DataParallel, data_parallel
 from jax_qcomm.describe import Description, describe
+from jax_qcomm.diloco import (DiLoCoState, diloco, diloco_apply_updates, diloco_data_parallel,
+                             diloco_params, diloco_partition_spec)
 
 _ffi.register()
 
@@ -29,6 +31,8 @@ __all__ = [
     "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "clip_by_global_norm",
     "codec_for_bits", "state_partition_spec",
     "data_parallel", "DataParallel", "describe", "Description",
+    "diloco", "DiLoCoState", "diloco_params", "diloco_apply_updates", "diloco_partition_spec",
+    "diloco_data_parallel",
     "implementation", "self_test",
 ]
 __version__ = "0.1.0"

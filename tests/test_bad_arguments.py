@@ -46,6 +46,8 @@ EXEMPT = {
     ("accumulate_gradients", "params"): "passed through to grad_fn",
     # Only the structure is read; any pytree (a leaf gets PartitionSpec()) is valid.
     ("state_partition_spec", "tree"): "any pytree",
+    **{("DiLoCoState", f): "pytree container" for f in qcomm.DiLoCoState._fields},
+    ("diloco_partition_spec", "tree"): "any pytree",
 }
 
 
@@ -156,6 +158,33 @@ def _dp(**bad) -> Callable[[], Any]:
                 mesh=_mesh(), axis_name=AX)
   kwargs.update(bad)
   return lambda: qcomm.DataParallel(**kwargs)
+
+
+def _diloco_update(**bad) -> Callable[[], Any]:
+  """A thunk calling a diloco transformation's update inside shard_map with one bad argument."""
+  tx = qcomm.diloco(optax.sgd(0.1), axis_name=AX, every=2, codec=qcomm.NoCompression())
+
+  def body(v):
+    p = {"w": v}
+    kwargs = dict(grads=p, state=tx.init(p), params=p)
+    kwargs.update({k: f(v) for k, f in bad.items()})
+    return tx.update(**kwargs)
+  return _traced(body)
+
+
+def _diloco_dp(**bad) -> Callable[[], Any]:
+  kwargs = dict(loss_fn=lambda p, b: jnp.sum(p), tx=qcomm.diloco(optax.sgd(0.1), axis_name=AX,
+                                                                 every=2), mesh=_mesh())
+  kwargs.update(bad)
+  return lambda: qcomm.diloco_data_parallel(**kwargs)
+
+
+def _diloco_apply(**bad) -> Callable[[], Any]:
+  tx = qcomm.diloco(optax.sgd(0.1), axis_name=AX, every=2)
+  p = {"w": X}
+  kwargs = dict(params=p, updates=p, opt_state=tx.init(p))
+  kwargs.update(bad)
+  return lambda: qcomm.diloco_apply_updates(**kwargs)
 
 
 def _description(**bad) -> Callable[[], Any]:
@@ -297,6 +326,42 @@ def _cases() -> list[Case]:
       c("Description", "accum_steps", _description(accum_steps=-1)),
       c("Description", "axis_name", _description(axis_name=None)),
       c("Description", "default_codec", _description(default_codec="qsgd")),
+      # -- diloco ----------------------------------------------------------------------------------
+      c("diloco", "inner", lambda: qcomm.diloco(None, axis_name=AX, every=2)),
+      c("diloco", "axis_name", lambda: qcomm.diloco(sgd, axis_name=["d"], every=2)),
+      c("diloco", "axis_name", lambda: qcomm.diloco(qcomm.sync(sgd, axis_name=AX), axis_name=AX,
+                                                    every=2)),
+      c("diloco", "every", lambda: qcomm.diloco(sgd, axis_name=AX, every=0)),
+      c("diloco", "every", lambda: qcomm.diloco(sgd, axis_name=AX, every=2.5)),
+      c("diloco", "codec", lambda: qcomm.diloco(sgd, axis_name=AX, every=2, codec=4)),
+      c("diloco", "outer", lambda: qcomm.diloco(sgd, axis_name=AX, every=2, outer=0.7)),
+      c("diloco", "error_feedback",
+        lambda: qcomm.diloco(sgd, axis_name=AX, every=2, error_feedback="yes")),
+      c("diloco", "policy", lambda: qcomm.diloco(sgd, axis_name=AX, every=2, policy={})),
+      c("diloco", "comm_bucket_size",
+        lambda: qcomm.diloco(sgd, axis_name=AX, every=2, comm_bucket_size=0)),
+      c("diloco", "seed", lambda: qcomm.diloco(sgd, axis_name=AX, every=2, seed="0")),
+      c("diloco().init", "params",
+        lambda: qcomm.diloco(sgd, axis_name=AX, every=2).init({"w": "abc"})),
+      c("diloco().update", "grads",
+        _diloco_update(grads=lambda v: {"w": v.astype(jnp.int32)})),
+      c("diloco().update", "state", _diloco_update(state=lambda v: "state"), TypeError),
+      c("diloco().update", "params", _diloco_update(params=lambda v: {"w": jnp.ones(4)})),
+      c("diloco().update", "params", _diloco_update(params=lambda v: {"a": v, "b": v})),
+      c("diloco_params", "opt_state", lambda: qcomm.diloco_params({"w": X})),
+      c("diloco_apply_updates", "params", _diloco_apply(params={"w": "abc"})),
+      c("diloco_apply_updates", "updates", _diloco_apply(updates={"v": X})),
+      c("diloco_apply_updates", "opt_state", _diloco_apply(opt_state=())),
+      c("diloco_partition_spec", "axis_name", lambda: qcomm.diloco_partition_spec((), None)),
+      c("diloco_partition_spec", "inner_axis_name",
+        lambda: qcomm.diloco_partition_spec((), AX, inner_axis_name=["gpu"])),
+      c("diloco_data_parallel", "loss_fn", _diloco_dp(loss_fn=3)),
+      c("diloco_data_parallel", "tx", _diloco_dp(tx=sgd)),
+      c("diloco_data_parallel", "mesh", _diloco_dp(mesh="mesh")),
+      c("diloco_data_parallel", "mesh",
+        _diloco_dp(mesh=Mesh(np.array(jax.devices("cpu")[:2]), ("other",)))),
+      c("diloco_data_parallel", "has_aux", _diloco_dp(has_aux=1)),
+      c("diloco_data_parallel", "batch_spec", _diloco_dp(batch_spec=(AX,))),
       c("Description", "scalar_bytes", _description(scalar_bytes=-1.0)),
       c("Description", "state_bytes_per_device", _description(state_bytes_per_device=1.5)),
   ]
@@ -332,6 +397,9 @@ def public_parameters() -> set[tuple[str, str]]:
   tx = qcomm.sync(optax.sgd(0.1))
   found |= {("sync().init", p) for p in _params(tx.init)}
   found |= {("sync().update", p) for p in _params(tx.update)}
+  tx = qcomm.diloco(optax.sgd(0.1), axis_name="d", every=2)
+  found |= {("diloco().init", p) for p in _params(tx.init)}
+  found |= {("diloco().update", p) for p in _params(tx.update)}
   return found
 
 

@@ -44,7 +44,7 @@ LAYERS: list[set[str]] = [
     {"shard_layout", "clipping"},                    # dim-0 shards and their rows; global norm
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
-    {"data_parallel", "describe"},                   # the step helper, describe
+    {"data_parallel", "describe", "diloco"},         # the step helpers, describe, outer sync
     {"flax_nnx"},                                    # the NNX step (imports flax; loaded lazily)
     {"__init__"},                                    # the public API
 ]

@@ -1,0 +1,351 @@
+"""qcomm.diloco: infrequent compressed outer synchronisation (the DiLoCo family).
+
+What is proved here:
+  - the oracles: one replica (or identical data on every replica) with the exact codec and
+    ``outer=optax.sgd(1.0)`` is plain ``inner`` training; one replica with ``outer=optax.sgd(a)``
+    is ``optax.lookahead(inner, H, a)``'s slow weights; the pseudo-gradient's sign;
+  - no collective on the calls between synchronisations (the compiled step's collectives sit
+    inside the conditional), and ``describe`` counts the compiled HLO's bytes, per call = per
+    sync / H;
+  - bit-identical anchors (and local parameters after a sync) on every replica at D = 3 and 6,
+    4 and 2 bits with error feedback, leaves that do not divide among the devices;
+  - ``every`` counts the inner sync's optimizer steps when it accumulates;
+  - the 2-D composition: ``diloco(sync(adam, axis_name="gpu"), axis_name="node")`` on 2 x 4;
+  - an orbax checkpoint of the state resumes exactly;
+  - the errors that name what to fix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_qcomm as qcomm
+from jax_qcomm import _compat
+from test_protocol import hlo_sent_bytes
+
+AX = "node"
+
+
+def _mesh(d: int, name: str = AX) -> Mesh:
+  return Mesh(np.array(jax.devices("cpu")[:d]), (name,))
+
+
+def _params(seed: int = 0) -> dict:
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  # Leaves that do not divide among 3 or 6 devices, nor into 128-element buckets.
+  return {"w": jax.random.normal(k1, (37, 29), jnp.float32) * 0.3,
+          "v": jax.random.normal(k2, (7, 5, 11), jnp.float32) * 0.3,
+          "b": jax.random.normal(k3, (29,), jnp.float32) * 0.1}
+
+
+def _loss(params, batch):
+  x, y = batch
+  h = jnp.tanh(x @ params["w"] + params["b"])
+  z = jnp.einsum("nj,abj->nab", h[:, :11], params["v"]).reshape(x.shape[0], -1)
+  return jnp.mean((z[:, :3] - y) ** 2) + 1e-3 * jnp.sum(h ** 2) / x.shape[0]
+
+
+def _batches(n: int, size: int, seed: int = 1):
+  rng = np.random.default_rng(seed)
+  return [(jnp.asarray(rng.normal(size=(size, 37)), jnp.float32),
+           jnp.asarray(rng.normal(size=(size, 3)), jnp.float32)) for _ in range(n)]
+
+
+def _single(inner, params, batches):
+  """Plain inner training on one device."""
+  state = inner.init(params)
+
+  @jax.jit
+  def step(p, s, b):
+    g = jax.grad(_loss)(p, b)
+    u, s = inner.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  for b in batches:
+    params, state = step(params, state, b)
+  return params
+
+
+def _run(tx, d, params, batches, replicate_batch=False):
+  """diloco_data_parallel over d devices; returns (local params, state)."""
+  dp = qcomm.diloco_data_parallel(_loss, tx, _mesh(d))
+  local, state = dp.init(params)
+  for b in batches:
+    if replicate_batch:
+      b = jax.tree.map(lambda a: jnp.concatenate([a] * d), b)
+    local, state, losses, _ = dp.step(local, state, b)
+  assert losses.shape == (d,)
+  return local, state
+
+
+def _close(a, b, **kw):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+# ---- oracles --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d,replicate", [(1, False), (2, True)])
+def test_exact_codec_and_outer_sgd_1_is_plain_inner_training(d, replicate):
+  inner = optax.adam(3e-3)
+  params, batches = _params(), _batches(12, 8)
+  tx = qcomm.diloco(inner, axis_name=AX, every=4, codec=qcomm.NoCompression(),
+                    outer=optax.sgd(1.0))
+  local, state = _run(tx, d, params, batches, replicate_batch=replicate)
+  want = _single(inner, params, batches)
+  _close(qcomm.diloco_params(state), want, rtol=2e-5, atol=2e-6)
+  assert int(state.outer_step) == 3 and int(state.mini_step) == 0
+  for row in range(d):  # after a sync every replica's parameters are the anchor, bit for bit
+    for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(qcomm.diloco_params(state))):
+      np.testing.assert_array_equal(np.asarray(x)[row], np.asarray(a))
+
+
+def test_one_replica_outer_sgd_is_lookahead_slow_weights():
+  inner, h, a = optax.sgd(0.05, momentum=0.9), 5, 0.5
+  params, batches = _params(), _batches(15, 8)
+  tx = qcomm.diloco(inner, axis_name=AX, every=h, codec=qcomm.NoCompression(),
+                    outer=optax.sgd(a))
+  _, state = _run(tx, 1, params, batches)
+
+  look = optax.lookahead(inner, sync_period=h, slow_step_size=a)
+  lp = optax.LookaheadParams.init_synced(params)
+  ls = look.init(lp)
+
+  @jax.jit
+  def step(lp, ls, b):
+    g = jax.grad(_loss)(lp.fast, b)
+    u, ls = look.update(g, ls, lp)
+    return optax.apply_updates(lp, u), ls
+
+  for b in batches:
+    lp, ls = step(lp, ls, b)
+  _close(qcomm.diloco_params(state), lp.slow, rtol=1e-5, atol=1e-6)
+
+
+def test_the_pseudo_gradient_is_anchor_minus_local():
+  # Constant gradient g, plain SGD inner (lr 1): after H steps local = anchor - H g, so
+  # delta = H g and outer sgd(a) moves the anchor by -a H g (towards the local parameters).
+  h, a = 3, 0.25
+  params = {"w": jnp.zeros((4, 4))}
+  tx = qcomm.diloco(optax.sgd(1.0), axis_name=AX, every=h, codec=qcomm.NoCompression(),
+                    outer=optax.sgd(a))
+  dp = qcomm.diloco_data_parallel(lambda p, b: jnp.sum(p["w"] * b), tx, _mesh(2))
+  local, state = dp.init(params)
+  g = jnp.ones((2, 4, 4))
+  for _ in range(h):
+    local, state, _, _ = dp.step(local, state, g)
+  np.testing.assert_allclose(np.asarray(qcomm.diloco_params(state)["w"]), -a * h, rtol=1e-6)
+
+
+# ---- no collective between syncs; describe == HLO --------------------------------------------------
+
+def _compiled_text(tx, d, params):
+  dp = qcomm.diloco_data_parallel(_loss, tx, _mesh(d))
+  local, state = dp.init(params)
+  spec = dp.state_spec(state)
+  fn = dp._step_fn(qcomm.diloco.__globals__["_SpecKey"](spec), 0, False)
+  batch = _batches(1, 2 * d)[0]
+  return fn.lower(local, state, batch, ()).compile().as_text()
+
+
+@pytest.mark.parametrize("codec", [qcomm.NoCompression(), qcomm.QSGD(4), qcomm.Summable(4)],
+                         ids=["exact", "qsgd4", "summable4"])
+@pytest.mark.parametrize("d", [2, 3])
+def test_describe_equals_the_compiled_hlo_and_collectives_are_conditional(codec, d):
+  params = _params()
+  tx = qcomm.diloco(optax.adam(1e-3), axis_name=AX, every=50, codec=codec,
+                    policy=qcomm.LeafPolicy(min_size=0))
+  text = _compiled_text(tx, d, params)
+  desc = qcomm.describe(tx, params, devices=d)
+  assert desc.accum_steps == 50
+  assert desc.sent_bytes_per_sync == pytest.approx(hlo_sent_bytes(text, d), rel=1e-9)
+  assert desc.sent_bytes_per_call == pytest.approx(desc.sent_bytes_per_sync / 50)
+  # Every collective is inside a conditional's branch computation, none in the entry.
+  entry = text[text.index("ENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  assert hlo_sent_bytes(entry, d) == 0, entry
+
+
+# ---- bit-identical replicas -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d", [3, 6])
+@pytest.mark.parametrize("codec,ef", [(qcomm.QSGD(4), False),
+                                      (qcomm.QSGD(2, rounding="nearest"), True)],
+                         ids=["qsgd4", "qsgd2_ef"])
+def test_anchors_are_bit_identical_on_every_replica(d, codec, ef):
+  params = _params()
+  tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=2, codec=codec, error_feedback=ef,
+                    policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
+  mesh = _mesh(d)
+  spec = qcomm.diloco_partition_spec(jax.eval_shape(tx.init, params), AX)
+  axes = frozenset({AX})
+
+  def init(p):
+    return jax.tree.map(lambda a: _compat.make_varying(a[None], axes), p), tx.init(p)
+
+  def step(lp, s, batch):
+    p = jax.tree.map(lambda a: a[0], lp)
+    g = jax.grad(_loss)(p, batch)
+    u, s = tx.update(g, s, p)
+    p = qcomm.diloco_apply_updates(p, u, s)
+    every_copy = jax.tree.map(lambda a: _compat.make_varying(a, axes)[None], s.anchor)
+    return jax.tree.map(lambda a: a[None], p), s, every_copy
+
+  init = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=(P(AX), spec)))
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(AX), spec, P(AX)),
+                               out_specs=(P(AX), spec, P(AX))))
+  local, state = init(params)
+  for i, b in enumerate(_batches(6, 2 * d)):
+    local, state, copies = step(local, state, b)
+    for c, lp in zip(jax.tree.leaves(copies), jax.tree.leaves(local)):
+      c = np.asarray(c)
+      for r in range(1, d):
+        np.testing.assert_array_equal(c[r], c[0])
+      if i % 2 == 1:  # a synchronising call: every replica's parameters are the anchor
+        np.testing.assert_array_equal(np.asarray(lp), c)
+  assert int(state.outer_step) == 3
+  # The replicas trained on different data: between syncs they differ.
+  local, state, _ = step(local, state, _batches(1, 2 * d, seed=9)[0])
+  w = np.asarray(local["w"])
+  assert not np.array_equal(w[0], w[1])
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.anchor))
+  if ef:
+    assert state.residual["w"].shape == (d, 37, 29)
+    assert float(jnp.max(jnp.abs(state.residual["w"]))) > 0
+
+
+# ---- composition with sync on a 2-D mesh -------------------------------------------------------------
+
+def test_diloco_over_nodes_of_sync_over_gpus_on_a_2x4_mesh():
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("node", "gpu"))
+  inner = qcomm.sync(optax.adam(3e-3), axis_name="gpu", codec=qcomm.NoCompression(),
+                     accum_steps=2)
+  tx = qcomm.diloco(inner, axis_name="node", every=3, codec=qcomm.QSGD(4), error_feedback=True,
+                    policy=qcomm.LeafPolicy(min_size=0))
+  dp = qcomm.diloco_data_parallel(_loss, tx, mesh)
+  params = _params()
+  local, state = dp.init(params)
+  spec = dp.state_spec(state)
+  sync_spec = spec.inner_opt_state
+  assert sync_spec.acc_grads["w"] == P("node", "gpu")
+  assert sync_spec.mini_step == P("node")
+  assert state.inner_opt_state.acc_grads["w"].shape == (2, 4, 37, 29)
+  batches = _batches(12, 16)
+  losses0 = None
+  for i, b in enumerate(batches):
+    local, state, losses, _ = dp.step(local, state, b)
+    losses0 = losses if losses0 is None else losses0
+    assert losses.shape == (8,)
+    # every 2 calls the inner sync steps; every 3 inner steps (6 calls) the nodes synchronise
+    assert int(state.outer_step) == (i + 1) // 6
+  assert int(state.inner_opt_state.gradient_step[0]) == 6
+  anchor = qcomm.diloco_params(state)
+  for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(anchor)):
+    np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(a))
+    np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(a))
+  # It learns: the anchor's loss on the data is below the initial one.
+  data = (jnp.concatenate([b[0] for b in batches]), jnp.concatenate([b[1] for b in batches]))
+  assert float(_loss(anchor, data)) < float(_loss(params, data))
+  desc = qcomm.describe(tx, params, devices=2)
+  assert desc.accum_steps == 6
+
+
+def test_every_counts_the_inner_syncs_optimizer_steps():
+  inner = qcomm.sync(optax.sgd(0.1), axis_name="gpu", codec=qcomm.NoCompression(), accum_steps=3)
+  tx = qcomm.diloco(inner, axis_name="node", every=2)
+  assert qcomm.describe(tx, _params(), devices=2).accum_steps == 6
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+def test_orbax_checkpoint_resumes_exactly(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  d = 2
+  tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=3, codec=qcomm.QSGD(4),
+                    error_feedback=True, policy=qcomm.LeafPolicy(min_size=0))
+  dp = qcomm.diloco_data_parallel(_loss, tx, _mesh(d))
+  params, batches = _params(), _batches(10, 2 * d)
+  local, state = dp.init(params)
+  for b in batches[:4]:  # mid-window: local params differ from the anchor
+    local, state, _, _ = dp.step(local, state, b)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "ckpt", {"local": local, "state": state})
+  ckpt.wait_until_finished()
+  for b in batches[4:]:
+    local, state, _, _ = dp.step(local, state, b)
+
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"local": local, "state": state})
+  restored = ckpt.restore(tmp_path / "ckpt", target)
+  local2, state2 = restored["local"], restored["state"]
+  assert isinstance(state2, qcomm.DiLoCoState) and int(state2.mini_step) == 1
+  for b in batches[4:]:
+    local2, state2, _, _ = dp.step(local2, state2, b)
+  for x, y in zip(jax.tree.leaves((local, state)), jax.tree.leaves((local2, state2))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---- bf16 models ----------------------------------------------------------------------------------
+
+def test_bf16_params_keep_a_float32_anchor_and_outer_state():
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _params())
+  tx = qcomm.diloco(optax.sgd(0.05), axis_name=AX, every=2, codec=qcomm.QSGD(4),
+                    error_feedback=True)
+  loss = lambda p, b: _loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), b)  # noqa: E731
+  dp = qcomm.diloco_data_parallel(loss, tx, _mesh(2))
+  local, state = dp.init(params)
+  for b in _batches(4, 4):
+    local, state, _, _ = dp.step(local, state, b)
+  for tree in (state.anchor, state.outer_opt_state, state.residual):
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(tree))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(local))
+  for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(state.anchor)):
+    np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(a.astype(jnp.bfloat16)))
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+def test_data_parallel_with_replicated_params_is_refused_naming_the_fix():
+  tx = qcomm.diloco(optax.sgd(0.1), axis_name=AX, every=2)
+  dp = qcomm.data_parallel(_loss, tx, _mesh(2), axis_name=AX)
+  params = _params()
+  state = dp.init(params)
+  with pytest.raises(ValueError, match="diloco_data_parallel"):
+    dp.step(params, state, _batches(1, 4)[0])
+
+
+def test_a_state_passed_replicated_is_refused():
+  tx = qcomm.diloco(optax.adam(0.1), axis_name=AX, every=2)
+  params = _params()
+  mesh = _mesh(2)
+  with jax.set_mesh(mesh):
+    state = tx.init(params)
+
+  def step(lp, s, b):
+    p = jax.tree.map(lambda a: a[0], lp)
+    return tx.update(jax.grad(_loss)(p, b), s, p)
+
+  local = jax.tree.map(lambda a: jnp.stack([a, a]), params)
+  with pytest.raises(ValueError, match="diloco_partition_spec"):
+    jax.eval_shape(jax.shard_map(step, mesh=mesh, in_specs=(P(AX), P(), P(AX)),
+                                 out_specs=(P(AX), P())), local, state, _batches(1, 4)[0])
+
+
+def test_same_axis_inside_and_outside_is_refused():
+  with pytest.raises(ValueError, match="axis_name"):
+    qcomm.diloco(qcomm.sync(optax.sgd(0.1), axis_name="node"), axis_name="node", every=2)
+
+
+def test_inner_sync_needs_inner_axis_name_for_specs():
+  inner = qcomm.sync(optax.sgd(0.1), axis_name="gpu", accum_steps=2)
+  tx = qcomm.diloco(inner, axis_name="node", every=2)
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("node", "gpu"))
+  with jax.set_mesh(mesh):
+    shapes = jax.eval_shape(tx.init, _params())
+  with pytest.raises(ValueError, match="inner_axis_name"):
+    qcomm.diloco_partition_spec(shapes, "node")
