@@ -21,7 +21,7 @@ RESULTS = os.path.join(REPO, "notebooks", "data", "lm", "diloco.jsonl")
 
 # name -> (config overrides, training.lm_diloco flags). K = 2 replicas of 4 devices, 2000 inner
 # steps, training/lm.py's global batch (the tokens of the exact data-parallel run), outer Nesterov
-# SGD lr 0.7 / momentum 0.9 (DiLoCo's; not tuned).
+# SGD lr 0.7 / momentum 0.9 (DiLoCo's; not tuned) unless a cell says otherwise.
 CELLS = {
     "fp32_h10": ({"bits": 32}, {"every": 10}),
     "fp32_h50": ({"bits": 32}, {"every": 50}),
@@ -31,6 +31,10 @@ CELLS = {
     "fp32_h100": ({"bits": 32}, {"every": 100}),
     "q8_h50": ({"bits": 8}, {"every": 50}),
     "q2_ef_h50": ({"bits": 2, "error_feedback": True}, {"every": 50}),
+    # Plain averaging (outer SGD lr 1.0, no momentum: the anchor is the replicas' mean).
+    "fp32_h10_avg": ({"bits": 32}, {"every": 10, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    "fp32_h50_avg": ({"bits": 32}, {"every": 50, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    "q4_h50_avg": ({"bits": 4}, {"every": 50, "outer_lr": 1.0, "outer_momentum": 0.0}),
 }
 
 

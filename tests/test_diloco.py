@@ -349,3 +349,22 @@ def test_inner_sync_needs_inner_axis_name_for_specs():
     shapes = jax.eval_shape(tx.init, _params())
   with pytest.raises(ValueError, match="inner_axis_name"):
     qcomm.diloco_partition_spec(shapes, "node")
+
+
+# ---- the LM trainer's DiLoCo mode ------------------------------------------------------------------
+
+def test_lm_trainer_runs_diloco_on_a_node_by_data_mesh():
+  pytest.importorskip("flax")
+  from configs import lm_bytes
+  from training import lm_diloco
+
+  config = lm_bytes.get_config("quick")
+  config.num_steps, config.warmup_steps, config.eval_every_steps = 20, 2, 10
+  config.bits = 4
+  result = lm_diloco.run(config, every=5, replicas=2, outer_lr=0.7, outer_momentum=0.9,
+                         quiet=True)
+  assert result["outer_steps"] == 4 and result["total_notfinite"] == 0
+  assert result["curve"][-1][1] < result["curve"][0][1]  # the anchor learned
+  # 4-bit outer codec: bytes per parameter per inner step = bytes per sync / H / parameters.
+  assert result["bytes_per_param_step"] == pytest.approx(
+      result["sent_bytes_per_sync"] / 5 / result["params"])
