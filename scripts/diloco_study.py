@@ -2,6 +2,7 @@
 
     python scripts/diloco_study.py run [--cells fp32_h10,q4_h50 | all]
     python scripts/diloco_study.py status
+    python scripts/diloco_study.py table     # the results table in docs/accuracy.md
 
 Each cell is its own process; its result JSON line is appended to
 ``notebooks/data/lm/diloco.jsonl``. ``run`` skips cells already there, so the study can be run in
@@ -57,13 +58,42 @@ def done() -> dict[str, dict]:
   return out
 
 
+DDP_FP32 = 1.537  # the exact data-parallel run of docs/accuracy.md (fp32, seed 0)
+BEGIN, END = "<!-- diloco-table -->", "<!-- /diloco-table -->"
+
+
+def write_table(finished: dict[str, dict]) -> None:
+  """The results table between the markers of docs/accuracy.md, from the JSON lines alone."""
+  rows = ["| cell | outer codec | H | outer lr / momentum | val loss (nats/byte) | vs exact DDP "
+          "| outer steps | train s |", "|---|---|--:|---|--:|--:|--:|--:|"]
+  for name in CELLS:
+    r = finished.get(name)
+    if r is None:
+      continue
+    codec = {32: "fp32", 16: "bf16"}.get(r["bits"], f"QSGD {r['bits']} bits") + (
+        " + EF" if r["error_feedback"] else "")
+    rows.append(f"| `{name}` | {codec} | {r['every']} | {r['outer_lr']} / {r['outer_momentum']} "
+                f"| {r['val_loss']:.3f} | {100 * (r['val_loss'] / DDP_FP32 - 1):+.1f}% "
+                f"| {r['outer_steps']} | {r['train_s']:.0f} |")
+  path = os.path.join(REPO, "docs", "accuracy.md")
+  with open(path) as f:
+    text = f.read()
+  head, rest = text.split(BEGIN)
+  _, tail = rest.split(END)
+  with open(path, "w") as f:
+    f.write(head + BEGIN + "\n" + "\n".join(rows) + "\n" + END + tail)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("action", choices=("run", "status"))
+  parser.add_argument("action", choices=("run", "status", "table"))
   parser.add_argument("--cells", default="fp32_h10,fp32_h50,q4_h10,q4_h50")
   args = parser.parse_args()
   names = list(CELLS) if args.cells == "all" else args.cells.split(",")
   finished = done()
+  if args.action == "table":
+    write_table(finished)
+    return
   if args.action == "status":
     for name in CELLS:
       row = finished.get(name)
