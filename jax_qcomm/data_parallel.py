@@ -38,7 +38,7 @@ class DataParallel:
   init(params) -> opt_state: ``tx.init`` run on the mesh, the per-device parts of the state placed
     on their devices (the specs are :meth:`state_spec`).
   step(params, opt_state, batch, *extra, key=None) -> (params, opt_state, loss, aux): one call of
-    the jitted step (see :func:`data_parallel`).
+    the jitted step (see :func:`data_parallel`); it may be traced inside the caller's ``jax.jit``.
   state_spec(opt_state) -> the ``shard_map`` specs of the state (``qcomm.state_partition_spec``).
   """
 
@@ -161,7 +161,18 @@ def _reduce_aux(aux: Any, how: str, names: tuple) -> Any:
   if how == "concat":
     return jax.tree_util.tree_map(lambda a: _compat.make_varying(jnp.asarray(a), axes), aux)
   op = lax.pmean if how == "mean" else lax.psum
-  return jax.tree_util.tree_map(lambda a: op(_compat.make_varying(jnp.asarray(a), axes), names), aux)
+
+  def reduce(a):
+    a = jnp.asarray(a)
+    if how == "mean" and not _compat.vma_of(a) & axes:
+      # Varies over none of the data axes (loss_fn computed it with a collective over them, as a
+      # BatchNorm with axis_name does its statistics): the same on every device, so its mean is
+      # itself. A second allreduce would cost a collective and could round (the sum of D equal
+      # floats divided by D need not give the value back exactly).
+      return a
+    return op(_compat.make_varying(a, axes), names)
+
+  return jax.tree_util.tree_map(reduce, aux)
 
 
 def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh, *,
@@ -181,7 +192,10 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     axis_name: the data axis of ``mesh`` (a name or a tuple of names).
     has_aux: loss_fn returns ``(loss, aux)``.
     aux_reduce: how the per-device ``aux`` leaves come back: ``"mean"`` (``lax.pmean``: BatchNorm
-      statistics, mean metrics), ``"sum"`` (``lax.psum``: counts), ``"stack"`` (every leaf with
+      statistics, mean metrics; a leaf that varies over none of the data axes, because loss_fn
+      computed it with a collective over them as a BatchNorm with ``axis_name`` does its
+      statistics, is already the same on every device and comes back as it is, with no second
+      allreduce), ``"sum"`` (``lax.psum``: counts), ``"stack"`` (every leaf with
       a leading device axis of size D) or ``"concat"`` (the devices' leaves concatenated along
       their leading axis: per-example outputs such as logits, for the global batch).
     batch_spec: how the batch is split (default ``PartitionSpec(axis_name)``: leading axis).
@@ -196,6 +210,11 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     not differentiated; ``key`` is folded with the device index before reaching ``loss_fn``, so use
     a new one every step. ``loss`` is the mean of the devices' losses; ``aux`` is ``None`` without
     ``has_aux``.
+
+    ``dp.step`` may also be called inside the caller's own ``jax.jit``, to fuse it with bookkeeping
+    such as a step counter into one program (one dispatch per call, rather than the step's plus one
+    per eager operation): the inputs are then placed by sharding constraints inside that program,
+    and ``donate`` has no effect there (donate with that jit's ``donate_argnums``).
   """
   return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                       aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)

@@ -370,6 +370,54 @@ def test_data_parallel_aux_key_and_extra_args():
   np.testing.assert_allclose(out["mean"]["count"], PER_DEVICE)
 
 
+def test_data_parallel_mean_returns_replicated_aux_as_it_is():
+  """aux_reduce="mean": a leaf already the same on every device (a replicated argument passed
+  through, a pmean inside loss_fn as cross-device BatchNorm takes of its statistics) comes back
+  bit for bit, with no second allreduce (whose rounding would perturb it); varying leaves are
+  averaged."""
+  def loss(p, batch, stats):
+    x, y = batch
+    local = jnp.mean(x, 0)
+    return jnp.mean((predict(p, x) - y) ** 2), {"stats": stats, "global": lax.pmean(local, AX),
+                                                "local": local}
+
+  x, y = problem()
+  stats = jax.random.normal(jax.random.key(1), (64,))
+  dp = qcomm.data_parallel(loss, make_sync(optax.sgd(0.05), 32), mesh(), has_aux=True)
+  params = init_params()
+  _, _, _, aux = dp.step(params, dp.init(params), (x[0], y[0]), stats)
+  np.testing.assert_array_equal(np.asarray(aux["stats"]), np.asarray(stats))
+  once = jax.jit(jax.shard_map(lambda x: lax.pmean(jnp.mean(x, 0), AX), mesh=mesh(),
+                               in_specs=P(AX), out_specs=P()))(x[0])
+  np.testing.assert_array_equal(np.asarray(aux["global"]), np.asarray(once))
+  np.testing.assert_allclose(np.asarray(aux["local"]), x[0].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_step_inside_jit():
+  """dp.step traced inside the caller's jax.jit, fused with its bookkeeping (a call counter, the
+  state donated by that jit): the same parameters and losses as calling dp.step directly."""
+  dp = qcomm.data_parallel(loss_fn, make_sync(optax.sgd(0.2, momentum=0.9), 4, accum_steps=2),
+                           mesh())
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(carry, batch):
+    count, params, opt_state = carry
+    params, opt_state, loss, _ = dp.step(params, opt_state, batch)
+    return (count + 1, params, opt_state), loss
+
+  x, y = problem()
+  carry = (jnp.int32(0), init_params(), dp.init(init_params()))  # donated: a copy of its own
+  direct = (init_params(), dp.init(init_params()))
+  for i in range(CALLS):
+    carry, loss = step(carry, (x[i], y[i]))
+    p, s, direct_loss, _ = dp.step(*direct, (x[i], y[i]))
+    direct = (p, s)
+    assert float(loss) == float(direct_loss)
+  assert int(carry[0]) == CALLS
+  for a, b in zip(jax.tree.leaves(carry[1:]), jax.tree.leaves(direct)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_data_parallel_bad_arguments():
   tx = make_sync(optax.sgd(0.1), 4)
   with pytest.raises(ValueError, match="aux_reduce"):

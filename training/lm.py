@@ -22,10 +22,13 @@ positions, output layer tied to the byte embedding; Flax NNX, split once into a 
 a plain dict of parameters (``nnx.split`` / ``nnx.merge``) so that the train step is a pure function
 of a params pytree.
 
-**Parallelism.** ``jax.shard_map`` over a one-axis ``data`` mesh; each device takes the gradient
-of its own windows w.r.t. ``lax.pcast(params, "data", to="varying")`` (without the pcast autodiff
-would psum the gradient itself, uncompressed); ``qcomm.sync`` averages the gradients (exact, bf16
-or QSGD, every ``accum_steps`` micro-steps) and runs AdamW (warmup + cosine) on the average.
+**Parallelism.** The train step is ``qcomm.data_parallel(loss_fn, tx, mesh)``, the library's
+short path: ``jax.shard_map`` over a one-axis ``data`` mesh, each device taking the gradient of its
+own windows w.r.t. a varying copy of the parameters (so that autodiff does not psum it,
+uncompressed); ``qcomm.sync`` averages the gradients (exact, bf16 or QSGD, every ``accum_steps``
+micro-steps) and runs AdamW (warmup + cosine) on the average. ``dp.step`` and the micro-step
+counter's increment are jitted together, the state donated. The evaluation step is a plain
+``jax.shard_map`` (a sum of per-byte losses over the mesh; nothing to differentiate).
 
 **Resume.** With ``--workdir``, orbax checkpoints (state + the val-loss curve so far) every
 ``checkpoint_every_steps`` optimizer steps, at the end and when ``time_limit_minutes`` runs out; a
@@ -331,11 +334,11 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-  """What one run's settings compile to: the model's graph definition, the optimizer, the state's
-  shard_map specs and the jitted functions."""
+  """What one run's settings compile to: the model's graph definition, the optimizer, the
+  ``qcomm.data_parallel`` train step and the jitted functions."""
   graphdef: nnx.GraphDef
   tx: optax.GradientTransformation
-  spec: TrainState
+  dp: qcomm.DataParallel
   init: Callable[[], TrainState]          # the initial state (params from config.seed)
   train_step: Callable                    # (state, windows) -> (state, loss)
   eval_step: Callable                     # (params, windows) -> summed nats
@@ -344,24 +347,19 @@ class Programs:
 def build_programs(config: ml_collections.ConfigDict, mesh: Mesh) -> Programs:
   """The model, optimizer and jitted steps of ``config`` on ``mesh`` (nothing runs yet)."""
   tx = create_optimizer(config)
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: create_model(config, nnx.Rngs(0))))
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: create_model(config, nnx.Rngs(0))))
   replicated = NamedSharding(mesh, P())
-  params_shape = abstract.to_pure_dict()
-  opt_spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params_shape))
-  spec = TrainState(step=P(), params=jax.tree_util.tree_map(lambda _: P(), params_shape),
-                    opt_state=opt_spec)
   # One compiled program, rather than one small one per eager op of the initialisers.
   init_params = jax.jit(lambda: nnx.state(create_model(config, nnx.Rngs(config.seed)))
                         .to_pure_dict(), out_shardings=replicated)
-  init_opt = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_spec))
+  dp = create_data_parallel(graphdef, tx, mesh)
 
   def init() -> TrainState:
     params = init_params()
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
-                      opt_state=init_opt(params))
+                      opt_state=dp.init(params))
 
-  return Programs(graphdef, tx, spec, init, make_train_step(graphdef, tx, mesh, spec),
-                  make_eval_step(graphdef, mesh))
+  return Programs(graphdef, tx, dp, init, make_train_step(dp), make_eval_step(graphdef, mesh))
 
 
 @functools.lru_cache(maxsize=4)
@@ -375,25 +373,28 @@ def programs_for(config: ml_collections.ConfigDict) -> Programs:
   return _cached_programs(json.dumps(run_settings(config), sort_keys=True), config.num_devices)
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx, mesh: Mesh, spec: TrainState) -> Callable:
-  """jit(shard_map(step)): (state, windows[B, T+1]) -> (state, mean train loss)."""
-  def step(state: TrainState, windows):
-    def loss_fn(params):
-      return jnp.mean(window_loss(graphdef, params, windows))
+def create_data_parallel(graphdef: nnx.GraphDef, tx, mesh: Mesh) -> qcomm.DataParallel:
+  """``qcomm.data_parallel`` of the mean per-byte loss of a device's windows."""
+  def loss_fn(params, windows):
+    return jnp.mean(window_loss(graphdef, params, windows))
 
-    local = lax.pcast(state.params, AXIS, to="varying")
-    loss, grads = jax.value_and_grad(loss_fn)(local)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    return (state.replace(step=state.step + 1, params=params, opt_state=opt_state),
-            lax.pmean(loss, AXIS))
+  return qcomm.data_parallel(loss_fn, tx, mesh, axis_name=AXIS)
 
-  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P(AXIS)), out_specs=(spec, P())),
-                 donate_argnums=0)
+
+def make_train_step(dp: qcomm.DataParallel) -> Callable:
+  """jit of (state, windows[B, T+1]) -> (state, mean train loss): one ``dp.step`` and the
+  micro-step counter's increment, in one program (one dispatch per call); the state is donated."""
+  def train_step(state: TrainState, windows):
+    params, opt_state, loss, _ = dp.step(state.params, state.opt_state, windows)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), loss
+
+  return jax.jit(train_step, donate_argnums=0)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh) -> Callable:
-  """(params, windows) -> summed nats over every byte of the global windows."""
+  """(params, windows) -> summed nats over every byte of the global windows. A plain
+  ``jax.shard_map``: ``qcomm.data_parallel`` is a train step (it differentiates ``loss_fn`` and
+  applies the optimizer); evaluation only sums losses over the mesh."""
   def step(params, windows):
     return lax.psum(jnp.sum(window_loss(graphdef, params, windows)), AXIS)
 

@@ -2,15 +2,19 @@
 
     python -m training.train --config configs/digits.py --workdir runs/digits [--config.bits=4 ...]
 
-The train step runs under ``jax.shard_map`` over a one-axis ``data`` mesh of every device of every
-process (not GSPMD auto-sharding, which would insert its own uncompressed allreduce). Each device
-computes the gradient of its own shard of the batch; ``qcomm.sync`` averages the gradients across
-``data`` (QSGD, bf16 wire or exact, every ``accum_steps`` calls) and runs SGD with Nesterov momentum.
-Parameters and BatchNorm statistics are replicated and stay bit-identical on all devices; the
-synchroniser's accumulator and error-feedback residual are per device (``qcomm.state_partition_spec``).
+The train step is ``qcomm.data_parallel(loss_fn, tx, mesh)``, the library's short path: a
+``jax.shard_map`` over a one-axis ``data`` mesh of every device of every process (not GSPMD
+auto-sharding, which would insert its own uncompressed allreduce). Each device computes the
+gradient of its own shard of the batch w.r.t. a varying copy of the parameters (so that autodiff
+does not psum it, uncompressed); ``qcomm.sync`` averages the gradients across ``data`` (QSGD, bf16
+wire or exact, every ``accum_steps`` calls) and runs SGD with Nesterov momentum. The BatchNorm
+statistics go in as an extra, undifferentiated argument and come back as ``aux``; BatchNorm
+averages them across the mesh itself (``bn_axis_name``). Parameters and BatchNorm statistics are
+replicated and stay bit-identical on all devices; the synchroniser's accumulator and
+error-feedback residual are per device (``qcomm.state_partition_spec``).
 
-Differentiation is w.r.t. ``lax.pcast(params, "data", to="varying")``: differentiating the replicated
-parameters directly would make autodiff psum the gradient itself, uncompressed.
+The evaluation step and the timing-only step without synchronisation are written out with
+``jax.shard_map`` (neither is a synchronised train step; see their docstrings).
 """
 
 from __future__ import annotations
@@ -163,9 +167,10 @@ def state_spec(state: TrainState) -> TrainState:
                     opt_state=qcomm.state_partition_spec(state.opt_state, AXIS))
 
 
-def create_train_state(config: ml_collections.ConfigDict, mesh: Mesh, info, tx,
-                       ) -> tuple[TrainState, TrainState]:
-  """The initial state (params from ``config.seed``) and its shard_map specs."""
+def create_train_state(config: ml_collections.ConfigDict, mesh: Mesh, info,
+                       dp: qcomm.DataParallel) -> tuple[TrainState, TrainState]:
+  """The initial state (params from ``config.seed``, optimizer state from ``dp.init``) and its
+  shard_map specs."""
   # Initialised without the BatchNorm axis: the parameters are the same, and no axis is bound here.
   model = create_model(config, info.num_classes, None)
   dummy = jnp.zeros((1,) + tuple(info.image_shape), jnp.float32)
@@ -180,9 +185,7 @@ def create_train_state(config: ml_collections.ConfigDict, mesh: Mesh, info, tx,
   with jax.threefry_partitionable(False):
     params, batch_stats = jax.jit(init, out_shardings=NamedSharding(mesh, P()))(
         jax.random.key(config.seed))
-  opt_shape = jax.eval_shape(tx.init, params)
-  opt_spec = qcomm.state_partition_spec(opt_shape, AXIS)
-  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_spec))(params)
+  opt_state = dp.init(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
   state = TrainState(step=step, params=params, batch_stats=batch_stats, opt_state=opt_state)
   return state, state_spec(state)
@@ -197,43 +200,55 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, smoothing: float) -> jax
   return optax.softmax_cross_entropy(logits, targets)
 
 
-def _local_grads(config, model, state: TrainState, batch):
-  """This device's loss, accuracy, new BatchNorm statistics and gradient of its batch shard."""
-  def loss_fn(params):
-    logits, new_vars = model.apply({"params": params, "batch_stats": state.batch_stats},
+def make_loss_fn(config, model):
+  """``loss_fn(params, batch, batch_stats) -> (loss, {"accuracy", "batch_stats"})`` of one device's
+  batch shard: the mean loss, the mean accuracy and the BatchNorm statistics updated by the batch
+  (averaged across ``data`` by BatchNorm itself, so the same on every device)."""
+  def loss_fn(params, batch, batch_stats):
+    logits, new_vars = model.apply({"params": params, "batch_stats": batch_stats},
                                    batch["image"], train=True, mutable=["batch_stats"])
     loss = jnp.mean(cross_entropy(logits, batch["label"], config.label_smoothing))
-    return loss, (logits, new_vars["batch_stats"])
+    accuracy = jnp.mean((jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32))
+    return loss, {"accuracy": accuracy, "batch_stats": new_vars["batch_stats"]}
 
-  params = lax.pcast(state.params, AXIS, to="varying")
-  (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-  accuracy = jnp.mean((jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32))
-  return loss, accuracy, batch_stats, grads
+  return loss_fn
 
 
-def make_train_step(config, model, tx, mesh: Mesh, spec: TrainState):
-  """jit(shard_map(step)): (state, batch) -> (state, {"loss", "accuracy"}), global batch [B, ...]."""
-  def step(state: TrainState, batch):
-    loss, accuracy, batch_stats, grads = _local_grads(config, model, state, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": lax.pmean(loss, AXIS), "accuracy": lax.pmean(accuracy, AXIS)}
-    return state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
-                         opt_state=opt_state), metrics
+def create_data_parallel(config, model, tx, mesh: Mesh) -> qcomm.DataParallel:
+  """``qcomm.data_parallel`` of :func:`make_loss_fn`: the step's ``aux`` is the devices' mean
+  accuracy and the new BatchNorm statistics (already the same on every device: returned as they
+  are, with no second allreduce)."""
+  return qcomm.data_parallel(make_loss_fn(config, model), tx, mesh, axis_name=AXIS, has_aux=True,
+                             aux_reduce="mean")
 
-  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P(AXIS)),
-                               out_specs=(spec, P())))
+
+def make_train_step(dp: qcomm.DataParallel):
+  """jit of (state, batch) -> (state, {"loss", "accuracy"}), global batch [B, ...]: one
+  ``dp.step`` with the BatchNorm statistics as its extra argument, and the call counter's
+  increment, in one program (one dispatch per call)."""
+  def train_step(state: TrainState, batch):
+    params, opt_state, loss, aux = dp.step(state.params, state.opt_state, batch,
+                                           state.batch_stats)
+    return state.replace(step=state.step + 1, params=params, batch_stats=aux["batch_stats"],
+                         opt_state=opt_state), {"loss": loss, "accuracy": aux["accuracy"]}
+
+  return jax.jit(train_step)
 
 
 def make_local_step(config, model, inner, mesh: Mesh, spec: TrainState):
   """The train step without synchronisation (each device applies its own gradient), for timing.
 
   Same compute as the train step (forward, backward, optimizer) minus the gradient collective;
-  returns a per-device checksum of the new parameters so that XLA cannot drop the work.
+  returns a per-device checksum of the new parameters so that XLA cannot drop the work. Written
+  out with ``jax.shard_map`` rather than ``qcomm.data_parallel`` on purpose: data_parallel
+  synchronises (its ``tx`` must contain a ``qcomm.sync``) and returns replicated parameters, while
+  this step must run the bare inner optimizer with no collective and leave the replicas apart.
   """
+  loss_fn = make_loss_fn(config, model)
+
   def step(state: TrainState, batch):
-    _, _, _, grads = _local_grads(config, model, state, batch)
-    params = lax.pcast(state.params, AXIS, to="varying")
+    params = lax.pcast(state.params, AXIS, to="varying")  # this device's own gradient
+    grads, _ = jax.grad(loss_fn, has_aux=True)(params, batch, state.batch_stats)
     inner_state = jax.tree_util.tree_map(lambda a: lax.pcast(a, AXIS, to="varying"),
                                          state.opt_state.inner_opt_state)
     updates, _ = inner.update(grads, inner_state, params)
@@ -244,7 +259,10 @@ def make_local_step(config, model, inner, mesh: Mesh, spec: TrainState):
 
 
 def make_eval_step(model, mesh: Mesh, spec: TrainState):
-  """(state, batch) -> {"correct", "count", "loss_sum"} summed over the global batch."""
+  """(state, batch) -> {"correct", "count", "loss_sum"} summed over the global batch.
+
+  A plain ``jax.shard_map``: ``qcomm.data_parallel`` is a train step (it differentiates and applies
+  ``tx``); evaluation only runs the model and sums masked counts over the mesh."""
   def step(state: TrainState, batch):
     logits = model.apply({"params": state.params, "batch_stats": state.batch_stats},
                          batch["image"], train=False)
@@ -366,9 +384,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None,
   schedule = learning_rate_schedule(config, steps_per_epoch, total_steps)
   inner = create_inner_optimizer(config, schedule)
   tx = create_optimizer(config, inner)
-  state, spec = create_train_state(config, mesh, info, tx)
   model = create_model(config, info.num_classes, AXIS)
-  train_step = make_train_step(config, model, tx, mesh, spec)
+  dp = create_data_parallel(config, model, tx, mesh)
+  state, spec = create_train_state(config, mesh, info, dp)
+  train_step = make_train_step(dp)
   eval_step = make_eval_step(model, mesh, spec)
 
   mngr = _checkpoint_manager(workdir, config)
