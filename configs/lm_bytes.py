@@ -50,6 +50,8 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
   config.min_size = 1024             # the library's default leaf policy: small and 1-D leaves exact
   config.compress_1d = False
   config.exclude = ""                # comma-separated regexes of parameter paths sent exact
+  config.shard_state = False         # sync(shard_state=True): 1/D of the optimizer state per device
+  config.gather_bits = 8             # with shard_state: bits of the weight differences (QSGD)
 
   # Loop, logging, checkpoints.
   config.eval_every_steps = 100      # optimizer steps between val-loss points (0: only the end)

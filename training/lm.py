@@ -253,7 +253,11 @@ RUNTIME_FIELDS = ("eval_every_steps", "log_every_steps", "checkpoint_every_steps
 
 def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The config fields that determine a run's result (all but ``RUNTIME_FIELDS``)."""
-  return {k: v for k, v in config.to_dict().items() if k not in RUNTIME_FIELDS}
+  settings = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_FIELDS}
+  if not settings.get("shard_state"):  # replicated runs keep the settings they were recorded with
+    settings.pop("shard_state", None)
+    settings.pop("gather_bits", None)
+  return settings
 
 
 def check_resumable(saved: dict[str, Any], config: ml_collections.ConfigDict, where: str) -> None:
@@ -300,8 +304,8 @@ def _matrix_mask(params: Any) -> Any:
 
 def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """``qcomm.sync(clip -> AdamW)``: clipping and decay act on the synchronised gradient."""
-  inner = optax.chain(
-      optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity(),
+  inner = optax.chain(  # qcomm's clip: the whole model's norm also with sharded state
+      qcomm.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity(),
       optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
                   weight_decay=config.weight_decay, mask=_matrix_mask))
   return create_sync(config, inner, AXIS)

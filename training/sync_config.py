@@ -25,6 +25,9 @@ def create_sync(config: ml_collections.ConfigDict, inner: optax.GradientTransfor
                 axis_name: str) -> optax.GradientTransformation:
   """``qcomm.sync(inner)`` with every synchronisation setting taken from the config."""
   extra = {"comm_bucket_size": config.comm_bucket_size} if "comm_bucket_size" in config else {}
+  if config.get("shard_state", False):  # sharded optimizer state, weight differences at gather_bits
+    extra.update(shard_state=True, gather_codec=qcomm.QSGD(config.gather_bits, config.bucket_size,
+                                                           rounding="nearest"))
   codec = qcomm.codec_for_bits(config.bits, config.bucket_size, config.scheme,
                                rounding="nearest" if config.error_feedback else "stochastic")
   policy = qcomm.LeafPolicy(min_size=config.min_size, compress_1d=config.compress_1d,
