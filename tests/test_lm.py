@@ -124,6 +124,23 @@ def test_quick_mode_fp32_and_4_bits_both_learn_and_agree(quick_runs):
   assert q4["wire_bytes"] < 0.25 * fp32["wire_bytes"] and q4["compressed_elements"] > 0
 
 
+def test_sharded_state_learns_like_replicated_and_resumes(quick_runs, tmp_path):
+  """config.shard_state: 4-bit gradients, 8-bit weight differences, 1/8 of the optimizer state per
+  device; the replicas stay identical, the loss follows the replicated 4-bit run's, and a run
+  stopped by the time limit resumes to the same result."""
+  sharded = lm.train_and_evaluate(_quick(bits=4, shard_state=True), quiet=True)
+  assert sharded["replicas_identical"] and sharded["steps"] == 100
+  q4 = quick_runs[4]
+  assert abs(sharded["val_loss"] - q4["val_loss"]) < 0.05 * q4["val_loss"], (q4["curve"],
+                                                                             sharded["curve"])
+  config = _quick(bits=4, shard_state=True)
+  part = lm.train_and_evaluate(config, str(tmp_path), quiet=True, stop_after=30)
+  assert part["stopped"] and part["steps"] == 30
+  resumed = lm.train_and_evaluate(config, str(tmp_path), quiet=True)
+  assert resumed["params_checksum"] == sharded["params_checksum"]
+  assert resumed["val_loss"] == sharded["val_loss"]
+
+
 def test_resume_is_bit_identical(quick_runs, tmp_path):
   """The 4-bit quick run stopped after 30 steps, then by the time limit after 1 more, then run to
   the end: the same parameters, curve and final loss as the uninterrupted run (the sync state's
