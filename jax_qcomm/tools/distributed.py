@@ -220,8 +220,13 @@ def _ask_live(num_processes: int, wait: float) -> tuple[str, Any]:
       answer["error"] = e
 
   thread = threading.Thread(target=ask, name="qcomm-ask-live", daemon=True)
-  thread.start()
-  thread.join(wait)
+  try:
+    thread.start()
+    thread.join(wait)
+  except RuntimeError:
+    # At interpreter shutdown (the exit barrier) Python 3.12 starts no thread: ask directly.
+    # Every process has passed the barrier by then, so the answer comes once they have left.
+    ask()
   if "live" in answer:
     return "live", answer["live"]
   if "error" in answer:
