@@ -14,7 +14,6 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _exchange
