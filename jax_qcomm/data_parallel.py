@@ -72,11 +72,7 @@ class DataParallel:
     return spec
 
   def _put(self, tree: Any, spec: Any) -> Any:
-    """tree placed as spec says (a no-op for arrays already there). Needed for meshes with
-    Explicit axes (jax.make_mesh's default), whose shard_map rejects inputs placed otherwise."""
-    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), spec,
-                                       is_leaf=lambda s: isinstance(s, P))
-    return jax.device_put(tree, shardings)
+    return place(tree, spec, self.mesh)
 
   # -- init -----------------------------------------------------------------------------------------
   def init(self, params: Any) -> Any:
@@ -137,6 +133,15 @@ class DataParallel:
       return fn(params, opt_state, batch, extra, *key)
 
     return jax.jit(call, donate_argnums=(0, 1) if self.donate else ())
+
+
+def place(tree: Any, spec: Any, mesh: Mesh) -> Any:
+  """``tree`` placed on ``mesh`` as the spec tree says (a no-op for arrays already there). Needed
+  for meshes with Explicit axes (jax.make_mesh's default), whose shard_map rejects inputs placed
+  otherwise. Shared by the step helpers (data_parallel, diloco, flax_nnx)."""
+  shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec,
+                                     is_leaf=lambda s: isinstance(s, P))
+  return jax.device_put(tree, shardings)
 
 
 class _SpecKey:

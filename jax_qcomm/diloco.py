@@ -31,7 +31,7 @@ import optax
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat, _varying, collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
@@ -39,6 +39,7 @@ from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, 
 from jax_qcomm.axes import AxisName, axis_names, axis_size
 from jax_qcomm.codecs import QSGD, Codec
 from jax_qcomm.collectives import DEFAULT_COMM_BUCKET
+from jax_qcomm.data_parallel import _SpecKey, place
 from jax_qcomm.sync import (SyncConfig, _all_finite, holds_sync, num_devices, register_state,
                             state_partition_spec)
 
@@ -383,21 +384,6 @@ def _diloco_config(tx: Any) -> DiLoCoConfig | None:
   return config if isinstance(config, DiLoCoConfig) else None
 
 
-class _SpecKey:
-  """A spec tree as a cache key (PartitionSpec trees are not hashable as pytrees)."""
-
-  def __init__(self, spec: Any):
-    self.spec = spec
-    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=lambda s: isinstance(s, P))
-    self._key = (treedef, tuple(leaves))
-
-  def __hash__(self):
-    return hash(self._key)
-
-  def __eq__(self, other):
-    return isinstance(other, _SpecKey) and self._key == other._key
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class DiLoCoDataParallel:
   """The train step of a :func:`diloco` transformation, made by :func:`diloco_data_parallel`."""
@@ -433,9 +419,7 @@ class DiLoCoDataParallel:
     return diloco_partition_spec(opt_state, self.config.axis_name, self.config.inner_axis_name)
 
   def _put(self, tree: Any, spec: Any) -> Any:
-    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), spec,
-                                       is_leaf=lambda s: isinstance(s, P))
-    return jax.device_put(tree, shardings)
+    return place(tree, spec, self.mesh)
 
   def init(self, params: Any) -> tuple[Any, Any]:
     """(local_params, opt_state): every replica's copy of ``params`` (a leading replica axis,

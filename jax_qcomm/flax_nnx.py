@@ -27,13 +27,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 from flax import nnx
 
 from jax_qcomm import _compat
 from jax_qcomm._checks import check_key
 from jax_qcomm.axes import AxisName, axis_names
-from jax_qcomm.data_parallel import _check, _reduce_aux, _require_sync, _SpecKey
+from jax_qcomm.data_parallel import _check, _reduce_aux, _require_sync, _SpecKey, place
 from jax_qcomm.sync import state_partition_spec
 
 
@@ -75,8 +75,7 @@ class NNXDataParallel:
       spec = state_partition_spec(state, self.axis_name)
     _require_sync(state, self.axis_name)
     fn = self._step_fn(graphdef, _SpecKey(spec), len(extra), key is not None)
-    put = lambda tree, s: jax.device_put(tree, jax.tree_util.tree_map(  # noqa: E731
-        lambda p: NamedSharding(self.mesh, p), s, is_leaf=lambda p: isinstance(p, P)))
+    put = functools.partial(place, mesh=self.mesh)
     batch_spec = self.batch_spec if self.batch_spec is not None else self._spec
     args = (put(state, spec), put(batch, batch_spec), put(extra, P()))
     if key is not None:
