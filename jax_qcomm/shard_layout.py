@@ -1,16 +1,20 @@
-"""Dim-0 sharding of a pytree over D devices, and the flat rows the sharded collectives carry.
+"""Per-leaf sharding of a pytree over D devices, and the flat rows the sharded collectives carry.
 
 Sharded optimizer state (``qcomm.sync(..., shard_state=True)``) gives every device 1/D of every
-parameter, as PyTorch FSDP2 does: a leaf of shape ``(n0, *rest)`` is padded with zero rows to
-``D * s0`` rows, ``s0 = ceil(n0 / D)``, and device ``j`` owns rows ``j*s0 .. (j+1)*s0``, a shard
-of shape ``(s0, *rest)``. A 0-d leaf is not split: every device holds it whole (its D copies are
-identical, and the all-gather takes the first).
+parameter, as PyTorch FSDP2 does, each leaf split along one of its own axes so that a shard keeps
+the leaf's rank. The axis (:func:`shard_axis`) is the first one whose size D divides, else the one
+whose padding adds the fewest elements: dim 0 for PyTorch's layouts and for flax's ``Dense`` kernels
+``(in, out)``, the channel axes for flax's convolution kernels ``(H, W, in, out)``, whose spatial
+dims of 1, 3 or 7 would otherwise be padded to D rows (a 1x1 kernel would travel D times). A leaf
+split along axis ``a`` of size ``n`` is padded with zeros to ``D * s`` along it, ``s = ceil(n /
+D)``, and device ``j`` owns the slice ``j*s .. (j+1)*s`` of that axis. A 0-d leaf is not split:
+every device holds it whole (its D copies are identical, and the all-gather takes the first).
 
 The collectives work on flat buffers of ``D`` rows: row ``j`` is the concatenation of every leaf's
-shard ``j`` (flattened, padded to the codec's ``pad_multiple`` so that no quantisation bucket
-straddles two leaves). A reduce-scatter of the rows hands device ``j`` the reduced row ``j``, its
-shards; an all-gather of every device's row gives every device all shards. Leaves are grouped by
-codec (and into buffers of at most ``comm_bucket_size`` elements per row) by
+shard ``j`` (flattened with the split axis first, padded to the codec's ``pad_multiple`` so that no
+quantisation bucket straddles two leaves). A reduce-scatter of the rows hands device ``j`` the
+reduced row ``j``, its shards; an all-gather of every device's row gives every device all shards.
+Leaves are grouped by codec (and into buffers of at most ``comm_bucket_size`` elements per row) by
 :func:`jax_qcomm.packing.plan`, as the allreduce groups them.
 """
 
@@ -29,10 +33,24 @@ from jax_qcomm import packing
 from jax_qcomm.codecs import Codec
 
 
+def shard_axis(shape: Sequence[int], devices: int) -> int:
+  """The axis a leaf of ``shape`` is split along over ``devices``: the first one whose size
+  ``devices`` divides, else the one whose padding adds the fewest elements (the first of those).
+  0 for a 0-d leaf."""
+
+  def padding(a: int) -> int:
+    rest = math.prod(shape[:a]) * math.prod(shape[a + 1:])
+    return (-(-shape[a] // devices) * devices - shape[a]) * rest
+
+  return min(range(len(shape)), key=lambda a: (padding(a), a)) if shape else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafShard:
-  """How one leaf is sharded over ``devices``: ``shard_shape`` is each device's part, ``size`` its
-  elements (the leaf's segment of a row). ``split`` is False for a 0-d leaf (whole everywhere)."""
+  """How one leaf is sharded over ``devices``: split along ``axis`` (:func:`shard_axis`);
+  ``shard_shape`` is each device's part (the leaf's shape with ``ceil(shape[axis] / devices)`` along
+  ``axis``), ``size`` its elements (the leaf's segment of a row). ``split`` is False for a 0-d leaf
+  (whole everywhere)."""
 
   shape: tuple[int, ...]
   devices: int
@@ -42,12 +60,27 @@ class LeafShard:
     return len(self.shape) > 0
 
   @property
+  def axis(self) -> int:
+    return shard_axis(self.shape, self.devices)
+
+  @property
   def rows_per_device(self) -> int:
-    return -(-self.shape[0] // self.devices) if self.split else 1
+    return -(-self.shape[self.axis] // self.devices) if self.split else 1
 
   @property
   def shard_shape(self) -> tuple[int, ...]:
-    return (self.rows_per_device,) + self.shape[1:] if self.split else ()
+    if not self.split:
+      return ()
+    a = self.axis
+    return self.shape[:a] + (self.rows_per_device,) + self.shape[a + 1:]
+
+  @property
+  def row_shape(self) -> tuple[int, ...]:
+    """A shard with the split axis first: the order of its elements in a row."""
+    if not self.split:
+      return ()
+    a = self.axis
+    return (self.rows_per_device,) + self.shape[:a] + self.shape[a + 1:]
 
   @property
   def size(self) -> int:
@@ -78,29 +111,43 @@ class Layout:
 
   # -- leaves <-> rows ------------------------------------------------------------------------------
   def rows(self, x: jax.Array, i: int) -> jax.Array:
-    """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (flattened)."""
+    """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (split axis first)."""
     leaf = self.leaves[i]
     if not leaf.split:
       return jnp.broadcast_to(x.reshape(1), (self.devices, 1))
-    pad = self.devices * leaf.rows_per_device - leaf.shape[0]
+    x = jnp.moveaxis(x, leaf.axis, 0)
+    pad = self.devices * leaf.rows_per_device - leaf.shape[leaf.axis]
     x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
     return x.reshape(self.devices, -1)
 
   def unrows(self, rows: jax.Array, i: int) -> jax.Array:
-    """float32[D, size] -> the leaf (its shape; padding rows dropped; a 0-d leaf from row 0)."""
+    """float32[D, size] -> the leaf (its shape; padding dropped; a 0-d leaf from row 0)."""
     leaf = self.leaves[i]
     if not leaf.split:
       return rows[0, 0]
-    full = rows.reshape((self.devices * leaf.rows_per_device,) + leaf.shape[1:])
-    return full[:leaf.shape[0]]
+    row = leaf.row_shape
+    full = rows.reshape((self.devices * row[0],) + row[1:])[:leaf.shape[leaf.axis]]
+    return jnp.moveaxis(full, 0, leaf.axis)
+
+  def to_shard(self, segment: jax.Array, i: int) -> jax.Array:
+    """float32[*lead, size] (rows' segments of leaf ``i``) -> float32[*lead, *shard_shape]."""
+    leaf = self.leaves[i]
+    lead = segment.shape[:-1]
+    if not leaf.split:
+      return segment.reshape(lead)
+    return jnp.moveaxis(segment.reshape(lead + leaf.row_shape), len(lead), len(lead) + leaf.axis)
+
+  def from_shard(self, shard: jax.Array, i: int) -> jax.Array:
+    """A shard of leaf ``i`` (``shard_shape``) -> its segment of a row, float32[size]."""
+    leaf = self.leaves[i]
+    return (jnp.moveaxis(shard, leaf.axis, 0) if leaf.split else shard).reshape(-1)
 
   def shard_of(self, x: jax.Array, i: int, index: jax.Array) -> jax.Array:
     """Device ``index``'s shard of leaf ``x`` (shape ``shard_shape``)."""
     leaf = self.leaves[i]
     if not leaf.split:
       return x
-    rows = self.rows(x, i)
-    return lax.dynamic_index_in_dim(rows, index, keepdims=False).reshape(leaf.shard_shape)
+    return self.to_shard(lax.dynamic_index_in_dim(self.rows(x, i), index, keepdims=False), i)
 
   # -- rows <-> group buffers ---------------------------------------------------------------------
   def pack(self, group: packing.Group, parts: Sequence[jax.Array], pad_codec: Codec) -> jax.Array:

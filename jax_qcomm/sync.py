@@ -233,10 +233,12 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
     bits, bucket_size: shorthand for ``codec``: 32 exact (``NoCompression``), 16 bfloat16 on the
       wire (``Cast``), 1..8 ``QSGD(bits, bucket_size)`` (default 4 bits, bucket 128).
     min_size, exclude: shorthand for ``policy=qcomm.LeafPolicy(min_size=..., exclude=...)``.
-    shard_state: sharded optimizer state (ZeRO-1 style, per-parameter dim-0 shards as PyTorch
-      FSDP2): the gradients are reduce-scattered with ``codec`` (each value quantised once on its
-      way to its owner); ``inner`` runs on this device's shard of every parameter (a pytree with
-      the parameters' structure, each leaf ``(ceil(n0 / D), *rest)``; 0-d leaves whole) against
+    shard_state: sharded optimizer state (ZeRO-1 style, per-parameter shards as PyTorch FSDP2):
+      the gradients are reduce-scattered with ``codec`` (each value quantised once on its way to
+      its owner); ``inner`` runs on this device's shard of every parameter (a pytree with the
+      parameters' structure; each leaf keeps its rank and is split along its first axis that D
+      divides, else its least padded one, to ``ceil(n / D)``: dim 0 of a ``Dense`` kernel, a
+      channel axis of a convolution kernel ``(H, W, in, out)``; 0-d leaves whole) against
       an fp32 master shard; the new parameters travel as the quantised *difference* from the
       current ones through ``gather_codec``, and every device applies the same decoded
       difference (what quantisation lost stays in the master: error feedback on the weight path).
@@ -516,8 +518,7 @@ class _ShardedSync(_Sync):
       inner_state = jax.tree_util.tree_map(lambda a: a[None], self.inner.init(master))
       master = jax.tree_util.tree_map(lambda a: a[None], master)
     else:  # every device's shards, (D, ...): split by state_partition_spec
-      shards = [layout.rows(x, i).reshape((d,) + layout.leaves[i].shard_shape)
-                for i, x in enumerate(f32)]
+      shards = [layout.to_shard(layout.rows(x, i), i) for i, x in enumerate(f32)]
       master = jax.tree_util.tree_unflatten(treedef, shards)
       inner_state = jax.vmap(self.inner.init)(master)
     _refuse_shard_blind(inner_state)
@@ -570,7 +571,7 @@ class _ShardedSync(_Sync):
       block, res = group.codec.reduce_scatter_flat(rows.reshape(-1), cfg.axis_name,
                                                    jax.random.fold_in(sub, 2 * k), "mean")
       for i, seg in zip(group.leaves, layout.unpack(group, block, group.codec)):
-        shards[i] = seg.reshape(layout.leaves[i].shard_shape)
+        shards[i] = layout.to_shard(seg, i)
       for i, seg in zip(group.leaves, layout.unpack(group, res.reshape(d, -1), group.codec)):
         lost[i] = layout.unrows(seg, i)
 
@@ -598,8 +599,9 @@ class _ShardedSync(_Sync):
     diffs = [None] * n
     for k, group in enumerate(layout.groups):
       codec = self._gather_codec(group.codec)
-      parts = [(m_leaves[i] - layout.shard_of(jnp.asarray(p_leaves[i], jnp.float32), i, index))
-               .reshape(-1) for i in group.leaves]
+      parts = [layout.from_shard(
+          m_leaves[i] - layout.shard_of(jnp.asarray(p_leaves[i], jnp.float32), i, index), i)
+               for i in group.leaves]
       rows = codec.all_gather_flat(layout.pack(group, parts, codec), cfg.axis_name,
                                    jax.random.fold_in(sub, 2 * k + 1))
       for i, seg in zip(group.leaves, layout.unpack(group, rows, codec)):

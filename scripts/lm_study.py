@@ -50,13 +50,20 @@ RUNS: dict[str, dict[str, Any]] = {
     "sh_q4_g8": {"bits": 4, "shard_state": True, "gather_bits": 8},
     "sh_q4_g4": {"bits": 4, "shard_state": True, "gather_bits": 4},
     "sh_q2_g8_ef": {"bits": 2, "error_feedback": True, "shard_state": True, "gather_bits": 8},
+    "sh_q4_g8_seed1": {"bits": 4, "shard_state": True, "gather_bits": 8, "seed": 1},
+    "sh_q4_g4_seed1": {"bits": 4, "shard_state": True, "gather_bits": 4, "seed": 1},
+    "sh_q2_g8_ef_seed1": {"bits": 2, "error_feedback": True, "shard_state": True,
+                          "gather_bits": 8, "seed": 1},
 }
 LABELS = {"fp32": "fp32 (exact)", "bf16": "bf16 wire", "q8": "QSGD 8 bits", "q4": "QSGD 4 bits",
           "q2": "QSGD 2 bits", "q2_ef": "QSGD 2 bits + EF", "q1_ef": "QSGD 1 bit + EF",
           "fp32_seed1": "fp32, seed 1", "q4_seed1": "QSGD 4 bits, seed 1",
           "sh_q4_g8": "sharded state: 4-bit gradients, 8-bit differences",
           "sh_q4_g4": "sharded state: 4-bit gradients, 4-bit differences",
-          "sh_q2_g8_ef": "sharded state: 2-bit gradients + EF, 8-bit differences"}
+          "sh_q2_g8_ef": "sharded state: 2-bit gradients + EF, 8-bit differences",
+          "sh_q4_g8_seed1": "sharded state: 4-bit gradients, 8-bit differences, seed 1",
+          "sh_q4_g4_seed1": "sharded state: 4-bit gradients, 4-bit differences, seed 1",
+          "sh_q2_g8_ef_seed1": "sharded state: 2-bit gradients + EF, 8-bit differences, seed 1"}
 TABLE_BEGIN, TABLE_END = "<!-- lm-table -->", "<!-- /lm-table -->"
 # Seconds a run needs before its training loop starts (imports, corpus, compilation): the driver
 # does not start a run with less time left, and gives the loop the rest.

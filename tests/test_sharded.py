@@ -25,7 +25,8 @@ from test_protocol import hlo_sent_bytes
 
 AX = "data"
 
-# dim 0 of 7, 5, 2 and a 0-d leaf: no D in (2, 3, 6, 8) divides them all; "v" has fewer rows than D.
+# dim 0 of 7, 5, 2 and a 0-d leaf: no D in (2, 3, 6, 8) divides them all; "v" has fewer rows than D,
+# so it is split along axis 0, 1 or 2 depending on D; "b" and, at D = 8, "w" need padding.
 PARAMS = {"w": np.random.default_rng(0).standard_normal((7, 300)).astype(np.float32),
           "b": np.zeros((5,), np.float32), "s": np.float32(0.5),
           "v": np.ones((2, 3, 200), np.float32)}
@@ -88,9 +89,36 @@ def test_exact_sharded_equals_replicated(d, accum):
     np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-6, atol=2e-7)
   assert isinstance(state, qcomm.ShardedSyncState)
   assert int(state.gradient_step) == 6 // accum
-  # Each device holds its dim-0 shard of every leaf: (D, ceil(n0 / D), *rest) globally.
-  assert state.master["w"].shape == (d, -(-7 // d), 300)
-  assert state.master["v"].shape == (d, 1, 3, 200) and state.master["s"].shape == (d,)
+  # Each device holds its shard of every leaf, split along the first axis D divides, else the
+  # least padded one: (D, *shard_shape) globally.
+  assert state.master["w"].shape == (d, 7, 300 // d)
+  assert state.master["v"].shape == {2: (d, 1, 3, 200), 3: (d, 2, 1, 200), 6: (d, 2, 3, 34)}[d]
+  assert state.master["b"].shape == (d, -(-5 // d)) and state.master["s"].shape == (d,)
+
+
+@pytest.mark.parametrize("shape,d,axis", [
+    ((2048, 1000), 8, 0),     # flax Dense kernel (in, out): dim 0, as FSDP2
+    ((1, 1, 64, 256), 8, 2),  # flax 1x1 conv (H, W, in, out): not the spatial dims
+    ((3, 3, 64, 64), 2, 2),
+    ((7, 7, 3, 64), 2, 3),
+    ((7, 300), 8, 1),         # nothing divides: 4 padded columns (28 values), not 1 row (300)
+    ((5,), 3, 0), ((), 4, 0)])
+def test_shard_axis(shape, d, axis):
+  from jax_qcomm.shard_layout import Layout, shard_axis
+  assert shard_axis(shape, d) == axis
+  layout = Layout.of([shape], d, [qcomm.NoCompression()], 1 << 20)
+  x = jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
+  rows = layout.rows(x, 0)
+  np.testing.assert_array_equal(np.asarray(layout.unrows(rows, 0)), np.asarray(x))
+  for j in range(d):  # device j's shard is a slice of the leaf along the axis (0-d: whole)
+    shard = layout.shard_of(x, 0, jnp.int32(j))
+    assert shard.shape == layout.leaves[0].shard_shape
+    np.testing.assert_array_equal(np.asarray(layout.from_shard(shard, 0)), np.asarray(rows[j]))
+    if shape:
+      s = layout.leaves[0].rows_per_device
+      want = np.take(np.asarray(x), range(j * s, min((j + 1) * s, shape[axis])), axis=axis)
+      np.testing.assert_array_equal(np.asarray(shard).take(range(want.shape[axis]), axis=axis),
+                                    want)
 
 
 def test_global_norm_clipping_needs_the_sharding_aware_transformation():
