@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import _common, allreduce, codec, partial, patterns, step
+from benchmarks import _common, allreduce, codec, partial, patterns, sharded, step
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -33,6 +33,8 @@ BENCHMARKS = {
     "step": (step, "data-parallel training step with qcomm.sync: Ts, Tstep, Tc, eta, and the cost "
                    "model"),
     "partial": (partial, "fp32 psum of N/gamma elements: where time stops falling with gamma"),
+    "sharded": (sharded, "sync(shard_state=True) vs the replicated sync: update, communication "
+                         "and the optimizer's own time, bytes and state per device"),
     "patterns": (patterns, "uint8 rows moved by all_to_all, ppermute rounds, all_gather, single "
                            "shifts: vs floor"),
 }

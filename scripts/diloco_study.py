@@ -22,29 +22,54 @@ RESULTS = os.path.join(REPO, "notebooks", "data", "lm", "diloco.jsonl")
 
 # name -> (config overrides, training.lm_diloco flags). K = 2 replicas of 4 devices, 2000 inner
 # steps, training/lm.py's global batch (the tokens of the exact data-parallel run), outer Nesterov
-# SGD lr 0.7 / momentum 0.9 (DiLoCo's; not tuned) unless a cell says otherwise.
-CELLS = {
-    "fp32_h10": ({"bits": 32}, {"every": 10}),
-    "fp32_h50": ({"bits": 32}, {"every": 50}),
-    "q4_h10": ({"bits": 4}, {"every": 10}),
-    "q4_h50": ({"bits": 4}, {"every": 50}),
-    "q4_h100": ({"bits": 4}, {"every": 100}),
-    "fp32_h100": ({"bits": 32}, {"every": 100}),
-    "q8_h50": ({"bits": 8}, {"every": 50}),
-    "q2_ef_h50": ({"bits": 2, "error_feedback": True}, {"every": 50}),
+# SGD with momentum 0.9 unless a cell says otherwise. ``"outer_lr": TUNED`` is the lr of the fp32
+# sweep cell with the lowest loss at the same H (seed 0), read from the results when the cell runs.
+TUNED = "tuned"
+SWEEP_LRS = (0.4, 0.6, 0.8, 1.0)
+HS = (10, 50, 100)
+CELLS: dict[str, tuple[dict, dict]] = {
+    # DiLoCo's published outer optimizer (Nesterov lr 0.7, momentum 0.9), not tuned.
+    "fp32_h10": ({"bits": 32}, {"every": 10, "outer_lr": 0.7}),
+    "fp32_h50": ({"bits": 32}, {"every": 50, "outer_lr": 0.7}),
+    "q4_h10": ({"bits": 4}, {"every": 10, "outer_lr": 0.7}),
+    "q4_h50": ({"bits": 4}, {"every": 50, "outer_lr": 0.7}),
     # Plain averaging (outer SGD lr 1.0, no momentum: the anchor is the replicas' mean).
     "fp32_h10_avg": ({"bits": 32}, {"every": 10, "outer_lr": 1.0, "outer_momentum": 0.0}),
     "fp32_h50_avg": ({"bits": 32}, {"every": 50, "outer_lr": 1.0, "outer_momentum": 0.0}),
-    "q4_h50_avg": ({"bits": 4}, {"every": 50, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    "fp32_h100_avg": ({"bits": 32}, {"every": 100, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    # The outer lr sweep at fp32, once per H.
+    **{f"fp32_h{h}_lr{lr}": ({"bits": 32}, {"every": h, "outer_lr": lr})
+       for h in HS for lr in SWEEP_LRS},
+    # The codecs at the tuned lr of their H.
+    **{f"{name}_h{h}_tuned": (cfg, {"every": h, "outer_lr": TUNED})
+       for h in HS for name, cfg in (("q8", {"bits": 8}), ("q4", {"bits": 4}),
+                                     ("q2_ef", {"bits": 2, "error_feedback": True}))},
+    # K = 4 replicas of 2 devices (each a quarter of the batch).
+    "fp32_h50_k4_tuned": ({"bits": 32}, {"every": 50, "outer_lr": TUNED, "replicas": 4}),
+    "q4_h50_k4_tuned": ({"bits": 4}, {"every": 50, "outer_lr": TUNED, "replicas": 4}),
+    # A second seed (parameters, data order, rounding).
+    **{f"{name}_h{h}_tuned_seed1": ({**cfg, "seed": 1}, {"every": h, "outer_lr": TUNED})
+       for h in (50, 100) for name, cfg in (("fp32", {"bits": 32}), ("q4", {"bits": 4}))},
 }
 
 
-def command(name: str) -> list[str]:
+def tuned_lr(every: int, finished: dict[str, dict]) -> float:
+  """The sweep's best outer lr at H = ``every`` (all four sweep cells must be done)."""
+  sweep = {lr: finished.get(f"fp32_h{every}_lr{lr}") for lr in SWEEP_LRS}
+  missing = [f"fp32_h{every}_lr{lr}" for lr, row in sweep.items() if row is None]
+  if missing:
+    raise SystemExit(f"the tuned cells at H={every} need the sweep first: run {','.join(missing)}")
+  return min(sweep, key=lambda lr: sweep[lr]["val_loss"])
+
+
+def command(name: str, finished: dict[str, dict]) -> list[str]:
   overrides, flags = CELLS[name]
+  flags = {"replicas": 2, "outer_momentum": 0.9, **flags}
+  if flags["outer_lr"] == TUNED:
+    flags["outer_lr"] = tuned_lr(flags["every"], finished)
   cmd = [sys.executable, "-m", "training.lm_diloco", "--config=configs/lm_bytes.py"]
   cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
-  cmd += [f"--{k}={v}" for k, v in {"replicas": 2, "outer_lr": 0.7, "outer_momentum": 0.9,
-                                    **flags}.items()]
+  cmd += [f"--{k}={v}" for k, v in flags.items()]
   return cmd
 
 
@@ -90,6 +115,9 @@ def main() -> None:
   parser.add_argument("--cells", default="fp32_h10,fp32_h50,q4_h10,q4_h50")
   args = parser.parse_args()
   names = list(CELLS) if args.cells == "all" else args.cells.split(",")
+  unknown = [n for n in names if n not in CELLS]
+  if unknown:
+    parser.error(f"--cells: unknown cell(s) {unknown}; known: {', '.join(CELLS)}")
   finished = done()
   if args.action == "table":
     write_table(finished)
@@ -97,7 +125,7 @@ def main() -> None:
   if args.action == "status":
     for name in CELLS:
       row = finished.get(name)
-      print(f"{name:12s} " + (f"val_loss {row['val_loss']:.4f}  bytes/param/step "
+      print(f"{name:26s} " + (f"val_loss {row['val_loss']:.4f}  bytes/param/step "
                               f"{row['bytes_per_param_step']:.5f}  train {row['train_s']:.0f} s"
                               if row else "not run"))
     return
@@ -105,7 +133,7 @@ def main() -> None:
   for name in names:
     if name in finished:
       continue
-    cmd = command(name)
+    cmd = command(name, finished)
     print(" ".join(cmd[1:]), flush=True)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
     row = json.loads(out.strip().splitlines()[-1])
@@ -113,6 +141,7 @@ def main() -> None:
     with open(RESULTS, "a") as f:
       f.write(json.dumps(row) + "\n")
     print(f"{name}: val_loss {row['val_loss']:.4f} ({row['train_s']:.0f} s)", flush=True)
+    finished = done()
 
 
 if __name__ == "__main__":

@@ -302,13 +302,18 @@ def _matrix_mask(params: Any) -> Any:
   return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
 
 
-def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """``qcomm.sync(clip -> AdamW)``: clipping and decay act on the synchronised gradient."""
-  inner = optax.chain(  # qcomm's clip: the whole model's norm also with sharded state
+def local_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """clip -> AdamW with the warmup + cosine schedule: what runs after the synchronisation."""
+  return optax.chain(  # qcomm's clip: the whole model's norm also with sharded state
       qcomm.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity(),
       optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
                   weight_decay=config.weight_decay, mask=_matrix_mask))
-  return create_sync(config, inner, AXIS)
+
+
+def create_optimizer(config: ml_collections.ConfigDict,
+                     axis_name: Any = AXIS) -> optax.GradientTransformation:
+  """``qcomm.sync(clip -> AdamW)``: clipping and decay act on the synchronised gradient."""
+  return create_sync(config, local_optimizer(config), axis_name)
 
 
 def wire_bytes(params: Any, config: ml_collections.ConfigDict) -> dict[str, int]:
@@ -395,14 +400,15 @@ def make_train_step(dp: qcomm.DataParallel) -> Callable:
   return jax.jit(train_step, donate_argnums=0)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh) -> Callable:
-  """(params, windows) -> summed nats over every byte of the global windows. A plain
-  ``jax.shard_map``: ``qcomm.data_parallel`` is a train step (it differentiates ``loss_fn`` and
-  applies the optimizer); evaluation only sums losses over the mesh."""
+def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh, axis: Any = AXIS) -> Callable:
+  """(params, windows) -> summed nats over every byte of the global windows (split over ``axis``:
+  a mesh axis name or a tuple of them). A plain ``jax.shard_map``: ``qcomm.data_parallel`` is a
+  train step (it differentiates ``loss_fn`` and applies the optimizer); evaluation only sums
+  losses over the mesh."""
   def step(params, windows):
-    return lax.psum(jnp.sum(window_loss(graphdef, params, windows)), AXIS)
+    return lax.psum(jnp.sum(window_loss(graphdef, params, windows)), axis)
 
-  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P()))
 
 
 def _global(mesh: Mesh, windows: np.ndarray) -> jax.Array:

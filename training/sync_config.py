@@ -22,8 +22,9 @@ def exclude_patterns(config: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 
 def create_sync(config: ml_collections.ConfigDict, inner: optax.GradientTransformation,
-                axis_name: str) -> optax.GradientTransformation:
-  """``qcomm.sync(inner)`` with every synchronisation setting taken from the config."""
+                axis_name) -> optax.GradientTransformation:
+  """``qcomm.sync(inner, axis_name=axis_name)`` with every synchronisation setting taken from the
+  config (``axis_name``: a mesh axis name, a tuple of them, or ``qcomm.Hierarchical``)."""
   extra = {"comm_bucket_size": config.comm_bucket_size} if "comm_bucket_size" in config else {}
   if config.get("shard_state", False):  # sharded optimizer state, weight differences at gather_bits
     extra.update(shard_state=True, gather_codec=qcomm.QSGD(config.gather_bits, config.bucket_size,

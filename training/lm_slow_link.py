@@ -1,0 +1,189 @@
+"""Time to a target loss on a slow link: the byte-level LM (training/lm.py) trained by data-parallel
+``qcomm.sync`` or by ``qcomm.diloco``, one process per node, the training clock read at every
+evaluation.
+
+    python -m jax_qcomm.tools.cluster --nodes 2 --rate 10mbit --local-devices 4 \\
+        --out runs/slow_link/ddp_q4.json -- -m training.lm_slow_link \\
+        --config=configs/lm_bytes.py --config.bits=4 --method=ddp --target=1.568
+
+The mesh is ``(node, data)``: one row per process (a node of the cluster), its own devices along
+``data``; ``config.num_devices`` must be the number of devices of all processes. The model, data,
+schedule and global batch are training/lm.py's (the tokens of every method are equal).
+
+* ``--method=ddp``: ``qcomm.sync(clip -> AdamW, axis_name=qcomm.Hierarchical("data", "node"),
+  codec=<config.bits>)``: exact inside a node, the codec across nodes, every optimizer step.
+* ``--method=diloco``: training/lm_diloco.py's optimizer: an exact sync over ``data`` inside each
+  node, ``qcomm.diloco(..., axis_name="node", every=H, codec=<config.bits>)`` across nodes.
+
+Every ``--eval_every`` optimizer (inner) steps the parameters (diloco: the anchor) are evaluated
+on the validation windows. The training clock (``train_s``) is paused during evaluation and counts
+everything else: data, steps, synchronisation; it starts after the first optimizer step, which
+compiles the programs (``first_step_s``). With ``--target`` the run stops at the first
+evaluation at or below it. The result JSON (written to ``--out`` by process 0, printed as the
+last line) holds the curve ``[step, val_loss, train_s]`` and ``target_s``, the training seconds at
+which the target was first reached (null if it was not), and ``sent_bytes_per_step``: what each
+node sends across the slow link per optimizer step (``qcomm.describe`` of the codec's allreduce
+between the nodes; diloco's divided by H).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+
+import jax_qcomm as qcomm
+from jax_qcomm.tools import distributed
+from training import lm, lm_diloco
+
+FLAGS = flags.FLAGS
+NODE = "node"
+
+
+def setup(config) -> None:
+  """One process per node under the launcher (its devices from --local-devices), else
+  ``config.num_devices`` host devices split into two nodes."""
+  if distributed.under_launcher():
+    distributed.initialize()
+  else:
+    lm.setup_devices(config)
+
+
+def create_mesh(config):
+  if jax.process_count() > 1:
+    mesh = distributed.global_mesh((NODE, lm.AXIS))
+  else:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:config.num_devices]).reshape(2, -1),
+                             (NODE, lm.AXIS))
+  if mesh.devices.size != config.num_devices:
+    raise ValueError(f"config.num_devices must be the {mesh.devices.size} devices of all "
+                     f"processes, got {config.num_devices}")
+  return mesh
+
+
+def _batch(mesh, windows: np.ndarray) -> jax.Array:
+  """The global batch from this process's contiguous share of its rows."""
+  n, i = jax.process_count(), jax.process_index()
+  rows = len(windows) // n
+  return jax.make_array_from_process_local_data(NamedSharding(mesh, P((NODE, lm.AXIS))),
+                                                windows[i * rows:(i + 1) * rows])
+
+
+def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: float,
+        target: float | None, eval_every: int) -> dict:
+  t_wall = time.perf_counter()
+  lm.validate_config(config)
+  corpus = lm.load_corpus(config.stdlib_dir)
+  mesh = create_mesh(config)
+  k = config.accum_steps
+  graphdef = nnx.split(nnx.eval_shape(lambda: lm.create_model(config, nnx.Rngs(0))))[0]
+  params = jax.jit(lambda: nnx.state(lm.create_model(config, nnx.Rngs(config.seed)))
+                   .to_pure_dict(), out_shardings=NamedSharding(mesh, P()))()
+
+  def loss_fn(p, windows):
+    return jnp.mean(lm.window_loss(graphdef, p, windows))
+
+  if method == "ddp":
+    tx = lm.create_optimizer(config, qcomm.Hierarchical(lm.AXIS, NODE))
+    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS))
+    state = dp.init(params)
+    local = params
+    anchor = lambda local, state: local  # noqa: E731
+    # What crosses a node's slow link per step: the codec's allreduce of the gradient between the
+    # nodes (each device sends that of its 1/data shard).
+    desc = qcomm.describe(lm.create_optimizer(config, NODE), params, devices=mesh.shape[NODE])
+    sync_every = 1
+  elif method == "diloco":
+    tx = lm_diloco.create_tx(config, every, outer_lr, outer_momentum)
+    dp = qcomm.diloco_data_parallel(loss_fn, tx, mesh)
+    local, state = dp.init(params)
+    anchor = lambda local, state: dp.params(state)  # noqa: E731
+    desc = qcomm.describe(tx, params, devices=mesh.shape[NODE])
+    sync_every = every
+  else:
+    raise ValueError(f"--method must be 'ddp' or 'diloco', got {method!r}")
+
+  eval_step = lm.make_eval_step(graphdef, mesh, (NODE, lm.AXIS))
+  val = lm.val_windows(corpus.val, config.num_val_windows, config.seq_len)
+  val = _batch(mesh, val)
+  val_bytes = config.num_val_windows * config.seq_len
+
+  def evaluate(p) -> float:
+    return float(eval_step(p, val)) / val_bytes
+
+  curve, train_s, target_s = [[0, evaluate(params), 0.0]], 0.0, None
+  step, first_step_s, t_first = 0, 0.0, time.perf_counter()
+  for step in range(1, config.num_steps + 1):
+    if step == 2:  # the clock starts after the first step, which compiles the programs
+      jax.block_until_ready((local, state))
+      first_step_s, train_s = time.perf_counter() - t_first, 0.0
+    t0 = time.perf_counter()
+    for micro in range(k):
+      windows = lm.train_windows(corpus.train, config.seed, (step - 1) * k + micro,
+                                 config.batch_size, config.seq_len)
+      local, state, loss, _ = dp.step(local, state, _batch(mesh, windows))
+    if step % eval_every == 0 or step == config.num_steps:
+      jax.block_until_ready((local, state))
+      train_s += time.perf_counter() - t0
+      val_loss = evaluate(anchor(local, state))
+      curve.append([step, val_loss, train_s])
+      if not math.isfinite(val_loss):
+        raise FloatingPointError(f"training diverged at step {step}")
+      if jax.process_index() == 0:
+        print(f"[eval] step {step}: val_loss={val_loss:.4f} train_s={train_s:.1f}", flush=True)
+      if target is not None and val_loss <= target:
+        target_s = train_s
+        break
+    else:
+      train_s += time.perf_counter() - t0
+  n = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  return {
+      "method": method, "bits": config.bits, "error_feedback": config.error_feedback,
+      "every": sync_every, "outer_lr": outer_lr if method == "diloco" else None,
+      "outer_momentum": outer_momentum if method == "diloco" else None,
+      "seed": config.seed, "num_steps": config.num_steps, "steps_run": step, "accum_steps": k,
+      "target": target, "target_s": target_s, "val_loss": curve[-1][1], "curve": curve,
+      "train_s": train_s, "first_step_s": first_step_s, "wall_s": time.perf_counter() - t_wall,
+      "s_per_step": train_s / max(step - 1, 1), "params": int(n),
+      "processes": jax.process_count(), "devices": int(mesh.devices.size),
+      "sent_bytes_per_sync": desc.sent_bytes_per_sync,
+      "sent_bytes_per_step": desc.sent_bytes_per_sync / sync_every,
+      "python": corpus.python, "jax": jax.__version__, "corpus_sha256": corpus.sha256,
+  }
+
+
+def main(argv) -> None:
+  del argv
+  config = FLAGS.config
+  setup(config)
+  result = run(config, method=FLAGS.method, every=FLAGS.every, outer_lr=FLAGS.outer_lr,
+               outer_momentum=FLAGS.outer_momentum, target=FLAGS.target,
+               eval_every=FLAGS.eval_every)
+  if jax.process_index() == 0:
+    if FLAGS.out:
+      with open(FLAGS.out, "w") as f:
+        json.dump(result, f)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "configs/lm_bytes.py", lock_config=True)
+  flags.DEFINE_enum("method", "ddp", ["ddp", "diloco"], "data-parallel sync or diloco")
+  flags.DEFINE_integer("every", 50, "diloco: inner optimizer steps between synchronisations (H)")
+  flags.DEFINE_float("outer_lr", 0.7, "diloco: outer Nesterov SGD learning rate")
+  flags.DEFINE_float("outer_momentum", 0.9, "diloco: outer momentum (0: plain SGD)")
+  flags.DEFINE_float("target", None, "stop at the first evaluation at or below this val loss")
+  flags.DEFINE_integer("eval_every", 50, "optimizer steps between evaluations")
+  flags.DEFINE_string("out", "", "write the result JSON here (process 0)")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
