@@ -147,7 +147,11 @@ class Layout:
     leaf = self.leaves[i]
     if not leaf.split:
       return x
-    return self.to_shard(lax.dynamic_index_in_dim(self.rows(x, i), index, keepdims=False), i)
+    a, s = leaf.axis, leaf.rows_per_device
+    pad = self.devices * s - leaf.shape[a]
+    if pad:
+      x = jnp.pad(x, [(0, pad) if k == a else (0, 0) for k in range(x.ndim)])
+    return lax.dynamic_slice_in_dim(x, index * s, s, axis=a)  # reads 1/D of the leaf
 
   # -- rows <-> group buffers ---------------------------------------------------------------------
   def pack(self, group: packing.Group, parts: Sequence[jax.Array], pad_codec: Codec) -> jax.Array:

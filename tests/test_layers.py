@@ -41,7 +41,7 @@ LAYERS: list[set[str]] = [
     {"_selftest"},                                   # the kernels' known-answer test
     {"codecs"},                                      # the Codec interface (the reduction protocol)
     {"packing", "_varying"},                         # pytrees <-> flat buffers, per-device checks
-    {"shard_layout", "clipping"},                    # dim-0 shards and their rows; global norm
+    {"shard_layout", "clipping"},                    # per-leaf shards and their rows; global norm
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
     {"data_parallel", "describe", "diloco"},         # the step helpers, describe, outer sync
