@@ -230,8 +230,9 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
       updates D times too large. Pass False only if every device really computes the same
       gradient. JAX records variation only inside ``shard_map`` with ``check_vma=True`` (the
       default): under ``jax.pmap`` or ``check_vma=False`` this is not checked.
-    bits, bucket_size: shorthand for ``codec``: 32 exact (``NoCompression``), 16 bfloat16 on the
-      wire (``Cast``), 1..8 ``QSGD(bits, bucket_size)`` (default 4 bits, bucket 128).
+    bits, bucket_size: shorthand for ``codec``: 32 exact (``NoCompression``), 16 ``Wire16()``
+      (16-bit fields summed as integers on CPU, where XLA's all-reduce widens bf16; the bf16 cast
+      on GPUs), 1..8 ``QSGD(bits, bucket_size)`` (default 4 bits, bucket 128).
     min_size, exclude: shorthand for ``policy=qcomm.LeafPolicy(min_size=..., exclude=...)``.
     shard_state: sharded optimizer state (ZeRO-1 style, per-parameter shards as PyTorch FSDP2):
       the gradients are reduce-scattered with ``codec`` (each value quantised once on its way to

@@ -191,6 +191,8 @@ CASES = {
     "qsgd4": dict(codec=qcomm.QSGD(4)),
     "qsgd2_ef": dict(bits=2, error_feedback=True),
     "summable4": dict(codec=qcomm.Summable(4)),
+    "wire16": dict(bits=16),
+    "wire16_ef": dict(codec=qcomm.Wire16(128), error_feedback=True),
     "topk": dict(codec=TopK(0.1)),
 }
 
