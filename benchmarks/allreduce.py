@@ -59,8 +59,9 @@ from benchmarks import _common
 DEFAULT_SIZES = (1_000_000, 25_600_000)
 DEFAULT_OUT = "bench-results/allreduce.json"
 EXCHANGES = _exchange.METHODS
-#: codec name -> (description, kind, arguments); kind "psum", "cast_pmean", "sra" or "summable"
-#: (one pmax of the bucket scales + one psum of uint32 words, qcomm.Summable).
+#: codec name -> (description, kind, arguments); kind "psum", "cast_pmean", "sra", "summable"
+#: (one pmax of the bucket scales + one psum of uint32 words, qcomm.Summable) or "wire16"
+#: (qcomm.Wire16, what sync(bits=16) sends: the same two all-reduces, 16-bit fields).
 CODECS = {
     "fp32": ("NoCompression: lax.pmean of float32", "psum", {}),
     "cast_pmean_bf16": ("cast_pmean(bfloat16): cast, lax.pmean, cast back", "cast_pmean", {}),
@@ -72,6 +73,7 @@ CODECS = {
     "sum4": ("Summable 4 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 4}),
     "sum3": ("Summable 3 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 3}),
     "sum2": ("Summable 2 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 2}),
+    "wire16": ("Wire16 (sync(bits=16)): pmax of scales + psum of 16-bit fields", "wire16", {}),
 }
 #: Timed unless --codecs says otherwise.
 DEFAULT_CODECS = ("fp32", "cast_pmean_bf16", "cast_bf16", "qsgd8", "qsgd4", "qsgd2")
@@ -114,6 +116,8 @@ def make_codec(name: str, bucket: int = 128, impl: str = "auto"):
     return qcomm.Cast(getattr(jnp, kw["dtype"]))
   if kind == "summable":
     return qcomm.Summable(bits=kw["bits"], bucket_size=bucket, impl=impl)
+  if kind == "wire16":
+    return qcomm.Wire16()
   return qcomm.QSGD(bits=kw["bits"], bucket_size=bucket, scheme="maxmin", impl=impl)
 
 

@@ -893,37 +893,40 @@ class Wire16(Codec):
   # -- the fixed-point fields ----------------------------------------------------------------------
   def bucket_max(self, x: jax.Array) -> jax.Array:
     """float32[k * bucket_size] -> float32[k]: each bucket's largest |x|; +inf for a bucket
-    holding NaN or +-inf. NaN is looked for explicitly: XLA CPU's vectorised max may drop it, and
-    so may a pmax; an inf reaches every device."""
-    xb = x.reshape(-1, self.bucket_size)
-    m = jnp.max(jnp.abs(xb), axis=1)
-    return jnp.where(jnp.any(jnp.isnan(xb), axis=1), jnp.float32(jnp.inf), m)
+    holding NaN or +-inf (an inf reaches every device through the pmax). Taken over the bit
+    patterns as int32, where every NaN is above +inf, so no float max can drop a NaN."""
+    bits = lax.bitcast_convert_type(x.reshape(-1, self.bucket_size), jnp.int32) & 0x7FFFFFFF
+    m = jnp.max(bits, axis=1)
+    return lax.bitcast_convert_type(jnp.minimum(m, 0x7F800000), jnp.float32)
 
   def encode_fields(self, x: jax.Array, shared: jax.Array, key: jax.Array | None,
                     devices: int) -> jax.Array:
-    """float32[k * bucket_size] -> uint32[k * bucket_size / 2]: fields ``q + L`` for ``devices``."""
+    """float32[k * bucket_size] -> uint32[k * bucket_size / 2]: fields ``q + L`` for ``devices``;
+    word i of a bucket holds value i (low half) and value i + bucket_size / 2 (high half)."""
     lv = self.levels(devices)
     inv = jnp.where(shared > 0, lv / shared, 0.0).astype(jnp.float32)  # 0 for zero / inf buckets
-    v = x.reshape(-1, self.bucket_size) * inv[:, None]
+    v = x.reshape(-1, 2, self.bucket_size // 2) * inv[:, None, None]
     if self.rounding == "stochastic":
       if key is None:
         raise ValueError("key is required for rounding='stochastic' (pass a jax.random key)")
       q = jnp.floor(v + jax.random.uniform(key, v.shape, jnp.float32))
     else:
       q = jnp.round(v)
-    c = (jnp.clip(jnp.nan_to_num(q), -lv, lv) + lv).astype(jnp.uint32).reshape(-1, 2)
-    return c[:, 0] | (c[:, 1] << 16)
+    # NaN (only in a bucket whose scale is inf, decoded as NaN) -> the clip's lower end.
+    c = (jnp.clip(q, -lv, lv) + lv).astype(jnp.uint32)
+    return (c[:, 0] | (c[:, 1] << 16)).reshape(-1)
 
   def decode_fields(self, words: jax.Array, shared: jax.Array, devices: int, count: int,
                     scale: float = 1.0) -> jax.Array:
     """The inverse for a sum of ``count`` devices' words: float32[2 * words] times ``scale``."""
     lv = self.levels(devices)
-    fields = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1, self.bucket_size)
+    w = words.reshape(-1, 1, self.bucket_size // 2)
+    fields = jnp.concatenate([w & 0xFFFF, w >> 16], axis=1)
     q = fields.astype(jnp.int32) - jnp.int32(count * lv)
     step = (shared / jnp.float32(lv)) * jnp.float32(scale)  # NaN / inf for NaN / inf buckets
-    out = q.astype(jnp.float32) * step[:, None]
+    out = q.astype(jnp.float32) * step[:, None, None]
     bad = ~jnp.isfinite(shared)
-    return jnp.where(bad[:, None], jnp.float32(jnp.nan), out).reshape(-1)
+    return jnp.where(bad[:, None, None], jnp.float32(jnp.nan), out).reshape(-1)
 
   # -- the standalone payload: [float32 scale x nb][uint32 words] as uint32 ------------------------
   def wire_encode(self, x, key):

@@ -111,7 +111,8 @@ def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: f
   n = sum(x.size for x in jax.tree_util.tree_leaves(anchor))
   desc = qcomm.describe(tx, params, devices=replicas)
   return {
-      "method": "diloco", "bits": config.bits, "error_feedback": config.error_feedback,
+      "method": "diloco", "bits": config.bits, "bucket_size": config.bucket_size,
+      "error_feedback": config.error_feedback,
       "every": every, "replicas": replicas, "outer_lr": outer_lr,
       "outer_momentum": outer_momentum, "seed": config.seed, "steps": config.num_steps,
       "accum_steps": k, "val_loss": curve[-1][1], "curve": curve,
