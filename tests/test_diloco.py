@@ -368,3 +368,27 @@ def test_lm_trainer_runs_diloco_on_a_node_by_data_mesh():
   # 4-bit outer codec: bytes per parameter per inner step = bytes per sync / H / parameters.
   assert result["bytes_per_param_step"] == pytest.approx(
       result["sent_bytes_per_sync"] / 5 / result["params"])
+
+
+def test_time_to_loss_driver_stops_at_the_target_and_counts_bytes_per_step():
+  """training/lm_slow_link in one process (two "nodes" of 4 host devices): DDP with a codec
+  across nodes, and diloco; the clock starts after the first step and stops at the target."""
+  pytest.importorskip("flax")
+  from configs import lm_bytes
+  from training import lm_slow_link
+
+  config = lm_bytes.get_config("quick")
+  config.num_steps, config.warmup_steps = 20, 2
+  ddp = lm_slow_link.run(config, method="ddp", every=1, outer_lr=0.0, outer_momentum=0.0,
+                         target=None, eval_every=10)
+  assert ddp["steps_run"] == 20 and ddp["target_s"] is None
+  assert [p[0] for p in ddp["curve"]] == [0, 10, 20] and ddp["curve"][-1][1] < ddp["curve"][0][1]
+  assert ddp["sent_bytes_per_step"] == ddp["sent_bytes_per_sync"]  # every step, across 2 nodes
+  config.bits = 4
+  dl = lm_slow_link.run(config, method="diloco", every=5, outer_lr=1.0, outer_momentum=0.0,
+                        target=ddp["curve"][0][1], eval_every=10)  # reached at the first eval
+  assert dl["steps_run"] == 10 and dl["target_s"] == dl["curve"][-1][2] > 0
+  assert dl["sent_bytes_per_step"] == pytest.approx(dl["sent_bytes_per_sync"] / 5)
+  with pytest.raises(ValueError, match="method"):
+    lm_slow_link.run(config, method="ring", every=5, outer_lr=1.0, outer_momentum=0.0,
+                     target=None, eval_every=10)

@@ -82,6 +82,8 @@ def _batch(mesh, windows: np.ndarray) -> jax.Array:
 def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: float,
         target: float | None, eval_every: int) -> dict:
   t_wall = time.perf_counter()
+  if method not in ("ddp", "diloco"):
+    raise ValueError(f"method must be 'ddp' or 'diloco', got {method!r}")
   lm.validate_config(config)
   corpus = lm.load_corpus(config.stdlib_dir)
   mesh = create_mesh(config)
@@ -103,15 +105,13 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
     # nodes (each device sends that of its 1/data shard).
     desc = qcomm.describe(lm.create_optimizer(config, NODE), params, devices=mesh.shape[NODE])
     sync_every = 1
-  elif method == "diloco":
+  else:
     tx = lm_diloco.create_tx(config, every, outer_lr, outer_momentum)
     dp = qcomm.diloco_data_parallel(loss_fn, tx, mesh)
     local, state = dp.init(params)
     anchor = lambda local, state: dp.params(state)  # noqa: E731
     desc = qcomm.describe(tx, params, devices=mesh.shape[NODE])
     sync_every = every
-  else:
-    raise ValueError(f"--method must be 'ddp' or 'diloco', got {method!r}")
 
   eval_step = lm.make_eval_step(graphdef, mesh, (NODE, lm.AXIS))
   val = lm.val_windows(corpus.val, config.num_val_windows, config.seq_len)
