@@ -204,13 +204,14 @@ def test_nonfinite_window_is_skipped_everywhere_and_does_not_poison():
 
 
 @pytest.mark.parametrize("d", [2, 3, 8])
-@pytest.mark.parametrize("case", ["exact", "q4_g8", "q4_g4_ef", "summable4_g8"])
+@pytest.mark.parametrize("case", ["exact", "q4_g8", "q4_g4_ef", "summable4_g8", "wire16"])
 def test_describe_equals_the_compiled_hlo(case, d):
   kw = {"exact": dict(codec=qcomm.NoCompression(), gather_codec=qcomm.NoCompression()),
         "q4_g8": dict(codec=qcomm.QSGD(4)),
         "q4_g4_ef": dict(bits=4, error_feedback=True,
                          gather_codec=qcomm.QSGD(4, rounding="nearest")),
-        "summable4_g8": dict(codec=qcomm.Summable(4))}[case]
+        "summable4_g8": dict(codec=qcomm.Summable(4)),
+        "wire16": dict(bits=16, gather_codec=qcomm.Wire16())}[case]
   tx = qcomm.sync(optax.adam(1e-3), axis_name=AX, shard_state=True, min_size=16, **kw)
   init, run = _runner(tx, d)
   text = run.lower(PARAMS, init(PARAMS), _grads(d, 0)).compile().as_text()
