@@ -373,9 +373,10 @@ class Codec(abc.ABC):
 
 
 class _Bucketed(Codec):
-  """What the bucketed quantisers (QSGD, Summable) share: buffers padded to whole buckets, a key
-  needed exactly when rounding is stochastic, and the choice between a compiled kernel and the
-  pure-JAX reference. Subclasses have ``bits``, ``bucket_size``, ``rounding`` and ``impl``."""
+  """What the bucketed quantisers (QSGD, Summable, Wire16) share: buffers padded to whole buckets,
+  a key needed exactly when rounding is stochastic, and the choice between a compiled kernel and
+  the pure-JAX reference. Subclasses have ``bucket_size`` and ``rounding``; those with kernels
+  also ``bits`` and ``impl``."""
 
   def _kernel_platforms(self) -> tuple[str, ...]:
     """The lowering platforms ("cpu", "cuda") with a compiled kernel of this codec."""
@@ -814,7 +815,7 @@ _FIELD = 1 << 16  # Wire16: two 16-bit fields per uint32 word
 
 
 @dataclasses.dataclass(frozen=True)
-class Wire16(Codec):
+class Wire16(_Bucketed):
   """16 bits per value that the transport sums at its integer rate: ``sync(bits=16)``.
 
   On CPU (XLA's collectives over gloo) a bfloat16 all-reduce is carried out in float32, so the
@@ -847,9 +848,7 @@ class Wire16(Codec):
   wire_dtype = np.uint32
 
   def __post_init__(self):
-    if (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, (int, np.integer))
-        or self.bucket_size <= 0 or self.bucket_size % 8):
-      raise ValueError(f"bucket_size must be a positive multiple of 8, got {self.bucket_size!r}")
+    self._check_bucket_size()
     if self.rounding not in wire.ROUNDINGS:
       raise ValueError(f"rounding must be one of {wire.ROUNDINGS}, got {self.rounding!r}")
     object.__setattr__(self, "bucket_size", int(self.bucket_size))
@@ -859,13 +858,8 @@ class Wire16(Codec):
     rounding = "" if self.rounding == "nearest" else f" {self.rounding}"
     return f"Wire16 /{self.bucket_size}{rounding}"
 
-  @property
-  def needs_key(self) -> bool:
-    return self.rounding == "stochastic"
-
-  @property
-  def pad_multiple(self) -> int:
-    return self.bucket_size
+  def _kernel_platforms(self) -> tuple[str, ...]:
+    return ()  # pure JAX: XLA fuses the few elementwise passes
 
   @staticmethod
   def levels(devices: int) -> int:
