@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _exchange, _varying, packing
+from jax_qcomm import _compat, _exchange, _varying, packing
 from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check_instance,
                                check_int, check_key)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
@@ -61,21 +61,36 @@ def _hierarchical(x: jax.Array, axis_name: Hierarchical, codec: Codec, key: jax.
                   op: str, exchange: str) -> tuple[jax.Array, jax.Array]:
   """Exact reduce-scatter over the inner axis, the codec's allreduce of each shard over the outer
   axis, all-gather over the inner axis. The residual is in the units of x, at the place where this
-  device's next gradient enters the shard it reduced."""
+  device's next gradient enters the shard it reduced.
+
+  Where ``x`` is known to be the same on every device of the inner axis (shard_map records it as
+  not varying there: e.g. DiLoCo's pseudo-gradient inside a node whose devices run an exact sync),
+  each device takes its slice instead of reduce-scattering (no inner traffic; the inner mean of
+  equal copies is the copy) and the residual is all-gathered too, so it stays the same on every
+  inner device: each device still sends only its 1/inner share across the outer axis."""
   n = x.shape[0]
+  inner_names = axis_names(axis_name.inner)
   d_in = axis_size(axis_name.inner)
   m = d_in * codec.pad_multiple
   x = jnp.pad(x, (0, -n % m))
-  shard = lax.psum_scatter(x, axis_name.inner, scatter_dimension=0, tiled=True)  # exact
-  if op == "mean":  # the mean over inner x outer: the inner sum / d_in, then the outer mean
-    shard = shard * jnp.float32(1.0 / d_in)
-  inner_index = lax.axis_index(axis_name.inner)
+  inner_index = lax.axis_index(inner_names)
+  same_inside = _varying.tracked(inner_names) and not (
+      set(inner_names) & set(_compat.vma_of(x)))
+  if same_inside:
+    s = x.shape[0] // d_in
+    shard = lax.dynamic_slice_in_dim(x, inner_index * s, s)
+  else:
+    shard = lax.psum_scatter(x, axis_name.inner, scatter_dimension=0, tiled=True)  # exact
+    if op == "mean":  # the mean over inner x outer: the inner sum / d_in, then the outer mean
+      shard = shard * jnp.float32(1.0 / d_in)
   shard_key = None if key is None else jax.random.fold_in(key, inner_index)
   shard, lost = codec.allreduce_flat(shard, axis_name.outer, shard_key, op, exchange)
+  full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
+  if same_inside:
+    return full[:n], lax.all_gather(lost, axis_name.inner, tiled=True, to="invarying")[:n]
   if op == "mean":
     lost = lost * jnp.float32(d_in)
   residual = lax.dynamic_update_slice(jnp.zeros_like(x), lost, (inner_index * shard.shape[0],))
-  full = lax.all_gather(shard, axis_name.inner, tiled=True, to="invarying")
   return full[:n], residual[:n]
 
 

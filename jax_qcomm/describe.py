@@ -162,7 +162,11 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
   Returns:
     A :class:`Description`; ``print()`` it for a table. Payloads come from the codecs'
     ``payload_size`` for the codec that ``LeafPolicy.codec_for`` picks, as the allreduce does.
-    Only flat axes are described (ValueError for ``qcomm.Hierarchical``).
+    Only flat axes are described (ValueError for ``qcomm.Hierarchical``). For a
+    :func:`qcomm.diloco` the bytes are those of its outer allreduce over ``devices`` replicas, per
+    replica: with a ``qcomm.sync`` inside, the replica's devices each send their 1/inner share of
+    the pseudo-gradient across the outer axis, which add up to this (up to the padding of each
+    share to whole quantisation buckets).
   """
   cfg = config_of(tx)
   if isinstance(cfg.axis_name, Hierarchical):

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jax_qcomm import _compat, _varying, collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
                                check_int, check_key)
-from jax_qcomm.axes import AxisName, axis_names, axis_size
+from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import QSGD, Codec
 from jax_qcomm.collectives import DEFAULT_COMM_BUCKET
 from jax_qcomm.data_parallel import _SpecKey, place
@@ -234,8 +234,12 @@ class _DiLoCo:
       if cfg.error_feedback:
         delta = jax.tree_util.tree_map(lambda x, r: x + r[0], delta, state.residual)
       key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
+      # With a sync inside, delta is the same on every device of its axis: each sends only its
+      # share across the slow axis (collectives' Hierarchical path for values equal inside).
+      axis = (cfg.axis_name if cfg.inner_axis_name is None
+              else Hierarchical(cfg.inner_axis_name, cfg.axis_name))
       mean, lost = collectives.allreduce(
-          delta, cfg.axis_name, cfg.codec, sub, "mean", policy=cfg.policy,
+          delta, axis, cfg.codec, sub, "mean", policy=cfg.policy,
           comm_bucket_size=cfg.comm_bucket_size, return_residual=True, check_varying=False)
       # The mean is bit-identical on every replica, so this decision is too.
       finite = _all_finite(mean)

@@ -17,6 +17,8 @@ What is proved here:
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -392,3 +394,32 @@ def test_time_to_loss_driver_stops_at_the_target_and_counts_bytes_per_step():
   with pytest.raises(ValueError, match="method"):
     lm_slow_link.run(config, method="ring", every=5, outer_lr=1.0, outer_momentum=0.0,
                      target=None, eval_every=10)
+
+
+def test_with_a_sync_inside_each_device_sends_its_share_across_nodes():
+  """The pseudo-gradient is the same on the 4 devices of a node: the outer allreduce carries a
+  quarter of it per device (slices, then an all-gather inside the node), and the nodes' anchors
+  equal the flat allreduce's (exact outer codec: the mean of two copies either way)."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("node", "gpu"))
+  params = _params()
+  n = sum(x.size for x in jax.tree.leaves(params))
+  inner = qcomm.sync(optax.adam(3e-3), axis_name="gpu", codec=qcomm.NoCompression())
+  tx = qcomm.diloco(inner, axis_name="node", every=2, codec=qcomm.NoCompression(),
+                    policy=qcomm.LeafPolicy(min_size=0))
+  dp = qcomm.diloco_data_parallel(_loss, tx, mesh)
+  local, state = dp.init(params)
+  fn = dp._step_fn(qcomm.diloco.__globals__["_SpecKey"](dp.state_spec(state)), 0, False)
+  text = fn.lower(local, state, _batches(1, 16)[0], ()).compile().as_text()
+  across = []  # elements of the all-reduces over the node axis (replica_groups=mesh[..] {'node'})
+  for line in text.splitlines():
+    m = re.search(r"= f32\[([0-9,]*)\][^=]*? all-reduce\(.*replica_groups=mesh\[[^]]*\] \{'node'\}",
+                  line)
+    if m:
+      across.append(int(np.prod([int(v) for v in m.group(1).split(",") if v])))
+  assert across and sum(across) <= -(-n // 4), (across, n)  # a share, not the whole
+  for b in _batches(4, 16):
+    local, state, _, _ = dp.step(local, state, b)
+  assert int(state.outer_step) == 2
+  for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(qcomm.diloco_params(state))):
+    np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(a))
+    np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(a))
