@@ -879,10 +879,8 @@ class Wire16(_Bucketed):
     return 4 * nb + 2 * nb * self.bucket_size
 
   def wire_bits(self, devices: int = 1) -> float:
-    if not _fixed16_here():
-      return 16.0
     self.check_devices(devices)
-    return 16.0 + 32.0 / self.bucket_size
+    return 16.0 + 32.0 / self.bucket_size if _fixed16_here() else 16.0
 
   # -- the fixed-point fields ----------------------------------------------------------------------
   def bucket_max(self, x: jax.Array) -> jax.Array:

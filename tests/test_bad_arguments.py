@@ -121,6 +121,7 @@ def _codec_cases(name: str, codec: qcomm.Codec) -> list[Case]:
 CODEC_INSTANCES = {"QSGD": qcomm.QSGD(4), "Cast": qcomm.Cast(), "NoCompression": qcomm.NoCompression()}
 if hasattr(qcomm, "Summable"):
   CODEC_INSTANCES["Summable"] = qcomm.Summable(4)
+CODEC_INSTANCES["Wire16"] = qcomm.Wire16()
 
 
 def _summable_cases() -> list[Case]:
@@ -136,6 +137,9 @@ def _summable_cases() -> list[Case]:
       Case("Summable", "rounding", lambda: qcomm.Summable(rounding="up")),
       Case("Summable", "impl", lambda: qcomm.Summable(impl="cuda")),
       Case("Summable.traffic", "devices", lambda: s.traffic(16, 10 ** 12)),
+      Case("Wire16", "bucket_size", lambda: qcomm.Wire16(bucket_size=12)),
+      Case("Wire16", "rounding", lambda: qcomm.Wire16(rounding="up")),
+      Case("Wire16.traffic", "devices", lambda: qcomm.Wire16().traffic(16, 1 << 15)),
       Case("sync", "codec", lambda: qcomm.sync(sgd, codec=4)),
       Case("sync", "policy", lambda: qcomm.sync(sgd, policy={"min_size": 4})),
   ]

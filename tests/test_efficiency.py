@@ -45,7 +45,11 @@ def test_sra_bytes_match_the_allreduce_benchmark_convention():
 
 
 def test_cast_bf16_halves_fp32():
-  assert eff.allreduce_bytes(4096, 4, 16) == pytest.approx(eff.allreduce_bytes(4096, 4, 32) / 2)
+  assert eff.allreduce_bytes(4096, 4, qcomm.Cast(jnp.bfloat16)) == pytest.approx(
+      eff.allreduce_bytes(4096, 4, 32) / 2)
+  # bits=16 is Wire16: half of fp32, plus a float32 scale per bucket of 1024 (CPU)
+  assert eff.allreduce_bytes(4096, 4, 16) == pytest.approx(
+      eff.allreduce_bytes(4096, 4, 32) / 2 + 1.5 * 4 * 4)
 
 
 def test_hierarchical_bytes():
@@ -171,7 +175,7 @@ def test_argument_errors(call, match):
 
 def test_numpy_scalars_accepted():
   assert eff.allreduce_bytes(np.int64(1000), np.int32(4), 32) == pytest.approx(6000)
-  assert eff.allreduce_bytes(1000, 4, np.int64(16)) == pytest.approx(3000)
+  assert eff.allreduce_bytes(1000, 4, np.int64(16)) == pytest.approx(1.5 * (2 * 1024 + 4))
   assert eff.scaling_efficiency(np.float32(0.1), np.float64(0.3), np.int64(2)) == pytest.approx(0.4)
 
 
