@@ -61,7 +61,8 @@ DEFAULT_OUT = "bench-results/allreduce.json"
 EXCHANGES = _exchange.METHODS
 #: codec name -> (description, kind, arguments); kind "psum", "cast_pmean", "sra", "summable"
 #: (one pmax of the bucket scales + one psum of uint32 words, qcomm.Summable) or "wire16"
-#: (qcomm.Wire16, what sync(bits=16) sends: the same two all-reduces, 16-bit fields).
+#: (qcomm.Wire16, what sync(bits=16) sends: the same two all-reduces, 16-bit fields) or "auto"
+#: (qcomm.Auto, what sync(bits=b) sends: the "codec" column names the codec it resolved to).
 CODECS = {
     "fp32": ("NoCompression: lax.pmean of float32", "psum", {}),
     "cast_pmean_bf16": ("cast_pmean(bfloat16): cast, lax.pmean, cast back", "cast_pmean", {}),
@@ -74,6 +75,12 @@ CODECS = {
     "sum3": ("Summable 3 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 3}),
     "sum2": ("Summable 2 bits: pmax of scales + psum of uint32 words", "summable", {"bits": 2}),
     "wire16": ("Wire16 (sync(bits=16)): pmax of scales + psum of 16-bit fields", "wire16", {}),
+    "auto8": ("Auto 8 bits (sync(bits=8)): QSGD or Summable, as the transport decides", "auto",
+              {"bits": 8}),
+    "auto4": ("Auto 4 bits (sync(bits=4)): QSGD or Summable, as the transport decides", "auto",
+              {"bits": 4}),
+    "auto2": ("Auto 2 bits (sync(bits=2)): QSGD or Summable, as the transport decides", "auto",
+              {"bits": 2}),
 }
 #: Timed unless --codecs says otherwise.
 DEFAULT_CODECS = ("fp32", "cast_pmean_bf16", "cast_bf16", "qsgd8", "qsgd4", "qsgd2")
@@ -118,6 +125,8 @@ def make_codec(name: str, bucket: int = 128, impl: str = "auto"):
     return qcomm.Summable(bits=kw["bits"], bucket_size=bucket, impl=impl)
   if kind == "wire16":
     return qcomm.Wire16()
+  if kind == "auto":
+    return qcomm.Auto(bits=kw["bits"], bucket_size=bucket, impl=impl)
   return qcomm.QSGD(bits=kw["bits"], bucket_size=bucket, scheme="maxmin", impl=impl)
 
 
@@ -194,7 +203,8 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
     _common.log(f"  {n:>13,} {label:<16} {1e3 * t.median:10.2f} ms")
     rows.append(dict(
         codec=label, description=CODECS[name][0], exchange=method, size=n, devices=d,
-        processes=jax.process_count(), bucket_size=bucket if name.startswith(("qsgd", "sum")) else None,
+        runs=codec.resolve(d).name if codec is not None else None,
+        processes=jax.process_count(), bucket_size=bucket if name.startswith(("qsgd", "sum", "auto")) else None,
         psum_wire_itemsize=psum_itemsize if CODECS[name][1] != "sra" else None,
         payload_bytes=payload, wire_bytes_per_device=sent,
         **t.as_dict(),

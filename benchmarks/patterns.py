@@ -15,6 +15,8 @@ Patterns (p = ``--row-bytes``, D devices):
 * ``all_gather``: ``lax.all_gather`` of uint8[p] (each device sends p bytes to D-1 peers);
 * ``psum``: ``lax.psum`` of uint8[p], XLA's all-reduce (a ring: each device sends 2 (D-1)/D p
   bytes; on CPU it runs at the same rate per byte as float32, see docs/benchmarks.md);
+* ``psum_scatter``: ``lax.psum_scatter`` of uint8[D, p], XLA's reduce-scatter (a ring: each
+  device sends (D-1) p bytes);
 * ``shift<s>``: one ``lax.ppermute`` of uint8[p], device i to i+s (``shift2`` at D = 4 is made of
   swaps: 0<->2, 1<->3);
 * ``cycle<t>`` (D = 4 only): one ppermute along the t-th Hamiltonian cycle of the rounds schedule.
@@ -42,13 +44,14 @@ from benchmarks import _common
 
 DEFAULT_OUT = "bench-results/patterns.json"
 DEFAULT_PATTERNS = ("all_to_all", "rounds", "all_gather", "shift1", "shift2")
-_PATTERN = re.compile(r"all_to_all|rounds|all_gather|psum|shift[1-9][0-9]*|cycle[0-5]")
+_PATTERN = re.compile(r"all_to_all|rounds|all_gather|psum_scatter|psum|shift[1-9][0-9]*|cycle[0-5]")
 
 
 def _pattern(text: str) -> str:
   if not _PATTERN.fullmatch(text):
     raise argparse.ArgumentTypeError(
-        f"expected all_to_all, rounds, all_gather, psum, shift<s> or cycle<0-5>, got {text!r}")
+        f"expected all_to_all, rounds, all_gather, psum, psum_scatter, shift<s> or cycle<0-5>, "
+        f"got {text!r}")
   return text
 
 
@@ -77,6 +80,8 @@ def _fn(pattern: str, mesh) -> tuple[Callable, int]:
     body, rows = (lambda a: lax.all_gather(a[0], "data")), d - 1
   elif pattern == "psum":  # XLA's all-reduce (a ring sends 2 (D-1)/D of the row); uint8 wraps
     body, rows = (lambda a: lax.psum(a[0], "data")), 2 * (d - 1) / d
+  elif pattern == "psum_scatter":  # XLA's reduce-scatter of [D, p]: a ring sends D-1 rows of p
+    body, rows = (lambda a: lax.psum_scatter(a, "data", scatter_dimension=0, tiled=True)[0]), d - 1
   else:
     if pattern.startswith("cycle"):
       if d != 4:

@@ -10,7 +10,8 @@ own: ``from jax_qcomm.tools import efficiency, distributed`` (this module never 
 
 from jax_qcomm import _ffi
 from jax_qcomm._selftest import implementation, self_test
-from jax_qcomm.codecs import QSGD, Cast, Codec, NoCompression, Summable, Wire16
+from jax_qcomm import transport
+from jax_qcomm.codecs import QSGD, Auto, Cast, Codec, NoCompression, Summable, Wire16
 from jax_qcomm.axes import Hierarchical
 from jax_qcomm.collectives import all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
@@ -26,7 +27,7 @@ from jax_qcomm.diloco import (DiLoCoState, diloco, diloco_apply_updates, diloco_
 _ffi.register()
 
 __all__ = [
-    "QSGD", "Cast", "Codec", "NoCompression", "Summable", "Wire16",
+    "QSGD", "Auto", "Cast", "Codec", "NoCompression", "Summable", "Wire16", "transport",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
     "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "clip_by_global_norm",
     "codec_for_bits", "state_partition_spec",

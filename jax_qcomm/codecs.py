@@ -12,6 +12,8 @@ from a codec, and the four methods a new codec implements.
 * :class:`NoCompression` -- float32 bytes (collectives use plain ``psum`` for it).
 * :class:`Summable` -- levels with a scale shared by all devices, packed into uint32 words that
   XLA's own all-reduce sums (one ``psum``; C++ kernel on CPU, pure JAX elsewhere).
+* :class:`Wire16` -- 16-bit fixed-point fields summed as integers (CPU), the bf16 cast elsewhere.
+* :class:`Auto` -- QSGD or Summable, whichever the transport and the device count make faster.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import _exchange, _ffi, _reference, _selftest, wire
+from jax_qcomm import transport as _transport
 from jax_qcomm.axes import AxisName, axis_size, device_key
 from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int,
                                check_int_in, check_key, check_real, check_shape)
@@ -294,6 +297,17 @@ class Codec(abc.ABC):
     """Bytes each device sends for one reduction of ``n`` elements over ``devices`` devices: the
     sum of :meth:`traffic`, equal to what the compiled program's collectives send."""
     return float(sum(b for _, b in self.traffic(n, devices, collective)))
+
+  def resolve(self, devices: int, collective: str = "allreduce",
+              transport: _transport.Transport | None = None) -> Codec:
+    """The codec that carries out ``collective`` over ``devices`` devices on ``transport``
+    (default: :func:`jax_qcomm.transport.current` for ``devices``): this codec itself; :class:`Auto` names the
+    candidate it runs. What :func:`jax_qcomm.describe` shows."""
+    _check_traffic(0, devices, collective)
+    if transport is not None and not isinstance(transport, _transport.Transport):
+      raise ValueError(f"transport must be a jax_qcomm.transport.Transport or None, "
+                       f"got {transport!r}")
+    return self
 
   # -- helpers of the reductions -------------------------------------------------------------------
   def _encode_rows(self, rows: jax.Array, key: jax.Array | None) -> jax.Array:
@@ -1007,16 +1021,132 @@ def _fixed16_here() -> bool:
   return jax.default_backend() == "cpu"
 
 
+@dataclasses.dataclass(frozen=True)
+class Auto(Codec):
+  """The fastest ``bits``-bit codec for the transport and the number of devices: ``sync(bits=b)``.
+
+  The candidates are :class:`QSGD` (a scatter-reduce-allgather: an all-to-all and an all-gather
+  of ``b``-bit payloads) and, for 2..8 bits, :class:`Summable` (one all-reduce of fields that widen
+  with log2(D)), both with this ``bucket_size``, ``rounding`` and ``impl`` (``scheme`` is QSGD's).
+  For each reduction, at trace time, :meth:`resolve` picks the candidate whose
+  :meth:`~Codec.traffic` takes the least time on the transport: each collective's bytes times the
+  transport's factor for it (:class:`jax_qcomm.transport.Transport`); QSGD on a tie. The transport
+  is :func:`jax_qcomm.transport.current`: between two CPU processes over gloo the all-reduce runs
+  at the link rate and the exchange and all-gather at about half of it, so Summable's one
+  all-reduce wins the allreduce at D = 2 for every bit width; from three processes on, and with
+  every collective at the link rate (GPUs, one process),
+  QSGD's fewer bytes win at every D. ``qcomm.describe`` names the codec picked; pass
+  ``codec=qcomm.QSGD(...)`` or ``codec=qcomm.Summable(...)`` to force one.
+
+  The standalone array API (:meth:`encode` and the rest, one device) is QSGD's.
+
+  Args:
+    bits: 1..8 (1 bit: QSGD only).
+    bucket_size: values sharing scales; a positive multiple of 8.
+    scheme: QSGD's ``"maxmin"`` or ``"norm"``.
+    rounding: ``"stochastic"`` (needs a key) or ``"nearest"``.
+    impl: ``"auto"``, ``"ffi"`` or ``"jax"``, as the candidates take it.
+  """
+
+  bits: int = 4
+  bucket_size: int = 128
+  scheme: str = "maxmin"
+  rounding: str = "stochastic"
+  impl: str = "auto"
+
+  def __post_init__(self):
+    check_int_in("bits", self.bits, 1, 8, " for Auto")
+    candidates = [QSGD(self.bits, self.bucket_size, self.scheme, self.rounding, self.impl)]
+    if self.bits >= 2:
+      candidates.append(Summable(self.bits, self.bucket_size, self.rounding, self.impl))
+    object.__setattr__(self, "bits", int(self.bits))
+    object.__setattr__(self, "bucket_size", int(self.bucket_size))
+    object.__setattr__(self, "_candidates", tuple(candidates))
+
+  @property
+  def candidates(self) -> tuple[Codec, ...]:
+    """The codecs :meth:`resolve` chooses from, QSGD first."""
+    return self._candidates
+
+  def resolve(self, devices: int, collective: str = "allreduce",
+              transport: _transport.Transport | None = None) -> Codec:
+    super().resolve(devices, collective, transport)  # the checks
+    d = int(devices)
+    if transport is None:
+      transport = _transport.current(d)
+    n = 1 << 20  # a reference buffer: large enough that padding and scales weigh as in a model
+    best, best_t = None, math.inf
+    for codec in self._candidates:
+      try:
+        t = transport.weighted_bytes(codec.traffic(n, d, collective))
+      except ValueError:  # D beyond what the codec's fields hold
+        continue
+      if t < best_t:
+        best, best_t = codec, t
+    return best
+
+  @property
+  def name(self) -> str:
+    rounding = "" if self.rounding == "stochastic" else f" {self.rounding}"
+    return f"auto {self.bits}b/{self.bucket_size}{rounding}"
+
+  @property
+  def needs_key(self) -> bool:
+    return self.rounding == "stochastic"
+
+  @property
+  def pad_multiple(self) -> int:
+    return self.bucket_size
+
+  # One device and the array API: QSGD.
+  def pad_fill(self, x):
+    return self._candidates[0].pad_fill(x)
+
+  def payload_size(self, n):
+    return self._candidates[0].payload_size(n)
+
+  def wire_bits(self, devices=1):
+    return self.resolve(devices).wire_bits(devices)
+
+  def wire_encode(self, x, key):
+    return self._candidates[0].wire_encode(x, key)
+
+  def wire_decode_sum(self, wires, n):
+    return self._candidates[0].wire_decode_sum(wires, n)
+
+  def wire_decode_sum_reencode(self, wires, n, key, scale=1.0):
+    return self._candidates[0].wire_decode_sum_reencode(wires, n, key, scale)
+
+  # The reduction protocol: the candidate resolved for the axis.
+  def padded_size(self, n, devices):
+    return self.resolve(devices).padded_size(n, devices)
+
+  def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    return self.resolve(axis_size(axis_name)).allreduce_flat(x, axis_name, key, op, exchange)
+
+  def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    codec = self.resolve(axis_size(axis_name), "reduce_scatter")
+    return codec.reduce_scatter_flat(x, axis_name, key, op, exchange)
+
+  def all_gather_flat(self, x, axis_name, key):
+    return self.resolve(axis_size(axis_name), "all_gather").all_gather_flat(x, axis_name, key)
+
+  def traffic(self, n, devices, collective="allreduce"):
+    n, d, collective = _check_traffic(n, devices, collective)
+    return self.resolve(d, collective).traffic(n, d, collective)
+
+
 def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
                    rounding: str = "stochastic") -> Codec:
   """The codec a ``bits`` shorthand names: 32 -> NoCompression, 16 -> Wire16 (16-bit fields summed
-  as integers on CPU, the bf16 cast on GPUs), 1..8 ->
-  QSGD(bits, bucket_size, scheme, rounding) (``bucket_size``, ``scheme`` and ``rounding`` apply to
-  QSGD only; they are checked even where they do not apply). Any other codec, e.g.
-  ``Summable(4)``, is passed as an object: ``sync(inner, codec=...)``."""
+  as integers on CPU, the bf16 cast on GPUs), 1..8 -> ``Auto(bits, bucket_size, scheme,
+  rounding)``: QSGD or Summable, whichever the transport and the number of devices make faster
+  (``bucket_size``, ``scheme`` and ``rounding`` apply to 1..8 bits; they are checked even where
+  they do not apply). Any other codec, e.g. ``QSGD(4)`` to force the scatter-reduce-allgather, is
+  passed as an object: ``sync(inner, codec=...)``."""
   if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not (
       bits in (16, 32) or 1 <= bits <= 8):
-    raise ValueError(f"bits must be 32 (exact), 16 (16 bits on the wire) or 1..8 (QSGD), "
+    raise ValueError(f"bits must be 32 (exact), 16 (16 bits on the wire) or 1..8 (quantised), "
                      f"got {bits!r}")
   bits = int(bits)
   if bits in (16, 32):
@@ -1025,4 +1155,4 @@ def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
     return NoCompression()
   if bits == 16:
     return Wire16()
-  return QSGD(bits=bits, bucket_size=bucket_size, scheme=scheme, rounding=rounding)
+  return Auto(bits=bits, bucket_size=bucket_size, scheme=scheme, rounding=rounding)

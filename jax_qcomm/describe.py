@@ -131,8 +131,10 @@ class Description:
     rule = "-" * len(line(head))
     state = ("" if self.state_bytes_per_device is None else
              f", optimizer state {self.state_bytes_per_device:,} B per device")
+    runs = self.default_codec.resolve(self.devices)
+    runs = "" if runs is self.default_codec else f" (here: {runs.name})"
     out = [f"qcomm.sync over {self.axis_name!r}: {self.devices} devices, default codec "
-           f"{self.default_codec.name}, accum_steps={self.accum_steps}{state}",
+           f"{self.default_codec.name}{runs}, accum_steps={self.accum_steps}{state}",
            line(head), rule, *map(line, rows), rule, line(total),
            f"per device: {self.sent_bytes_per_sync:,.0f} B per sync, "
            f"{self.sent_bytes_per_call:,.0f} B per call; exact fp32 would send "
@@ -200,8 +202,10 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
       sizes = [packing.padded_size(shapes[i].size, group.codec) for i in group.leaves]
       _share(sent, group.leaves, sizes, group.codec.sent_bytes(sum(sizes), devices))
   leaves = []
+  collective = "reduce_scatter" if getattr(cfg, "shard_state", False) else "allreduce"
   for (path, _), shape, codec, nbytes in zip(with_path, shapes, codecs, sent):
     n = shape.size
+    codec = codec.resolve(devices, collective)  # what runs: Auto names its candidate
     leaves.append(LeafTraffic(
         path=packing.path_str(path) or "<root>", shape=shape.shape, elements=n, codec=codec,
         payload_bytes=codec.payload_size(packing.padded_size(n, codec)), sent_bytes=nbytes))

@@ -33,7 +33,7 @@ AX = "d"
 
 #: The public methods of every codec class in __all__ (the array API and the sizes).
 CODEC_METHODS = ("encode", "decode", "decode_sum", "decode_sum_reencode", "roundtrip",
-                 "payload_size", "wire_size", "wire_bits", "traffic", "sent_bytes")
+                 "payload_size", "wire_size", "wire_bits", "traffic", "sent_bytes", "resolve")
 
 #: Parameters that cannot be bad, each with the reason. Keep it short.
 EXEMPT = {
@@ -114,6 +114,9 @@ def _codec_cases(name: str, codec: qcomm.Codec) -> list[Case]:
       c("sent_bytes", "n", lambda: codec.sent_bytes(1.5, 2)),
       c("sent_bytes", "devices", lambda: codec.sent_bytes(16, "2")),
       c("sent_bytes", "collective", lambda: codec.sent_bytes(16, 2, None)),
+      c("resolve", "devices", lambda: codec.resolve(0)),
+      c("resolve", "collective", lambda: codec.resolve(2, "broadcast")),
+      c("resolve", "transport", lambda: codec.resolve(2, transport="gloo")),
   ]
 
 
@@ -122,6 +125,7 @@ CODEC_INSTANCES = {"QSGD": qcomm.QSGD(4), "Cast": qcomm.Cast(), "NoCompression":
 if hasattr(qcomm, "Summable"):
   CODEC_INSTANCES["Summable"] = qcomm.Summable(4)
 CODEC_INSTANCES["Wire16"] = qcomm.Wire16()
+CODEC_INSTANCES["Auto"] = qcomm.Auto(4)
 
 
 def _summable_cases() -> list[Case]:
@@ -137,6 +141,13 @@ def _summable_cases() -> list[Case]:
       Case("Summable", "rounding", lambda: qcomm.Summable(rounding="up")),
       Case("Summable", "impl", lambda: qcomm.Summable(impl="cuda")),
       Case("Summable.traffic", "devices", lambda: s.traffic(16, 10 ** 12)),
+      Case("Auto", "bits", lambda: qcomm.Auto(bits=9)),
+      Case("Auto", "bits", lambda: qcomm.Auto(bits=True)),
+      Case("Auto", "bucket_size", lambda: qcomm.Auto(bucket_size=12)),
+      Case("Auto", "scheme", lambda: qcomm.Auto(scheme="l2")),
+      Case("Auto", "scheme", lambda: qcomm.Auto(bits=1, scheme="norm")),
+      Case("Auto", "rounding", lambda: qcomm.Auto(rounding="up")),
+      Case("Auto", "impl", lambda: qcomm.Auto(impl="cuda")),
       Case("Wire16", "bucket_size", lambda: qcomm.Wire16(bucket_size=12)),
       Case("Wire16", "rounding", lambda: qcomm.Wire16(rounding="up")),
       Case("Wire16.traffic", "devices", lambda: qcomm.Wire16().traffic(16, 1 << 15)),

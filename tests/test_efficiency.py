@@ -186,8 +186,9 @@ def test_transport_scales_each_collectives_share():
   # exact: every byte in the all-reduce; + 2 (D-1) messages of latency
   assert eff.comm_time(n, d, 32, gbps, transport=slow) == pytest.approx(1.5 * ideal_fp32 + 0.002)
   # SRA: half the bytes in the all_to_all, half in the all_gather (mean factor 2.5); codec work adds
-  ideal_q4 = eff.comm_time(n, d, 4, gbps)
-  got = eff.comm_time(n, d, 4, gbps, transport=slow, codec_elems_per_s=1e8)
+  q4 = qcomm.QSGD(4)
+  ideal_q4 = eff.comm_time(n, d, q4, gbps)
+  got = eff.comm_time(n, d, q4, gbps, transport=slow, codec_elems_per_s=1e8)
   assert got == pytest.approx(2.5 * ideal_q4 + 0.004 + n / 1e8)  # two collectives' latency
   assert eff.comm_time(n, 1, 4, gbps, transport=slow) == 0.0
   with pytest.raises(ValueError, match="transport"):

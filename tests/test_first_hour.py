@@ -147,7 +147,7 @@ def test_numpy_integers_are_accepted_as_ints():
                   accum_steps=np.int64(2), min_size=np.int64(16), seed=np.int64(3))
   from jax_qcomm.sync import config_of
   cfg = config_of(tx)
-  assert cfg.codec == qcomm.QSGD(4, 64) and cfg.accum_steps == 2 and cfg.seed == 3
+  assert cfg.codec == qcomm.Auto(4, 64) and cfg.accum_steps == 2 and cfg.seed == 3
   assert type(cfg.accum_steps) is int and type(cfg.codec.bits) is int
   assert qcomm.QSGD(np.int8(2), np.int64(16)).payload_size(np.int64(32)) == 2 * (8 + 4)
   assert qcomm.Summable(np.int32(4)).sent_bytes(np.int64(128), np.int64(2)) > 0

@@ -3,7 +3,7 @@ graph has no cycles, and ``import jax_qcomm`` loads no tooling and changes nothi
 
 The layers (docs/architecture.md), lowest first::
 
-    wire, _checks, _compat  ->  axes, _exchange  ->  _ffi, _reference (the kernels)  ->  _selftest
+    wire, _checks, _compat, transport  ->  axes, _exchange  ->  _ffi, _reference (the kernels)  ->  _selftest
     ->  codecs
     ->  packing, _varying  ->  shard_layout, clipping  ->  collectives  ->  accumulation, sync
     ->  data_parallel, describe
@@ -35,7 +35,7 @@ PACKAGE = "jax_qcomm"
 
 #: Lowest first. A module may import modules of its own layer or of a lower one.
 LAYERS: list[set[str]] = [
-    {"wire", "_checks", "_compat"},                  # foundations: no package imports
+    {"wire", "_checks", "_compat", "transport"},     # foundations: no package imports
     {"axes", "_exchange"},                           # axis arguments; all-to-all schedules
     {"_ffi", "_reference", "_known_answers"},        # the kernels: FFI binding, pure-JAX reference
     {"_selftest"},                                   # the kernels' known-answer test

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+import jax_qcomm as qcomm
+
 from jax_qcomm.tools import efficiency as eff
 
 from benchmarks import model
@@ -25,7 +27,7 @@ def test_calibrates_then_predicts(tmp_path, capsys):
   small = _write(tmp_path / "s.json", [dict(pattern="psum", devices=2, median_s=0.004)])
   transport = eff.Transport(allreduce=1.1, all_to_all=2.0, all_gather=1.8, latency_s=0.002)
   fp32 = eff.comm_time(n, 2, 32, 1.0, transport=transport)
-  q4 = eff.comm_time(n, 2, 4, 1.0, transport=transport, codec_elems_per_s=n / 0.2)
+  q4 = eff.comm_time(n, 2, qcomm.QSGD(4), 1.0, transport=transport, codec_elems_per_s=n / 0.2)
   breakdown = tmp_path / "b.json"
   breakdown.write_text(json.dumps(dict(
       metadata={}, breakdown=[dict(codec="qsgd4", size=n, codec_total_s=0.2)],

@@ -52,7 +52,6 @@ reduce-scatter, all-gather and all-to-all, 1 for broadcast and reduce. For a com
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Iterable
 
@@ -63,10 +62,11 @@ import jax
 from jax_qcomm import collectives, packing
 from jax_qcomm._checks import check_int
 from jax_qcomm.codecs import Codec, codec_for_bits
+from jax_qcomm.transport import GLOO, GLOO_PAIR, IDEAL, Transport
 
 __all__ = [
     "DEFAULT_COMM_BUCKET", "codec_of", "ring_allreduce_bytes", "allreduce_bytes", "hierarchical_allreduce_bytes", "tree_allreduce_bytes",
-    "messages_per_allreduce", "transfer_time", "codec_time", "Transport", "comm_time", "optimizer_step_time",
+    "messages_per_allreduce", "transfer_time", "codec_time", "Transport", "GLOO_PAIR", "GLOO", "IDEAL", "comm_time", "optimizer_step_time",
     "micro_step_time", "scaling_efficiency", "speedup", "algbw", "busbw", "BUS_FACTORS", "eta_table",
 ]
 
@@ -100,12 +100,14 @@ def _num(name: str, value: Any, *, positive: bool = False, allow_none: bool = Fa
 
 
 def codec_of(codec: Any) -> Codec:
-  """A codec object from a codec or a ``bits`` value (32 exact, 16 bf16, 1..8 QSGD maxmin, bucket
-  128, as :func:`jax_qcomm.sync`); ValueError otherwise."""
+  """A codec object from a codec or a ``bits`` value (:func:`jax_qcomm.codec_for_bits`, as
+  :func:`jax_qcomm.sync`: 32 exact, 16 Wire16, 1..8 ``Auto``, which resolves for the transport
+  passed where a function takes one, else for :func:`jax_qcomm.transport.current`); ValueError
+  otherwise."""
   if isinstance(codec, Codec):
     return codec
   if isinstance(codec, bool) or not isinstance(codec, (int, np.integer)):
-    raise ValueError(f"codec must be a jax_qcomm codec (QSGD, Cast, NoCompression) or bits "
+    raise ValueError(f"codec must be a jax_qcomm codec (QSGD, Summable, Cast, ...) or bits "
                      f"(32, 16 or 1..8), got {codec!r}")
   return codec_for_bits(int(codec))
 
@@ -204,35 +206,6 @@ def codec_time(coded_elements: float, codec_elems_per_s: float | None) -> float:
   return 0.0 if tput is None or coded_elements == 0 else coded_elements / tput
 
 
-@dataclasses.dataclass(frozen=True)
-class Transport:
-  """How close a transport's collectives come to the link rate, and its per-message latency.
-
-  Each factor multiplies the link-floor time of the bytes a collective carries (1.0: at the link
-  rate). ``allreduce``: XLA's all-reduce (``psum`` / ``pmax``: exact float32 and the summable
-  codecs); ``all_to_all`` and ``all_gather``: the two halves of a scatter-reduce-allgather (SRA).
-  The default is the ideal transport (every collective at the link rate, full duplex: NCCL's
-  rings); a transport that runs a collective at half the rate, as XLA's gloo CPU collectives do
-  for ``all_to_all`` / ``all_gather`` across processes (docs/benchmarks.md), has factor ~2 there.
-  ``python -m benchmarks.model`` measures them on a cluster.
-  """
-  allreduce: float = 1.0
-  all_to_all: float = 1.0
-  all_gather: float = 1.0
-  reduce_scatter: float = 1.0
-  latency_s: float = 0.0
-
-  def __post_init__(self):
-    for name in ("allreduce", "all_to_all", "all_gather", "reduce_scatter"):
-      _num(name, getattr(self, name), positive=True)
-    _num("latency_s", self.latency_s)
-
-  def factor(self, collective: str) -> float:
-    """The factor of an XLA collective named as :meth:`jax_qcomm.Codec.traffic` names it."""
-    return {"all-reduce": self.allreduce, "all-to-all": self.all_to_all,
-            "all-gather": self.all_gather, "reduce-scatter": self.reduce_scatter}[collective]
-
-
 def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: float = 0.0,
               codec_elems_per_s: float | None = None, overlap_codec: bool = False,
               transport: Transport | None = None) -> float:
@@ -262,8 +235,8 @@ def comm_time(n: int, devices: int, codec: Any, link_gbps: float, *, latency_s: 
     return 0.0
   # Each of the codec's collectives carries its bytes at its transport factor and pays the
   # per-message latency 2 (D-1) times.
-  traffic = codec.traffic(n, d)
-  nbytes = sum(b * transport.factor(kind) for kind, b in traffic)
+  traffic = codec.resolve(d, transport=transport).traffic(n, d)
+  nbytes = transport.weighted_bytes(traffic)
   t = transfer_time(nbytes, link_gbps, latency_s=latency_s + transport.latency_s,
                     messages=len(traffic) * messages_per_allreduce(d) if n else 0)
   c = codec_time(n, codec_elems_per_s) if codec.lossy else 0.0

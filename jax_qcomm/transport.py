@@ -1,0 +1,107 @@
+"""Transports: how close each XLA collective comes to the link rate on a backend.
+
+A :class:`Transport` is what :class:`jax_qcomm.Auto` weighs the candidate codecs' bytes with, and
+what the cost model (:mod:`jax_qcomm.tools.efficiency`) turns bytes into seconds with. Each factor
+multiplies the link-floor time of the bytes a collective carries (1.0: at the link rate). Measured
+on the simulated cluster (one process per node, 1 Gbit/s links; ``python -m benchmarks cluster
+--nodes N --rate 1gbit -- patterns --patterns psum psum_scatter all_to_all rounds all_gather``,
+docs/benchmarks.md "Transport factors"); the all-to-all is the ppermute rounds that the library
+runs on CPU across processes (``jax_qcomm._exchange``):
+
+==============  ==========  ==========  ==========  ==============
+transport       all-reduce  all-to-all  all-gather  reduce-scatter
+==============  ==========  ==========  ==========  ==============
+``GLOO_PAIR``   1.05        1.86        1.33        1.88
+``GLOO``        1.09        1.13        1.08        2.09
+``IDEAL``       1.0         1.0         1.0         1.0
+==============  ==========  ==========  ==========  ==============
+
+``GLOO_PAIR`` is XLA's CPU collectives over gloo between two processes (medians of three runs),
+``GLOO`` the same from three processes up (three and four nodes; the reduce-scatter measured 2.85
+at three), ``IDEAL`` every collective at the link rate, full duplex: NCCL's rings on paper, and a
+single process, whose collectives are memory copies.
+
+:func:`current` names the transport the running program's collectives take for D devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable
+
+import jax
+
+__all__ = ["Transport", "GLOO_PAIR", "GLOO", "IDEAL", "current"]
+
+
+def _factor(name: str, value: Any, *, zero_ok: bool = False) -> float:
+  ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        and (value >= 0 if zero_ok else value > 0))
+  if not ok:
+    raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, "
+                     f"got {value!r}")
+  return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transport:
+  """How close a transport's collectives come to the link rate, and its per-message latency.
+
+  Each factor multiplies the link-floor time of the bytes a collective carries (1.0: at the link
+  rate). ``allreduce``: XLA's all-reduce (``psum`` / ``pmax``: exact float32 and the summable
+  codecs); ``all_to_all`` and ``all_gather``: the two halves of a scatter-reduce-allgather (SRA);
+  ``reduce_scatter``: ``psum_scatter``. The default is the ideal transport. ``latency_s`` is the
+  seconds each message adds. ``python -m benchmarks.model`` measures the factors on a cluster.
+  """
+  allreduce: float = 1.0
+  all_to_all: float = 1.0
+  all_gather: float = 1.0
+  reduce_scatter: float = 1.0
+  latency_s: float = 0.0
+
+  def __post_init__(self):
+    for name in ("allreduce", "all_to_all", "all_gather", "reduce_scatter"):
+      _factor(name, getattr(self, name))
+    _factor("latency_s", self.latency_s, zero_ok=True)
+
+  def factor(self, collective: str) -> float:
+    """The factor of an XLA collective named as :meth:`jax_qcomm.Codec.traffic` names it
+    (``"all-reduce"``, ``"all-to-all"``, ``"all-gather"``, ``"reduce-scatter"``)."""
+    factors = {"all-reduce": self.allreduce, "all-to-all": self.all_to_all,
+               "all-gather": self.all_gather, "reduce-scatter": self.reduce_scatter}
+    if collective not in factors:
+      raise ValueError(f"collective must be one of {tuple(factors)}, got {collective!r}")
+    return factors[collective]
+
+  def weighted_bytes(self, traffic: Iterable[tuple[str, float]]) -> float:
+    """Bytes at the link rate that take as long as ``traffic`` (a codec's
+    :meth:`~jax_qcomm.Codec.traffic`) on this transport: each collective's bytes times its
+    factor."""
+    return float(sum(nbytes * self.factor(kind) for kind, nbytes in traffic))
+
+
+#: XLA's CPU collectives over gloo between two processes: the all-reduce at the link rate, the
+#: exchange, all-gather and reduce-scatter at about half of it (measured, 2 nodes, 1 Gbit/s).
+GLOO_PAIR = Transport(allreduce=1.05, all_to_all=1.86, all_gather=1.33, reduce_scatter=1.88,
+                      latency_s=1.9e-3)
+
+#: XLA's CPU collectives over gloo among three or more processes: all near the link rate but the
+#: reduce-scatter (measured, 3 and 4 nodes, 1 Gbit/s).
+GLOO = Transport(allreduce=1.09, all_to_all=1.13, all_gather=1.08, reduce_scatter=2.09,
+                 latency_s=1.9e-3)
+
+#: Every collective at the link rate, full duplex: NCCL's rings on paper, a single process.
+IDEAL = Transport()
+
+
+def current(devices: int) -> Transport:
+  """The transport of the running program's collectives over ``devices`` devices:
+  :data:`GLOO_PAIR` (2) or :data:`GLOO` (3 or more) where the default backend is the CPU, the job
+  spans several processes and XLA's CPU collectives use gloo; :data:`IDEAL` otherwise. Read at
+  trace time."""
+  if jax.default_backend() == "cpu" and jax.process_count() > 1:
+    impl = getattr(jax.config, "jax_cpu_collectives_implementation", None)
+    if impl in (None, "gloo"):
+      return GLOO_PAIR if devices == 2 else GLOO
+  return IDEAL
