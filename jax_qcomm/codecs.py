@@ -1026,14 +1026,17 @@ class Auto(Codec):
   """The fastest ``bits``-bit codec for the transport and the number of devices: ``sync(bits=b)``.
 
   The candidates are :class:`QSGD` (a scatter-reduce-allgather: an all-to-all and an all-gather
-  of ``b``-bit payloads) and, for 2..8 bits, :class:`Summable` (one all-reduce of fields that widen
+  of ``b``-bit payloads) and, for 3..8 bits, :class:`Summable` (one all-reduce of fields that widen
   with log2(D)), both with this ``bucket_size``, ``rounding`` and ``impl`` (``scheme`` is QSGD's).
+  Summable's ``2**b - 1`` levels span ``[-max, max]`` and QSGD's ``2**b`` span ``[min, max]``: from
+  3 bits their steps are within 1.2x of each other, and Summable quantises once where QSGD
+  quantises twice; at 2 bits Summable is ternary (a 1.5x step) and is not a candidate.
   For each reduction, at trace time, :meth:`resolve` picks the candidate whose
   :meth:`~Codec.traffic` takes the least time on the transport: each collective's bytes times the
   transport's factor for it (:class:`jax_qcomm.transport.Transport`); QSGD on a tie. The transport
   is :func:`jax_qcomm.transport.current`: between two CPU processes over gloo the all-reduce runs
   at the link rate and the exchange and all-gather at about half of it, so Summable's one
-  all-reduce wins the allreduce at D = 2 for every bit width; from three processes on, and with
+  all-reduce wins the allreduce at D = 2 from 3 bits; from three processes on, and with
   every collective at the link rate (GPUs, one process),
   QSGD's fewer bytes win at every D. ``qcomm.describe`` names the codec picked; pass
   ``codec=qcomm.QSGD(...)`` or ``codec=qcomm.Summable(...)`` to force one.
@@ -1041,7 +1044,7 @@ class Auto(Codec):
   The standalone array API (:meth:`encode` and the rest, one device) is QSGD's.
 
   Args:
-    bits: 1..8 (1 bit: QSGD only).
+    bits: 1..8 (1 and 2 bits: QSGD only).
     bucket_size: values sharing scales; a positive multiple of 8.
     scheme: QSGD's ``"maxmin"`` or ``"norm"``.
     rounding: ``"stochastic"`` (needs a key) or ``"nearest"``.
@@ -1057,7 +1060,7 @@ class Auto(Codec):
   def __post_init__(self):
     check_int_in("bits", self.bits, 1, 8, " for Auto")
     candidates = [QSGD(self.bits, self.bucket_size, self.scheme, self.rounding, self.impl)]
-    if self.bits >= 2:
+    if self.bits >= 3:  # 2-bit Summable is ternary: 3 levels against QSGD's 4, a 1.5x step
       candidates.append(Summable(self.bits, self.bucket_size, self.rounding, self.impl))
     object.__setattr__(self, "bits", int(self.bits))
     object.__setattr__(self, "bucket_size", int(self.bucket_size))

@@ -30,7 +30,7 @@ def _use(monkeypatch, transport: T.Transport) -> None:
 
 
 def test_the_rule_on_the_measured_transports():
-  for bits in range(2, 9):
+  for bits in range(3, 9):
     a = qcomm.Auto(bits)
     # gloo between two processes: the one all-reduce beats the half-rate exchange + all-gather
     assert a.resolve(2, transport=T.GLOO_PAIR) == qcomm.Summable(bits)
@@ -41,8 +41,9 @@ def test_the_rule_on_the_measured_transports():
       assert a.resolve(d, transport=T.IDEAL) == qcomm.QSGD(bits), (bits, d)
     # a reduce-scatter over gloo runs at the exchange's rate: QSGD's fewer bytes again
     assert a.resolve(2, "reduce_scatter", T.GLOO_PAIR) == qcomm.QSGD(bits)
-  # 1 bit has one candidate; one device sends nothing, and QSGD wins the tie
+  # 1 and 2 bits have one candidate; one device sends nothing, and QSGD wins the tie
   assert qcomm.Auto(1).resolve(2, transport=CHEAP_PSUM) == qcomm.QSGD(1)
+  assert qcomm.Auto(2).candidates == (qcomm.QSGD(2),)
   assert qcomm.Auto(4).resolve(1, transport=CHEAP_PSUM) == qcomm.QSGD(4)
   # the candidates carry the bucket, rounding, scheme and impl
   a = qcomm.Auto(3, 64, scheme="norm", rounding="nearest", impl="jax")
@@ -154,3 +155,11 @@ def test_sharded_mode_resolves_for_the_reduce_scatter(monkeypatch):
       np.testing.assert_array_equal(a[k], b[k])
   by = {leaf.path: leaf for leaf in qcomm.describe(tx, PARAMS, devices=3).leaves}
   assert by["w"].codec == qcomm.Summable(4)
+
+
+def test_the_rule_table_runs(capsys):
+  from benchmarks import auto_rule
+  assert auto_rule.main(["--bits", "4", "--devices", "2", "3"]) == 0
+  out = capsys.readouterr().out
+  assert "| 4 | 2 | gloo |" in out and out.count("Summable |") == 1  # only D = 2 over gloo
+  assert "| 4 | 8 x 8 |" in out
