@@ -1,4 +1,4 @@
-"""Codec benchmark: QSGD encode, decode and decode-and-sum, FFI kernels against pure JAX.
+"""Codec benchmark: QSGD or Summable encode, decode and decode-and-sum, FFI kernels against pure JAX.
 
 For each size n and each implementation (``QSGD(..., impl="ffi")`` and ``impl="jax"``) it times
 three jitted functions on the default backend:
@@ -17,11 +17,17 @@ On a GPU backend (the CUDA kernels) the default sizes are 25M and 256M, a fourth
 * ``decode_sum_reencode``  payloads[4, P] + key -> payload: the middle of the allreduce
   (decode-and-sum, scale by 1/4, re-encode; one fused kernel for ``ffi``),
 
-and the copy bandwidth is measured in the same run on every backend (a jitted ``x + 1`` of 256M
-float32 on a GPU, 64M on CPU: 8 bytes moved per element / time; pin the process to one core with
-``taskset -c 0`` for a one-core CPU figure). Each op's bytes moved (input read + output written:
-4n + P for encode, P + 4n for decode, 4P + 4n for decode_sum, 4P + P for decode_sum_reencode) /
-time is reported as a fraction of that copy bandwidth, the physical limit.
+and the copy bandwidth is measured in the same run on every backend: on CPU a real copy,
+``numpy.copyto`` of 64M float32 (256 MB, far beyond the caches) into another buffer; on a GPU a
+jitted ``x + 1`` of 256M float32 (8 bytes moved per element / time; pin the process to one core
+with ``taskset -c 0`` for a one-core CPU figure). Each op's bytes moved (input read + output
+written: 4n + P for encode, P + 4n for decode, 4P + 4n for decode_sum, 4P + P for
+decode_sum_reencode) / time is reported as a fraction of that copy bandwidth, the physical limit.
+
+``--codec summable`` times :class:`jax_qcomm.Summable` as its allreduce runs it, for D = 4 devices:
+``encode`` is the bucket scales plus the fields (``bucket_scale`` and ``wire_encode_summable``:
+two passes over x), ``decode`` one decode of summed words (``wire_decode_summed``, count D: what
+follows the psum; the sum itself is the all-reduce's), and there is no ``decode_sum``.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm import QSGD
+import numpy as np
+
+from jax_qcomm import QSGD, Summable
 
 from benchmarks import _common
 
@@ -59,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="quantisation scheme (default: maxmin)")
   parser.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
                       help="encode rounding (default: stochastic)")
+  parser.add_argument("--codec", choices=("qsgd", "summable"), default="qsgd",
+                      help="the codec to time (default: qsgd)")
   parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
                       help="implementations to time (default: ffi jax)")
   parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
@@ -89,12 +99,61 @@ def bytes_moved(op: str, n: int, payload_bytes: int) -> int:
 
 
 def copy_bandwidth(n: int = COPY_BW_SIZE, *, repeats: int, warmup: int) -> dict[str, Any]:
-  """Device-to-device copy bandwidth of the default backend: a jitted ``x + 1`` of n float32
-  (read 4n bytes, write 4n bytes) -- the memory-bound elementwise op every kernel is held to."""
+  """Copy bandwidth of the default backend, the memory limit every kernel is held to: on CPU a
+  real copy (``numpy.copyto`` of n float32 into another buffer: read 4n, write 4n bytes); on
+  accelerators a jitted ``x + 1`` of n float32 (the same bytes)."""
+  if jax.default_backend() == "cpu":
+    src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    t = _common.median_time(lambda a: np.copyto(dst, a), src, repeats=repeats, warmup=warmup)
+    del src, dst
+    return dict(op="numpy.copyto", size=n, bytes_moved=8 * n, **t.as_dict(),
+                gb_per_s=8 * n / t.median / 1e9)
   x = jax.block_until_ready(jnp.zeros((n,), jnp.float32))
   t = _common.median_time(jax.jit(lambda a: a + jnp.float32(1)), x, repeats=repeats, warmup=warmup)
   del x
   return dict(op="x + 1", size=n, bytes_moved=8 * n, **t.as_dict(), gb_per_s=8 * n / t.median / 1e9)
+
+
+SUMMABLE_DEVICES = 4  # the D whose fields the Summable rows use
+
+
+def bench_summable(n: int, *, bits: int, bucket: int, rounding: str, impls: Sequence[str],
+                   repeats: int, warmup: int, copy_gb_per_s: float) -> list[dict[str, Any]]:
+  """Summable's encode (scales + fields) and decode of summed words at n elements, D = 4."""
+  d = SUMMABLE_DEVICES
+  x = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
+  ref = Summable(bits, bucket, rounding)
+  shared = jax.jit(ref.bucket_scale)(x)
+  words = jax.jit(lambda a, s, k: ref.wire_encode_summable(a, s, k, d))(x, shared, jax.random.key(0))
+  jax.block_until_ready(words)
+  rows, timings = [], {}
+  for op in ("encode", "decode"):
+    for impl in impls:
+      c = Summable(bits, bucket, rounding, impl=impl)
+      if op == "encode":
+        fn = jax.jit(lambda a, k, c=c: c.wire_encode_summable(a, c.bucket_scale(a), k, d))
+        args = (x, jax.random.key(0))
+        moved = 2 * 4 * n + 4 * int(words.shape[0])  # x read twice, the words written
+      else:
+        fn = jax.jit(lambda w, s, c=c: c.wire_decode_summed(w, s, d, d, n))
+        args = (words, shared)
+        moved = 4 * int(words.shape[0]) + 4 * n
+      t = _common.median_time(fn, *args, repeats=repeats, warmup=warmup)
+      timings[(op, impl)] = t
+      print(f"  {_row_label(n):>13} {op:<10} {impl:<3}  {1e3 * t.median:9.3f} ms",
+            file=sys.stderr, flush=True)
+      rows.append(dict(op=op, impl=impl, size=n, bits=bits, bucket_size=bucket, scheme="summable",
+                       rounding=rounding, payload_bytes=4 * int(words.shape[0]), num_payloads=None,
+                       devices=d, **t.as_dict(), elements_per_s=n / t.median,
+                       gb_per_s=4 * n / t.median / 1e9, speedup_ffi_over_jax=None,
+                       bytes_moved=moved, moved_gb_per_s=moved / t.median / 1e9,
+                       fraction_of_copy_bw=moved / t.median / 1e9 / copy_gb_per_s))
+    if ("ffi" in impls) and ("jax" in impls):
+      for row in rows[-len(impls):]:
+        if row["impl"] == "ffi":
+          row["speedup_ffi_over_jax"] = timings[(op, "jax")].median / timings[(op, "ffi")].median
+  return rows
 
 
 def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
@@ -160,13 +219,14 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
            for r in rows]
   cfg = meta["config"]
   nproc = meta["nproc"]
-  gpu = meta.get("copy_bandwidth") is not None
-  if gpu:
+  copy = meta.get("copy_bandwidth") is not None
+  if copy:
     headers += ("moved GB/s", "% copy")
     table = [row + (f"{r['moved_gb_per_s']:.1f}", f"{100 * r['fraction_of_copy_bw']:.0f}%")
              for row, r in zip(table, rows)]
   lines = [
-      f"QSGD bits={cfg['bits']} bucket={cfg['bucket_size']} scheme={cfg['scheme']} "
+      f"{'Summable' if cfg.get('codec') == 'summable' else 'QSGD'} bits={cfg['bits']} "
+      f"bucket={cfg['bucket_size']} scheme={cfg['scheme']} "
       f"rounding={cfg['rounding']}  |  {_common.machine_line(meta, isa=True)}",
       "",
       _common.format_table(headers, table, align="rll" + "r" * (len(headers) - 3)),
@@ -176,9 +236,9 @@ def format_results(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
       f"{NUM_PAYLOADS} payloads); GB/s is of those float32 bytes; faults: median minor page "
       "faults per call (4 KiB each).",
   ]
-  if gpu:
+  if copy:
     cb = meta["copy_bandwidth"]
-    lines.append(f"copy bandwidth (jitted x + 1 of {cb['size']:,} float32, 8 bytes/element, median): "
+    lines.append(f"copy bandwidth ({cb['op']} of {cb['size']:,} float32, 8 bytes/element, median): "
                  f"{cb['gb_per_s']:.1f} GB/s; moved GB/s = (input read + output written) / time, "
                  "% copy = moved GB/s / copy bandwidth; decode_sum_reencode scales by "
                  f"1/{NUM_PAYLOADS} and re-encodes (fused kernel for ffi).")
@@ -193,7 +253,10 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark of the parsed ``args``, prints the table, writes the JSON; returns 0."""
   try:  # the codec's own validation, before any work
     for impl in args.impls:
-      QSGD(args.bits, args.bucket, args.scheme, args.rounding, impl=impl)
+      if args.codec == "summable":
+        Summable(args.bits, args.bucket, args.rounding, impl=impl)
+      else:
+        QSGD(args.bits, args.bucket, args.scheme, args.rounding, impl=impl)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   meta = _common.run_metadata(command)
@@ -201,7 +264,8 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   gpu = meta["backend"] == "gpu"
   sizes = args.sizes or list(DEFAULT_GPU_SIZES if gpu else DEFAULT_SIZES)
   ops = GPU_OPS if gpu else OPS
-  meta["config"] = dict(sizes=sizes, ops=list(ops), bits=args.bits, bucket_size=args.bucket,
+  meta["config"] = dict(codec=args.codec, sizes=sizes, ops=list(ops), bits=args.bits,
+                        bucket_size=args.bucket,
                         scheme=args.scheme, rounding=args.rounding, impls=args.impls,
                         num_payloads=NUM_PAYLOADS, repeats=args.repeats, warmup=args.warmup)
   print(_common.malloc_note(meta["malloc"]), file=sys.stderr, flush=True)
@@ -213,6 +277,11 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
         flush=True)
   rows = []
   for n in sizes:
+    if args.codec == "summable":
+      rows += bench_summable(n, bits=args.bits, bucket=args.bucket, rounding=args.rounding,
+                             impls=args.impls, repeats=args.repeats, warmup=args.warmup,
+                             copy_gb_per_s=meta["copy_bandwidth"]["gb_per_s"])
+      continue
     rows += bench_size(n, bits=args.bits, bucket=args.bucket, scheme=args.scheme,
                        rounding=args.rounding, impls=args.impls, repeats=args.repeats,
                        warmup=args.warmup, ops=ops,

@@ -541,6 +541,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
   t_loop = time.perf_counter()
   t_first = None  # after the first (compiling) optimizer step: the steady-state rate starts there
   done, loss_sum, loss_n, stopped = start, 0.0, 0, False
+  elapsed = 0.0  # training seconds of this piece: what its checkpoints and its result add on
   for step in range(start, config.num_steps):
     for micro in range(k):
       call = step * k + micro
@@ -575,7 +576,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
   if bar:
     bar.close()
   log.close()
-  train_s = time.perf_counter() - t_loop
+  train_s = elapsed  # the seconds its last checkpoint added, so the pieces' seconds add up
   if ckpt is not None:
     ckpt.close()
 

@@ -306,6 +306,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
   pumps: list[threading.Thread] = []
   width = len(str(num_processes - 1))
   previous_sigterm = signal.getsignal(signal.SIGTERM)
+  previous_sigint = signal.getsignal(signal.SIGINT)
 
   def on_sigterm(signum, frame):
     raise _Stop(signum)
@@ -313,6 +314,9 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
   in_main_thread = threading.current_thread() is threading.main_thread()
   if in_main_thread:
     signal.signal(signal.SIGTERM, on_sigterm)
+    # A process started in the background by a shell inherits SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: a SIGINT sent to the launcher must still stop it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
   status = 0
   stop_signal = signal.SIGTERM
   try:
@@ -354,6 +358,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
       _report_final(procs, live, {stop_signal, signal.SIGKILL}, report)
     if in_main_thread:
       signal.signal(signal.SIGTERM, previous_sigterm)
+      signal.signal(signal.SIGINT, previous_sigint)
   return status
 
 
