@@ -41,12 +41,12 @@ from training.timing import Timing, gc_paused, median_time  # noqa: F401  (re-ex
 
 #: glibc malloc tuning applied by re-exec: no mmap below 4 GiB, no trimming of the heap below 16 GiB.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
-# Not set: MALLOC_ARENA_MAX=1. Threads other than the main one allocate from secondary arenas whose
-# heaps hold at most 64 MiB, so larger buffers allocated there (25.6M float32 is 100 MB) are fresh
-# mmaps whatever the threshold: a Cast(bf16) allreduce over gloo page-faults 50k times per call
-# (one arena: 1083 -> 858 ms on the simulated cluster). But one arena slows fp32's psum ~10%
-# (1457-1474 -> 1600-1615 ms, same cluster, alternating runs) and the step benchmark's matmuls
-# ~10% (lock contention), so the benchmarks keep glibc's arenas: no baseline handicapped.
+# MALLOC_ARENA_MAX is not set here: threads other than the main one allocate from secondary arenas
+# whose heaps hold at most 64 MiB, so larger buffers allocated there (25.6M float32 is 100 MB) are
+# fresh mmaps whatever the threshold (50k page faults per 25.6M allreduce). The processes of
+# jax_qcomm.tools.launch (and so the simulated cluster) run with MALLOC_ARENA_MAX=1, its default;
+# a single-process benchmark keeps glibc's arenas unless the environment sets it (one arena costs
+# multi-threaded matmuls ~10% in lock contention).
 #: Set in the environment of the re-executed process, so that it can tell how the variables came.
 _REEXEC_MARKER = "JAX_QCOMM_BENCH_MALLOC_REEXEC"
 

@@ -40,6 +40,7 @@ separate codec cost from transfer.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -104,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the all-to-all of the SRA codecs (jax_qcomm._exchange): auto (ppermute "
                            "rounds on CPU), rounds or all_to_all; several: each is timed, the codec "
                            "named codec/method (default: auto)")
+  parser.add_argument("--tree", choices=("resnet50",), default=None,
+                      help="instead of flat sizes, the pytree of ResNet50's parameters (161 leaves, "
+                           "25.6M float32) through qcomm.allreduce with the default LeafPolicy: what "
+                           "sync(codec=...) sends; rows also give the relative error against the "
+                           "exact mean")
   parser.add_argument("--breakdown", action="store_true",
                       help="also time the codec work of one device without communication")
   parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
@@ -350,6 +356,22 @@ def _summable_breakdown(n: int, mesh, name: str, *, bucket: int, impl: str, repe
   return row
 
 
+def format_tree(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
+  """The printed report of ``--tree``: one row per codec."""
+  fp32 = next((r["median_s"] for r in rows if r["codec"] == "fp32"), None)
+  headers = ["codec", "runs", "median ms", "min ms", "max ms", "wire MB", "x floor", "vs fp32",
+             "rel. error"]
+  table = [[r["codec"], r["runs"], f"{1e3 * r['median_s']:.1f}", f"{1e3 * r['min_s']:.1f}",
+            f"{1e3 * r['max_s']:.1f}", f"{r['wire_bytes_per_device'] / 1e6:.2f}",
+            "" if not r["link_floor_s"] else f"{r['median_s'] / r['link_floor_s']:.2f}x",
+            "" if fp32 is None else f"{fp32 / r['median_s']:.2f}x", f"{r['rel_error']:.3g}"]
+           for r in rows]
+  return "\n".join([f"ResNet50 parameter pytree (161 leaves), {rows[0]['devices'] if rows else 0} "
+                    f"devices  |  {_common.machine_line(meta)}", "",
+                    _common.format_table(headers, table, align="ll" + "r" * (len(headers) - 2)),
+                    "", _common.malloc_note(meta["malloc"])])
+
+
 def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str, Any]],
                    meta: dict[str, Any]) -> str:
   """The printed report: the table, the optional breakdown and the footer notes."""
@@ -422,6 +444,54 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
   return "\n".join(lines)
 
 
+def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: int, warmup: int,
+               link_gbps: float | None) -> list[dict[str, Any]]:
+  """Times qcomm.allreduce of ResNet50's parameter pytree (one normal array per device and leaf)
+  per codec, with the default LeafPolicy as sync uses it; the bytes are describe's count and the
+  error is ||result - exact mean|| / ||exact mean|| over the whole tree."""
+  from benchmarks import sharded  # noqa: PLC0415  (flax: only the tree payload needs it)
+  from jax_qcomm.tools import efficiency  # noqa: PLC0415
+
+  shapes = sharded.payload("resnet50")
+  tree = sharded._arrays(mesh, shapes, lead=True, seed=7)
+  d = mesh.devices.size
+  key = jax.random.key(0)
+
+  def run(codec):
+    def per_device(t):
+      t = jax.tree_util.tree_map(lambda a: a[0], t)
+      if codec is None:  # the exact mean, the reference of the error
+        out = jax.tree_util.tree_map(lambda a: lax.pmean(a, "data"), t)
+      else:
+        out = qcomm.allreduce(t, "data", codec=codec, key=key)
+      return jax.tree_util.tree_map(lambda a: a[None], out)
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+
+  def flat_local(t):
+    return np.concatenate([np.asarray(a.addressable_shards[0].data).reshape(-1)
+                           for a in jax.tree_util.tree_leaves(t)])
+
+  exact = flat_local(run(None)(tree))
+  n = int(sum(math.prod(s.shape) for s in jax.tree_util.tree_leaves(shapes)))
+  rows = []
+  for name in names:
+    codec = make_codec(name, bucket, impl)
+    if codec is None:
+      continue  # cast_pmean is not a codec
+    compiled = run(codec).lower(tree).compile()
+    got = flat_local(compiled(tree))
+    err = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+    t = _common.collective_timing(_common.median_time(compiled, tree, repeats=repeats,
+                                                      warmup=warmup))
+    sent = efficiency.tree_allreduce_bytes(shapes, d, codec)["bytes"] if d > 1 else 0.0
+    _common.log(f"  resnet50 {name:<16} {1e3 * t.median:10.2f} ms  rel. error {err:.3g}")
+    rows.append(dict(codec=name, description=CODECS[name][0], runs=codec.resolve(d).name,
+                     size=n, devices=d, processes=jax.process_count(), tree="resnet50",
+                     wire_bytes_per_device=sent, rel_error=err, **t.as_dict(),
+                     link_floor_s=None if link_gbps is None else sent * 8 / (link_gbps * 1e9)))
+  return rows
+
+
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark of the parsed ``args``; process 0 prints the table and writes the JSON."""
   if args.bucket < 8 or args.bucket % 8:
@@ -438,6 +508,14 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   if d == 1:
     _common.log("warning: one device only: nothing is communicated")
   rows, breakdown = [], []
+  if args.tree:
+    rows = bench_tree(mesh, args.codecs, bucket=args.bucket, impl=args.impl, repeats=args.repeats,
+                      warmup=args.warmup, link_gbps=args.link_gbps)
+    if jax.process_index() == 0:
+      print(format_tree(rows, meta))
+      path = _common.write_json(args.out, dict(metadata=meta, rows=rows, breakdown=[]))
+      print(f"wrote {path}")
+    return 0
   for n in args.sizes:
     rows += bench_size(n, mesh, args.codecs, bucket=args.bucket, impl=args.impl,
                        repeats=args.repeats, warmup=args.warmup, link_gbps=args.link_gbps,

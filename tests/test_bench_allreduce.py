@@ -104,3 +104,27 @@ def test_exchange_variants_are_timed_side_by_side(tmp_path):
   assert rows["qsgd4/all_to_all"]["exchange"] == "all_to_all"
   assert rows["qsgd4/rounds"]["wire_bytes_per_device"] == rows["qsgd4/all_to_all"]["wire_bytes_per_device"]
   assert _positive_finite(rows["qsgd4/rounds"]["speedup_vs_fp32"])
+
+
+def test_tree_mode_counts_describes_bytes_and_the_error(tmp_path):
+  """--tree resnet50: ResNet50's parameter pytree per codec, the codec Auto runs named, the bytes
+  of the cost model's tree count (describe's), and an error against the exact mean that is 0 for
+  fp32 and that of a 4-bit codec for auto4."""
+  import jax_qcomm as qcomm
+  from jax_qcomm.tools import efficiency
+  from benchmarks import sharded
+  out = tmp_path / "t.json"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "2", "--tree", "resnet50",
+       "--codecs", "fp32", "auto4", "--repeats", "1", "--warmup", "1", "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+  rows = {r["codec"]: r for r in json.loads(out.read_text())["rows"]}
+  assert rows["fp32"]["rel_error"] == 0 and rows["auto4"]["runs"] == "QSGD 4b/128 maxmin"
+  assert 0.05 < rows["auto4"]["rel_error"] < 0.5
+  shapes = sharded.payload("resnet50")
+  assert rows["auto4"]["wire_bytes_per_device"] == efficiency.tree_allreduce_bytes(
+      shapes, 2, qcomm.QSGD(4))["bytes"]
+  assert rows["fp32"]["size"] == 25_557_032

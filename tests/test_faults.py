@@ -532,6 +532,28 @@ def test_launcher_sets_the_recoverability_variable():
     launch.launch(["w.py"], 2, recoverable="no")
 
 
+@pytest.mark.parametrize("args,preset,want", [([], None, "1"), (["--malloc-arenas", "4"], None, "4"),
+                                              (["--malloc-arenas", "0"], None, "unset"),
+                                              ([], "2", "2")])
+def test_launcher_sets_one_malloc_arena(tmp_path, monkeypatch, args, preset, want):
+  """MALLOC_ARENA_MAX=1 by default (XLA's large buffers reuse their pages), a value already in the
+  environment kept, 0 for glibc's default."""
+  from jax_qcomm.tools import launch
+  if preset is None:
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+  else:
+    monkeypatch.setenv("MALLOC_ARENA_MAX", preset)
+  script = tmp_path / "show.py"
+  script.write_text("import os; print('arenas', os.environ.get('MALLOC_ARENA_MAX', 'unset'))\n")
+  out = tmp_path / "out.txt"
+  arenas = launch.build_parser().parse_args(["-n", "1", *args]).malloc_arenas
+  with open(out, "w") as f:
+    assert launch.launch([str(script)], 1, malloc_arenas=arenas, stdout=f) == 0
+  assert f"[0] arenas {want}" in out.read_text()
+  with pytest.raises(ValueError, match="malloc_arenas must be an integer >= 0"):
+    launch.launch([str(script)], 1, malloc_arenas=-1)
+
+
 def test_cluster_detection_methods_are_jaxs():
   from jax._src import clusters  # the test may look at private names; the package does not
   names = {env.name for env in clusters.ClusterEnv._cluster_types if env.name}
