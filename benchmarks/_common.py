@@ -36,17 +36,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_qcomm
 from jax_qcomm import _ffi
 from jax_qcomm.tools import distributed
+from jax_qcomm.tools import launch
 from jax_qcomm.tools.launch import ENV_LAUNCH_COMMAND
 from training.timing import Timing, gc_paused, median_time  # noqa: F401  (re-exported)
 
 #: glibc malloc tuning applied by re-exec: no mmap below 4 GiB, no trimming of the heap below 16 GiB.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+MALLOC_ENV = {k: v for k, v in launch.MALLOC_REUSE_ENV.items() if k != "MALLOC_ARENA_MAX"}
 # MALLOC_ARENA_MAX is not set here: threads other than the main one allocate from secondary arenas
 # whose heaps hold at most 64 MiB, so larger buffers allocated there (25.6M float32 is 100 MB) are
 # fresh mmaps whatever the threshold (50k page faults per 25.6M allreduce). The processes of
-# jax_qcomm.tools.launch (and so the simulated cluster) run with MALLOC_ARENA_MAX=1, its default;
-# a single-process benchmark keeps glibc's arenas unless the environment sets it (one arena costs
-# multi-threaded matmuls ~10% in lock contention).
+# jax_qcomm.tools.launch (and so the simulated cluster) run with all of launch.MALLOC_REUSE_ENV, its
+# default; a single-process benchmark keeps glibc's arenas unless the environment sets it (one
+# arena costs multi-threaded matmuls ~10% in lock contention).
 #: Set in the environment of the re-executed process, so that it can tell how the variables came.
 _REEXEC_MARKER = "JAX_QCOMM_BENCH_MALLOC_REEXEC"
 

@@ -532,26 +532,29 @@ def test_launcher_sets_the_recoverability_variable():
     launch.launch(["w.py"], 2, recoverable="no")
 
 
-@pytest.mark.parametrize("args,preset,want", [([], None, "1"), (["--malloc-arenas", "4"], None, "4"),
-                                              (["--malloc-arenas", "0"], None, "unset"),
-                                              ([], "2", "2")])
-def test_launcher_sets_one_malloc_arena(tmp_path, monkeypatch, args, preset, want):
-  """MALLOC_ARENA_MAX=1 by default (XLA's large buffers reuse their pages), a value already in the
-  environment kept, 0 for glibc's default."""
+@pytest.mark.parametrize("mode", [None, "reuse", "glibc"])
+def test_launcher_sets_malloc_to_reuse_pages(tmp_path, monkeypatch, mode):
+  """--malloc reuse (the default): one arena and no mmap / trim thresholds for the processes, a
+  value already in the environment kept; --malloc glibc: none of them."""
   from jax_qcomm.tools import launch
-  if preset is None:
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-  else:
-    monkeypatch.setenv("MALLOC_ARENA_MAX", preset)
+  for name in launch.MALLOC_REUSE_ENV:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
   script = tmp_path / "show.py"
-  script.write_text("import os; print('arenas', os.environ.get('MALLOC_ARENA_MAX', 'unset'))\n")
+  script.write_text("import os\nfor k in ('MALLOC_ARENA_MAX', 'MALLOC_MMAP_THRESHOLD_', "
+                    "'MALLOC_TRIM_THRESHOLD_'):\n  print(k, os.environ.get(k, 'unset'))\n")
+  parsed = launch.build_parser().parse_args(["-n", "1"] + ([] if mode is None else
+                                                           ["--malloc", mode]))
   out = tmp_path / "out.txt"
-  arenas = launch.build_parser().parse_args(["-n", "1", *args]).malloc_arenas
   with open(out, "w") as f:
-    assert launch.launch([str(script)], 1, malloc_arenas=arenas, stdout=f) == 0
-  assert f"[0] arenas {want}" in out.read_text()
-  with pytest.raises(ValueError, match="malloc_arenas must be an integer >= 0"):
-    launch.launch([str(script)], 1, malloc_arenas=-1)
+    assert launch.launch([str(script)], 1, malloc=parsed.malloc, stdout=f) == 0
+  text = out.read_text()
+  want = ({"MALLOC_ARENA_MAX": "unset", "MALLOC_MMAP_THRESHOLD_": "unset"} if mode == "glibc"
+          else {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "4294967296"})
+  for name, value in {**want, "MALLOC_TRIM_THRESHOLD_": "123"}.items():
+    assert f"[0] {name} {value}" in text, text
+  with pytest.raises(ValueError, match="malloc must be one of"):
+    launch.launch([str(script)], 1, malloc="jemalloc")
 
 
 def test_cluster_detection_methods_are_jaxs():

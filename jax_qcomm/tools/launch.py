@@ -5,7 +5,7 @@ Usage::
     python -m jax_qcomm.tools.launch -n 4 [--local-devices 2] [--port P] [--host 127.0.0.1]
                                [--interface eth0] [--timeout S] [--env K=V ...]
                                [--heartbeat-timeout S] [--collective-timeout S]
-                               [--no-recoverable] [--malloc-arenas N]
+                               [--no-recoverable] [--malloc reuse|glibc]
                                (script.py [args...] | -m module [args...])
 
 Starts ``n`` copies of ``sys.executable script.py args`` (or ``-m module args``), each with the
@@ -17,13 +17,15 @@ environment read by :func:`jax_qcomm.tools.distributed.initialize`:
   :class:`jax_qcomm.tools.distributed.Timeouts`), and ``QCOMM_RECOVERABLE`` (``1``, or ``0`` with
   ``--no-recoverable``: jax's recoverability mode, on by default);
 * ``PYTHONUNBUFFERED=1``, so that output arrives line by line;
-* ``MALLOC_ARENA_MAX=1`` (``--malloc-arenas``; 0 leaves glibc's default; a value already in the
-  environment is kept): glibc gives threads other than the main one secondary arenas whose heaps
-  hold at most 64 MiB, so every larger buffer XLA:CPU allocates there (a 25.6M float32 gradient
-  is 100 MB) is a fresh ``mmap`` that page-faults on each call (50k faults per 25.6M allreduce).
-  One arena reuses the pages: on the simulated 2-node 1 Gbit/s cluster a Summable 4 allreduce of
-  25.6M values went from 241 to 175 ms and the exact fp32 psum from 911 to 866 ms
-  (docs/benchmarks.md);
+* with ``--malloc reuse`` (the default) glibc's malloc set to reuse large buffers' pages
+  (:data:`MALLOC_REUSE_ENV`, each variable unless the environment sets it; ``--malloc glibc``
+  leaves glibc's defaults). With those defaults every buffer above 32 MiB is a fresh ``mmap``, and
+  so is every buffer above 64 MiB that a thread other than the main one allocates, whatever the
+  threshold (secondary arenas): XLA:CPU's 100 MB buffers of a 25.6M float32 gradient then
+  page-fault on each call (50k faults per allreduce). On the simulated 2-node 1 Gbit/s cluster
+  reusing the pages took a Summable 4 allreduce of 25.6M values from 241 to 175 ms and the exact
+  fp32 psum from 911 to 866 ms (docs/benchmarks.md). The cost: freed memory stays in the process,
+  and threads share one arena's lock;
 * ``QCOMM_LAUNCH_COMMAND``: the launcher's command line (recorded by the benchmarks).
 
 Every line a process prints is prefixed with ``[rank]`` (stdout to stdout, stderr to stderr). The
@@ -57,9 +59,14 @@ from jax_qcomm.tools import distributed
 # one of these options, or at -m / --).
 _VALUE_OPTIONS = {"-n", "--num-processes", "--local-devices", "--port", "--host", "--interface",
                   "--timeout", "--env", "--kill-grace", "--heartbeat-timeout",
-                  "--collective-timeout", "--malloc-arenas"}
+                  "--collective-timeout", "--malloc"}
 _FLAG_OPTIONS = {"-h", "--help", "--recoverable", "--no-recoverable"}
 TIMEOUT_EXIT = 124
+#: glibc malloc settings under which large buffers reuse heap pages instead of fresh mmaps: one
+#: arena, no mmap below 4 GiB, no trimming of the heap below 16 GiB (``--malloc reuse``).
+MALLOC_REUSE_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "4294967296",
+                    "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+MALLOC_MODES = ("reuse", "glibc")
 #: The launcher's own command line, for the processes' records (benchmarks' metadata).
 ENV_LAUNCH_COMMAND = "QCOMM_LAUNCH_COMMAND"
 
@@ -98,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--collective-timeout", type=int, default=None,
                       help="seconds a collective waits for a peer before it fails "
                            "(QCOMM_COLLECTIVE_TIMEOUT; default: 60)")
-  parser.add_argument("--malloc-arenas", type=int, default=1, metavar="N",
-                      help="MALLOC_ARENA_MAX of every process unless the environment sets it "
-                           "(default: 1, no page faults on XLA's large buffers; 0: glibc's default)")
+  parser.add_argument("--malloc", choices=MALLOC_MODES, default="reuse",
+                      help="reuse (default): one malloc arena and no mmap / trim below 4 / 16 GiB, "
+                           "so XLA's large buffers reuse their pages (each variable unless the "
+                           "environment sets it); glibc: glibc's defaults")
   parser.add_argument("--recoverable", action=argparse.BooleanOptionalAction, default=True,
                       help="jax's recoverability mode (QCOMM_RECOVERABLE): a lost process makes "
                            "the others raise from their next collective instead of being aborted "
@@ -273,11 +281,11 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
            kill_grace: float = 3.0, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, launch_command: str | None = None,
            heartbeat_timeout: int | None = None, collective_timeout: int | None = None,
-           recoverable: bool = True, malloc_arenas: int = 1) -> int:
+           recoverable: bool = True, malloc: str = "reuse") -> int:
   """Runs ``sys.executable *command`` in ``num_processes`` processes; returns the exit status.
 
-  ``malloc_arenas``: ``MALLOC_ARENA_MAX`` of the processes unless the environment (or ``env``) sets
-  it; 0 leaves glibc's default (see the module docstring).
+  ``malloc``: ``"reuse"`` sets :data:`MALLOC_REUSE_ENV` for the processes (each variable unless
+  the environment or ``env`` sets it); ``"glibc"`` leaves glibc's defaults (module docstring).
 
   0 if all succeeded; else the failed process's status (the others are stopped); 124 on timeout;
   130 on SIGINT (Ctrl-C), 143 on SIGTERM (both forwarded to the processes).
@@ -292,9 +300,8 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
       raise ValueError(f"{name} must be a positive integer (seconds), got {value!r}")
   if not isinstance(recoverable, bool):
     raise ValueError(f"recoverable must be True or False, got {recoverable!r}")
-  if isinstance(malloc_arenas, bool) or not isinstance(malloc_arenas, int) or malloc_arenas < 0:
-    raise ValueError(f"malloc_arenas must be an integer >= 0 (0: glibc's default), "
-                     f"got {malloc_arenas!r}")
+  if malloc not in MALLOC_MODES:
+    raise ValueError(f"malloc must be one of {MALLOC_MODES}, got {malloc!r}")
   if not command:
     raise ValueError("nothing to run: give a script or -m module")
   stdout = sys.stdout if stdout is None else stdout
@@ -302,8 +309,9 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
   port = free_port(host) if port is None else port
   base_env = dict(os.environ)
   base_env.update(env or {})
-  if malloc_arenas and "MALLOC_ARENA_MAX" not in base_env:
-    base_env["MALLOC_ARENA_MAX"] = str(malloc_arenas)
+  if malloc == "reuse":
+    for name, value in MALLOC_REUSE_ENV.items():
+      base_env.setdefault(name, value)
   base_env.update({distributed.ENV_COORDINATOR: f"{host}:{port}",
                    ENV_LAUNCH_COMMAND: launch_command or shlex.join(["python", *command]),
                    distributed.ENV_NUM_PROCESSES: str(num_processes),
@@ -393,8 +401,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f"-n must be >= 1, got {args.num_processes}")
   if args.local_devices is not None and args.local_devices < 1:
     parser.error(f"--local-devices must be >= 1, got {args.local_devices}")
-  if args.malloc_arenas < 0:
-    parser.error(f"--malloc-arenas must be >= 0 (0: glibc's default), got {args.malloc_arenas}")
   for option, value in (("--heartbeat-timeout", args.heartbeat_timeout),
                         ("--collective-timeout", args.collective_timeout)):
     if value is not None and value < 1:
@@ -411,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 launch_command=shlex.join(["python", "-m", "jax_qcomm.tools.launch", *argv]),
                 heartbeat_timeout=args.heartbeat_timeout,
                 collective_timeout=args.collective_timeout, recoverable=args.recoverable,
-                malloc_arenas=args.malloc_arenas)
+                malloc=args.malloc)
 
 
 if __name__ == "__main__":
