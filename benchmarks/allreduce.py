@@ -52,7 +52,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _exchange
+from jax_qcomm import _exchange, collectives
 from jax_qcomm.codecs import Codec
 
 from benchmarks import _common
@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "25.6M float32) through qcomm.allreduce with the default LeafPolicy: what "
                            "sync(codec=...) sends; rows also give the relative error against the "
                            "exact mean")
+  parser.add_argument("--comm-bucket", type=_common.parse_size, default=None, metavar="N",
+                      help="with --tree: most float32 elements per packed buffer (default: the "
+                           "library's, 16M)")
   parser.add_argument("--breakdown", action="store_true",
                       help="also time the codec work of one device without communication")
   parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
@@ -445,7 +448,7 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
 
 
 def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: int, warmup: int,
-               link_gbps: float | None) -> list[dict[str, Any]]:
+               link_gbps: float | None, comm_bucket: int | None = None) -> list[dict[str, Any]]:
   """Times qcomm.allreduce of ResNet50's parameter pytree (one normal array per device and leaf)
   per codec, with the default LeafPolicy as sync uses it; the bytes are describe's count and the
   error is ||result - exact mean|| / ||exact mean|| over the whole tree."""
@@ -456,6 +459,7 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
   tree = sharded._arrays(mesh, shapes, lead=True, seed=7)
   d = mesh.devices.size
   key = jax.random.key(0)
+  comm = collectives.DEFAULT_COMM_BUCKET if comm_bucket is None else comm_bucket
 
   def run(codec):
     def per_device(t):
@@ -463,7 +467,7 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
       if codec is None:  # the exact mean, the reference of the error
         out = jax.tree_util.tree_map(lambda a: lax.pmean(a, "data"), t)
       else:
-        out = qcomm.allreduce(t, "data", codec=codec, key=key)
+        out = qcomm.allreduce(t, "data", codec=codec, key=key, comm_bucket_size=comm)
       return jax.tree_util.tree_map(lambda a: a[None], out)
     return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
 
@@ -483,10 +487,12 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
     err = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
     t = _common.collective_timing(_common.median_time(compiled, tree, repeats=repeats,
                                                       warmup=warmup))
-    sent = efficiency.tree_allreduce_bytes(shapes, d, codec)["bytes"] if d > 1 else 0.0
+    sent = efficiency.tree_allreduce_bytes(shapes, d, codec, comm_bucket_size=comm)["bytes"] \
+        if d > 1 else 0.0
     _common.log(f"  resnet50 {name:<16} {1e3 * t.median:10.2f} ms  rel. error {err:.3g}")
     rows.append(dict(codec=name, description=CODECS[name][0], runs=codec.resolve(d).name,
                      size=n, devices=d, processes=jax.process_count(), tree="resnet50",
+                     comm_bucket_size=comm,
                      wire_bytes_per_device=sent, rel_error=err, **t.as_dict(),
                      link_floor_s=None if link_gbps is None else sent * 8 / (link_gbps * 1e9)))
   return rows
@@ -510,7 +516,7 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   rows, breakdown = [], []
   if args.tree:
     rows = bench_tree(mesh, args.codecs, bucket=args.bucket, impl=args.impl, repeats=args.repeats,
-                      warmup=args.warmup, link_gbps=args.link_gbps)
+                      warmup=args.warmup, link_gbps=args.link_gbps, comm_bucket=args.comm_bucket)
     if jax.process_index() == 0:
       print(format_tree(rows, meta))
       path = _common.write_json(args.out, dict(metadata=meta, rows=rows, breakdown=[]))
