@@ -456,8 +456,15 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
   from jax_qcomm.tools import efficiency  # noqa: PLC0415
 
   shapes = sharded.payload("resnet50")
-  tree = sharded._arrays(mesh, shapes, lead=True, seed=7)
   d = mesh.devices.size
+  leaves, treedef = jax.tree_util.tree_flatten(shapes)
+  # Device g's leaf k: standard normal from default_rng([7, g, k]), the convention of the PyTorch
+  # side-by-side harness (benchmarks/peers in git history), so both reduce the same inputs.
+  tree = jax.tree_util.tree_unflatten(treedef, [jax.make_array_from_callback(
+      (d,) + tuple(s.shape), NamedSharding(mesh, P("data")),
+      lambda idx, k=k, shape=tuple(s.shape): np.stack([
+          np.random.default_rng([7, g, k]).standard_normal(shape, dtype=np.float32)
+          for g in range(*idx[0].indices(d))])) for k, s in enumerate(leaves)])
   key = jax.random.key(0)
   comm = collectives.DEFAULT_COMM_BUCKET if comm_bucket is None else comm_bucket
 
