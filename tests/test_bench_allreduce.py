@@ -22,14 +22,20 @@ CODECS = ("fp32", "cast_pmean_bf16", "cast_bf16", "qsgd8", "qsgd4", "qsgd2")
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench") / "allreduce.json"
-  env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}  # not under a launcher
-  env.pop("XLA_FLAGS", None)
+  env = _bench_env()
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "4", "--sizes", "5000",
        "--repeats", "2", "--warmup", "1", "--breakdown", "--link-gbps", "1", "--out", str(out)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
   return json.loads(out.read_text()), proc.stdout
+
+
+def _bench_env() -> dict[str, str]:
+  """The environment of a benchmark run: not under a launcher, no forced device count."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}
+  env.pop("XLA_FLAGS", None)
+  return env
 
 
 def _positive_finite(v):
@@ -89,8 +95,7 @@ def test_exchange_variants_are_timed_side_by_side(tmp_path):
   """--exchange rounds all_to_all: one row per SRA codec and schedule, psum codecs once; the
   compiled programs really differ (the rows record the method)."""
   out = tmp_path / "x.json"
-  env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}
-  env.pop("XLA_FLAGS", None)
+  env = _bench_env()
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "4", "--sizes", "4096",
        "--codecs", "fp32", "qsgd4", "--exchange", "rounds", "all_to_all", "--repeats", "1",
@@ -114,8 +119,7 @@ def test_tree_mode_counts_describes_bytes_and_the_error(tmp_path):
   from jax_qcomm.tools import efficiency
   from benchmarks import sharded
   out = tmp_path / "t.json"
-  env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}
-  env.pop("XLA_FLAGS", None)
+  env = _bench_env()
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "2", "--tree", "resnet50",
        "--codecs", "fp32", "auto4", "--repeats", "1", "--warmup", "1", "--out", str(out)],
