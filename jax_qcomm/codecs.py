@@ -301,8 +301,8 @@ class Codec(abc.ABC):
   def resolve(self, devices: int, collective: str = "allreduce",
               transport: _transport.Transport | None = None) -> Codec:
     """The codec that carries out ``collective`` over ``devices`` devices on ``transport``
-    (default: :func:`jax_qcomm.transport.current` for ``devices``): this codec itself; :class:`Auto` names the
-    candidate it runs. What :func:`jax_qcomm.describe` shows."""
+    (default: :func:`jax_qcomm.transport.current` for ``devices``): this codec itself;
+    :class:`Auto` names the candidate it runs. What :func:`jax_qcomm.describe` shows."""
     _check_traffic(0, devices, collective)
     if transport is not None and not isinstance(transport, _transport.Transport):
       raise ValueError(f"transport must be a jax_qcomm.transport.Transport or None, "
@@ -1034,14 +1034,15 @@ class Auto(Codec):
   Summable's ``2**b - 1`` levels span ``[-max, max]`` and QSGD's ``2**b`` span ``[min, max]``: from
   3 bits their steps are within 1.2x of each other, and Summable quantises once where QSGD
   quantises twice; at 2 bits Summable is ternary (a 1.5x step) and is not a candidate.
+
   For each reduction, at trace time, :meth:`resolve` picks the candidate whose
   :meth:`~Codec.traffic` takes the least time on the transport: each collective's bytes times the
   transport's factor for it (:class:`jax_qcomm.transport.Transport`); QSGD on a tie. The transport
-  is :func:`jax_qcomm.transport.current`: between two CPU processes over gloo the all-reduce runs
+  is :func:`jax_qcomm.transport.current`. Between two CPU processes over gloo the all-reduce runs
   at the link rate and the exchange and all-gather at about half of it, so Summable's one
-  all-reduce wins the allreduce at D = 2 from 3 bits; from three processes on, and with
-  every collective at the link rate (GPUs, one process),
-  QSGD's fewer bytes win at every D. ``qcomm.describe`` names the codec picked; pass
+  all-reduce wins the allreduce at D = 2; from three processes on, and wherever every collective
+  runs at the link rate (GPUs, one process), QSGD's fewer bytes win at every D (measured on the
+  simulated cluster: docs/benchmarks.md). ``qcomm.describe`` names the codec picked; pass
   ``codec=qcomm.QSGD(...)`` or ``codec=qcomm.Summable(...)`` to force one.
 
   The standalone array API (:meth:`encode` and the rest, one device) is QSGD's.

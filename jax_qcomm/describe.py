@@ -66,6 +66,8 @@ class Description:
   default_codec: Codec
   scalar_bytes: float = 0.0
   state_bytes_per_device: int | None = None
+  #: what ``default_codec`` runs at ``devices`` (:meth:`jax_qcomm.Codec.resolve`: Auto's pick)
+  default_runs: Codec | None = None
 
   def __post_init__(self):  # made by describe(); checked for a Description made by hand
     if not (isinstance(self.leaves, tuple) and all(isinstance(x, LeafTraffic) for x in self.leaves)):
@@ -78,6 +80,8 @@ class Description:
       raise ValueError(f"scalar_bytes must be a non-negative number, got {self.scalar_bytes!r}")
     if self.state_bytes_per_device is not None:
       check_int("state_bytes_per_device", self.state_bytes_per_device, 0)
+    if self.default_runs is not None:
+      check_instance("default_runs", self.default_runs, Codec, "None or a jax_qcomm codec")
 
   @property
   def elements(self) -> int:
@@ -131,8 +135,8 @@ class Description:
     rule = "-" * len(line(head))
     state = ("" if self.state_bytes_per_device is None else
              f", optimizer state {self.state_bytes_per_device:,} B per device")
-    runs = self.default_codec.resolve(self.devices)
-    runs = "" if runs is self.default_codec else f" (here: {runs.name})"
+    runs = ("" if self.default_runs in (None, self.default_codec) else
+            f" (here: {self.default_runs.name})")
     out = [f"qcomm.sync over {self.axis_name!r}: {self.devices} devices, default codec "
            f"{self.default_codec.name}{runs}, accum_steps={self.accum_steps}{state}",
            line(head), rule, *map(line, rows), rule, line(total),
@@ -211,6 +215,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
         payload_bytes=codec.payload_size(packing.padded_size(n, codec)), sent_bytes=nbytes))
   return Description(leaves=tuple(leaves), devices=devices, accum_steps=cfg.accum_steps,
                      axis_name=cfg.axis_name, default_codec=cfg.codec, scalar_bytes=extra,
+                     default_runs=cfg.codec.resolve(devices, collective),
                      state_bytes_per_device=_state_bytes(tx, params, cfg.axis_name, devices))
 
 

@@ -341,6 +341,7 @@ def _cases() -> list[Case]:
       c("Description", "accum_steps", _description(accum_steps=-1)),
       c("Description", "axis_name", _description(axis_name=None)),
       c("Description", "default_codec", _description(default_codec="qsgd")),
+      c("Description", "default_runs", _description(default_runs="qsgd")),
       # -- diloco ----------------------------------------------------------------------------------
       c("diloco", "inner", lambda: qcomm.diloco(None, axis_name=AX, every=2)),
       c("diloco", "axis_name", lambda: qcomm.diloco(sgd, axis_name=["d"], every=2)),
