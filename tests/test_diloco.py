@@ -423,3 +423,38 @@ def test_with_a_sync_inside_each_device_sends_its_share_across_nodes():
   for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(qcomm.diloco_params(state))):
     np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(a))
     np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(a))
+
+
+def test_composed_on_a_2x3_mesh_keeps_every_device_identical():
+  """node x gpu = 2 x 3 (3 divides no leaf, nor 3 buckets): 4-bit inner sync with error feedback,
+  4-bit outer sync with error feedback. After every outer sync all 6 devices hold the anchor, bit
+  for bit; between syncs the 3 devices of a node agree with each other."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:6]).reshape(2, 3), ("node", "gpu"))
+  inner = qcomm.sync(optax.adam(3e-3), axis_name="gpu", codec=qcomm.QSGD(4, rounding="nearest"),
+                     error_feedback=True, policy=qcomm.LeafPolicy(min_size=0))
+  tx = qcomm.diloco(inner, axis_name="node", every=2, codec=qcomm.QSGD(4), error_feedback=True,
+                    policy=qcomm.LeafPolicy(min_size=0))
+  dp = qcomm.diloco_data_parallel(_loss, tx, mesh)
+  local, state = dp.init(_params())
+
+  def copies(tree):  # every device's copy of every leaf, as numpy
+    out = [[np.asarray(s.data) for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+           for x in jax.tree.leaves(tree)]
+    assert all(len(c) == 6 and c[0].shape[0] == 1 for c in out)  # one node's copy per device
+    return out
+
+  for i, b in enumerate(_batches(6, 12)):
+    local, state, _, _ = dp.step(local, state, b)
+    for leaf in copies(local):
+      by_node = {}
+      for shard, dev in zip(leaf, sorted(mesh.devices.flat, key=lambda d: d.id)):
+        node = int(np.argwhere(mesh.devices == dev)[0][0])
+        by_node.setdefault(node, []).append(shard)
+      for shards in by_node.values():
+        assert all(np.array_equal(shards[0], s) for s in shards[1:]), i
+    if (i + 1) % 2 == 0:  # an outer sync: every device holds the anchor
+      anchor = qcomm.diloco_params(state)
+      for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(anchor)):
+        for r in range(2):
+          np.testing.assert_array_equal(np.asarray(x)[r], np.asarray(a))
+  assert int(state.outer_step) == 3
