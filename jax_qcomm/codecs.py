@@ -650,8 +650,64 @@ class NoCompression(Codec):
     return (("all-gather", (d - 1) * 4 * n),)
 
 
+class _SummedFields(_Bucketed):
+  """What the codecs whose payloads XLA's own all-reduce sums share (Summable, Wire16): one
+  ``lax.pmax`` of a per-bucket statistic (the scales every device quantises with), one ``lax.psum``
+  (or ``psum_scatter``) of uint32 words whose fields have room for the sum of D payloads, one
+  decode of the sum. A subclass states its fields through four hooks: ``_field_size(n)`` (the
+  length x is padded to), ``_stat(x)`` (float32[_field_size(n)] -> per-bucket statistic),
+  ``_fields(x, shared, key, devices)`` (-> uint32 words), ``_unfields(words, shared, devices,
+  count, n, scale)`` (the sum of ``count`` devices' words -> float32[n] times ``scale``), and
+  ``_words(n, devices)`` (words of n values)."""
+
+  def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    """One pmax of the statistics, one psum of the words, one decode; the residual is x minus
+    this device's own decode."""
+    n = x.shape[0]
+    d = self.check_devices(axis_size(axis_name))
+    xp = _pad_to(x, self._field_size(n))
+    shared = lax.pmax(self._stat(xp), axis_name)  # the same on every device
+    words = self._fields(xp, shared, device_key(key, axis_name, 0), d)
+    total = lax.psum(words, axis_name)
+    out = self._unfields(total, shared, d, d, n, 1.0 / d if op == "mean" else 1.0)
+    return out, x - self._unfields(words, shared, d, 1, n)
+
+  def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    """Block i's words summed onto device i: one psum_scatter of [D, W] words (whole rows), the
+    statistics of every block shared by one pmax."""
+    d = self.check_devices(axis_size(axis_name))
+    rows = x.reshape(d, -1)
+    m = rows.shape[1]
+    rows_p = jax.vmap(lambda r: _pad_to(r, self._field_size(m)))(rows)
+    shared = lax.pmax(jax.vmap(self._stat)(rows_p), axis_name)
+    row_key = device_key(key, axis_name, 0)
+    keys = None if row_key is None else jax.random.split(row_key, d)
+    words = jax.vmap(lambda r, sh, k: self._fields(r, sh, k, d),
+                     in_axes=(0, 0, None if keys is None else 0))(rows_p, shared, keys)
+    mine = lax.psum_scatter(words, axis_name, scatter_dimension=0, tiled=True)[0]
+    own = lax.dynamic_index_in_dim(shared, lax.axis_index(axis_name), keepdims=False)
+    block = self._unfields(mine, own, d, d, m, 1.0 / d if op == "mean" else 1.0)
+    mine_decoded = jax.vmap(lambda w, sh: self._unfields(w, sh, d, 1, m))(words, shared)
+    return block, (rows - mine_decoded).reshape(-1)
+
+  def traffic(self, n, devices, collective="allreduce"):
+    """allreduce: ring all-reduces of the uint32 words (fields for D summed payloads) and of one
+    4-byte statistic per bucket (the pmax); reduce_scatter: a reduce-scatter of D blocks' words
+    and the pmax of every block's statistics; all_gather: the standalone payloads."""
+    n, d, collective = _check_traffic(n, devices, collective)
+    if collective == "all_gather":
+      return super().traffic(n, d, collective)
+    d = self.check_devices(d)
+    if collective == "allreduce":
+      return (("all-reduce", _ring(d, 4 * self._words(n, d))),
+              ("all-reduce", _ring(d, 4 * wire.num_buckets(n, self.bucket_size))))
+    m = -(-n // d)
+    return (("reduce-scatter", (d - 1) * 4 * self._words(m, d)),
+            ("all-reduce", _ring(d, 4 * d * wire.num_buckets(m, self.bucket_size))))
+
+
 @dataclasses.dataclass(frozen=True)
-class Summable(_Bucketed):
+class Summable(_SummedFields):
   """A summable (homomorphic) codec: payloads that XLA's own all-reduce sums (IntSGD / THC style).
 
   Every device quantises each bucket of ``bucket_size`` values with the same scale, the bucket's
@@ -733,51 +789,21 @@ class Summable(_Bucketed):
   def padded_size(self, n: int, devices: int) -> int:
     return -(-n // self.bucket_size) * self.bucket_size  # whole buckets; no chunks per device
 
-  def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
-    """One lax.pmax of the per-bucket statistic (the shared scales), one lax.psum of the uint32
-    words (XLA's all-reduce), one decode; the residual is x minus this device's own decode."""
-    n = x.shape[0]
-    d = self.check_devices(axis_size(axis_name))
-    shared = lax.pmax(self.bucket_scale(x), axis_name)  # the same on every device
-    words = self.wire_encode_summable(x, shared, device_key(key, axis_name, 0), d)
-    total = lax.psum(words, axis_name)
-    out = self.wire_decode_summed(total, shared, d, d, n, 1.0 / d if op == "mean" else 1.0)
-    residual = x - self.wire_decode_summed(words, shared, d, 1, n)
-    return out, residual
+  # -- the summed fields (see _SummedFields) ----------------------------------------------------------
+  def _field_size(self, n):
+    return n  # the kernels take a partial last bucket
 
-  def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
-    """Block i's words summed onto device i: one psum_scatter of [D, W] words (whole rows), the
-    scales of every block shared by one pmax."""
-    d = self.check_devices(axis_size(axis_name))
-    rows = x.reshape(d, -1)
-    m = rows.shape[1]
-    shared = lax.pmax(jax.vmap(self.bucket_scale)(rows), axis_name)
-    row_key = device_key(key, axis_name, 0)
-    keys = None if row_key is None else jax.random.split(row_key, d)
-    words = jax.vmap(lambda r, sh, k: self.wire_encode_summable(r, sh, k, d),
-                     in_axes=(0, 0, None if keys is None else 0))(rows, shared, keys)
-    mine = lax.psum_scatter(words, axis_name, scatter_dimension=0, tiled=True)[0]
-    own = lax.dynamic_index_in_dim(shared, lax.axis_index(axis_name), keepdims=False)
-    block = self.wire_decode_summed(mine, own, d, d, m, 1.0 / d if op == "mean" else 1.0)
-    mine_decoded = jax.vmap(lambda w, sh: self.wire_decode_summed(w, sh, d, 1, m))(words, shared)
-    return block, (rows - mine_decoded).reshape(-1)
+  def _stat(self, x):
+    return self.bucket_scale(x)
 
-  def traffic(self, n, devices, collective="allreduce"):
-    """allreduce: ring all-reduces of the uint32 words (fields for D summed payloads) and of one
-    int32 statistic per bucket (the pmax); reduce_scatter: a reduce-scatter of D blocks' words and
-    the pmax of every block's statistics; all_gather: the standalone payloads."""
-    n, d, collective = _check_traffic(n, devices, collective)
-    if collective == "all_gather":
-      return super().traffic(n, d, collective)
-    d = self.check_devices(d)
-    if collective == "allreduce":
-      words = wire.summable_words(n, self.bits, d)
-      return (("all-reduce", _ring(d, 4 * words)),
-              ("all-reduce", _ring(d, 4 * wire.num_buckets(n, self.bucket_size))))
-    m = -(-n // d)
-    words = wire.summable_words(m, self.bits, d)
-    return (("reduce-scatter", (d - 1) * 4 * words),
-            ("all-reduce", _ring(d, 4 * d * wire.num_buckets(m, self.bucket_size))))
+  def _fields(self, x, shared, key, devices):
+    return self.wire_encode_summable(x, shared, key, devices)
+
+  def _unfields(self, words, shared, devices, count, n, scale=1.0):
+    return self.wire_decode_summed(words, shared, devices, count, n, scale)
+
+  def _words(self, n, devices):
+    return wire.summable_words(n, self.bits, devices)
 
   # -- summable wire API ---------------------------------------------------------------------------
   def bucket_scale(self, x: jax.Array) -> jax.Array:
@@ -829,7 +855,7 @@ _FIELD = 1 << 16  # Wire16: two 16-bit fields per uint32 word
 
 
 @dataclasses.dataclass(frozen=True)
-class Wire16(_Bucketed):
+class Wire16(_SummedFields):
   """16 bits per value that the transport sums at its integer rate: ``sync(bits=16)``.
 
   On CPU (XLA's collectives over gloo) a bfloat16 all-reduce is carried out in float32, so the
@@ -959,38 +985,14 @@ class Wire16(_Bucketed):
     return self._buckets(n) * self.bucket_size
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
-    n = x.shape[0]
-    d = self.check_devices(axis_size(axis_name))
-
-    def fixed16(x):
-      xp = _pad_to(x, self.padded_size(n, d))
-      shared = lax.pmax(self.bucket_max(xp), axis_name)
-      words = self.encode_fields(xp, shared, device_key(key, axis_name, 0), d)
-      total = lax.psum(words, axis_name)
-      out = self.decode_fields(total, shared, d, d, 1.0 / d if op == "mean" else 1.0)
-      return out[:n], (xp - self.decode_fields(words, shared, d, 1))[:n]
-
-    if _fixed16_here():
-      return fixed16(x)
-    return _BF16.allreduce_flat(x, axis_name, key, op, exchange)
+    if not _fixed16_here():
+      return _BF16.allreduce_flat(x, axis_name, key, op, exchange)
+    return super().allreduce_flat(x, axis_name, key, op, exchange)
 
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     if not _fixed16_here():
       return _BF16.reduce_scatter_flat(x, axis_name, key, op, exchange)
-    d = self.check_devices(axis_size(axis_name))
-    rows = x.reshape(d, -1)
-    m = rows.shape[1]
-    rows_p = jax.vmap(lambda r: _pad_to(r, self._buckets(m) * self.bucket_size))(rows)
-    shared = lax.pmax(jax.vmap(self.bucket_max)(rows_p), axis_name)
-    row_key = device_key(key, axis_name, 0)
-    keys = None if row_key is None else jax.random.split(row_key, d)
-    words = jax.vmap(lambda r, sh, k: self.encode_fields(r, sh, k, d),
-                     in_axes=(0, 0, None if keys is None else 0))(rows_p, shared, keys)
-    mine = lax.psum_scatter(words, axis_name, scatter_dimension=0, tiled=True)[0]
-    own = lax.dynamic_index_in_dim(shared, lax.axis_index(axis_name), keepdims=False)
-    block = self.decode_fields(mine, own, d, d, 1.0 / d if op == "mean" else 1.0)[:m]
-    mine_decoded = jax.vmap(lambda w, sh: self.decode_fields(w, sh, d, 1))(words, shared)
-    return block, (rows - mine_decoded[:, :m]).reshape(-1)
+    return super().reduce_scatter_flat(x, axis_name, key, op, exchange)
 
   def all_gather_flat(self, x, axis_name, key):
     if not _fixed16_here():
@@ -998,22 +1000,28 @@ class Wire16(_Bucketed):
     return super().all_gather_flat(x, axis_name, key)
 
   def traffic(self, n, devices, collective="allreduce"):
-    """CPU: allreduce: ring all-reduces of the words (16 bits per value) and of one float32 scale
-    per bucket (the pmax); reduce_scatter: a reduce-scatter of D blocks' words and the pmax of every
-    block's scales; all_gather: the standalone payloads. Elsewhere: ``Cast(bfloat16)``'s."""
+    """CPU: the summed fields' (16 bits per value, a float32 scale per bucket; see
+    ``_SummedFields.traffic``). Elsewhere: ``Cast(bfloat16)``'s."""
     n, d, collective = _check_traffic(n, devices, collective)
     if not _fixed16_here():
       return _BF16.traffic(n, d, collective)
-    if collective == "all_gather":
-      return super().traffic(n, d, collective)
-    d = self.check_devices(d)
-    if collective == "allreduce":
-      nb = self._buckets(n)
-      return (("all-reduce", _ring(d, 2 * nb * self.bucket_size)),
-              ("all-reduce", _ring(d, 4 * nb)))
-    nb = self._buckets(-(-n // d))
-    return (("reduce-scatter", (d - 1) * 2 * nb * self.bucket_size),
-            ("all-reduce", _ring(d, 4 * d * nb)))
+    return super().traffic(n, d, collective)
+
+  # -- the summed fields (see _SummedFields) ----------------------------------------------------------
+  def _field_size(self, n):
+    return self._buckets(n) * self.bucket_size  # whole buckets
+
+  def _stat(self, x):
+    return self.bucket_max(x)
+
+  def _fields(self, x, shared, key, devices):
+    return self.encode_fields(x, shared, key, devices)
+
+  def _unfields(self, words, shared, devices, count, n, scale=1.0):
+    return self.decode_fields(words, shared, devices, count, scale)[:n]
+
+  def _words(self, n, devices):
+    return self._buckets(n) * self.bucket_size // 2
 
 
 _BF16 = Cast(jnp.bfloat16)
