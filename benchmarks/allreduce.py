@@ -483,7 +483,7 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
                            for a in jax.tree_util.tree_leaves(t)])
 
   exact = flat_local(run(None)(tree))
-  n = int(sum(math.prod(s.shape) for s in jax.tree_util.tree_leaves(shapes)))
+  n = sum(math.prod(s.shape) for s in leaves)
   rows = []
   for name in names:
     codec = make_codec(name, bucket, impl)

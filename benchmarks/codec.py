@@ -47,6 +47,7 @@ from benchmarks import _common
 
 OPS = ("encode", "decode", "decode_sum")
 GPU_OPS = OPS + ("decode_sum_reencode",)
+SUMMABLE_OPS = ("encode", "decode")  # --codec summable: the sum itself is the all-reduce's
 IMPLS = ("ffi", "jax")
 NUM_PAYLOADS = 4  # decode_sum sums this many payloads, as a 4-worker allreduce would
 DEFAULT_SIZES = (1_000_000, 25_000_000)
@@ -115,6 +116,15 @@ def copy_bandwidth(n: int = COPY_BW_SIZE, *, repeats: int, warmup: int) -> dict[
   return dict(op="x + 1", size=n, bytes_moved=8 * n, **t.as_dict(), gb_per_s=8 * n / t.median / 1e9)
 
 
+def _set_speedup(op_rows: list[dict[str, Any]], timings: dict[str, Any]) -> None:
+  """Gives the ffi row of one op its speedup over the jax row (jax median / ffi median), when
+  both implementations were timed."""
+  if "ffi" in timings and "jax" in timings:
+    for row in op_rows:
+      if row["impl"] == "ffi":
+        row["speedup_ffi_over_jax"] = timings["jax"].median / timings["ffi"].median
+
+
 SUMMABLE_DEVICES = 4  # the D whose fields the Summable rows use
 
 
@@ -127,8 +137,9 @@ def bench_summable(n: int, *, bits: int, bucket: int, rounding: str, impls: Sequ
   shared = jax.jit(ref.bucket_scale)(x)
   words = jax.jit(lambda a, s, k: ref.wire_encode_summable(a, s, k, d))(x, shared, jax.random.key(0))
   jax.block_until_ready(words)
-  rows, timings = [], {}
-  for op in ("encode", "decode"):
+  rows = []
+  for op in SUMMABLE_OPS:
+    timings = {}
     for impl in impls:
       c = Summable(bits, bucket, rounding, impl=impl)
       if op == "encode":
@@ -140,7 +151,7 @@ def bench_summable(n: int, *, bits: int, bucket: int, rounding: str, impls: Sequ
         args = (words, shared)
         moved = 4 * int(words.shape[0]) + 4 * n
       t = _common.median_time(fn, *args, repeats=repeats, warmup=warmup)
-      timings[(op, impl)] = t
+      timings[impl] = t
       print(f"  {_row_label(n):>13} {op:<10} {impl:<3}  {1e3 * t.median:9.3f} ms",
             file=sys.stderr, flush=True)
       rows.append(dict(op=op, impl=impl, size=n, bits=bits, bucket_size=bucket, scheme="summable",
@@ -149,10 +160,7 @@ def bench_summable(n: int, *, bits: int, bucket: int, rounding: str, impls: Sequ
                        gb_per_s=4 * n / t.median / 1e9, speedup_ffi_over_jax=None,
                        bytes_moved=moved, moved_gb_per_s=moved / t.median / 1e9,
                        fraction_of_copy_bw=moved / t.median / 1e9 / copy_gb_per_s))
-    if ("ffi" in impls) and ("jax" in impls):
-      for row in rows[-len(impls):]:
-        if row["impl"] == "ffi":
-          row["speedup_ffi_over_jax"] = timings[(op, "jax")].median / timings[(op, "ffi")].median
+    _set_speedup(rows[-len(impls):], timings)
   return rows
 
 
@@ -199,11 +207,7 @@ def bench_size(n: int, *, bits: int, bucket: int, scheme: str, rounding: str,
           speedup_ffi_over_jax=None,
           **extra,
       ))
-    if "ffi" in timings and "jax" in timings:
-      speedup = timings["jax"].median / timings["ffi"].median
-      for row in rows[-len(timings):]:
-        if row["impl"] == "ffi":
-          row["speedup_ffi_over_jax"] = speedup
+    _set_speedup(rows[-len(timings):], timings)
   return rows
 
 
@@ -263,7 +267,7 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   meta["benchmark"] = "codec"
   gpu = meta["backend"] == "gpu"
   sizes = args.sizes or list(DEFAULT_GPU_SIZES if gpu else DEFAULT_SIZES)
-  ops = GPU_OPS if gpu else OPS
+  ops = SUMMABLE_OPS if args.codec == "summable" else GPU_OPS if gpu else OPS
   meta["config"] = dict(codec=args.codec, sizes=sizes, ops=list(ops), bits=args.bits,
                         bucket_size=args.bucket,
                         scheme=args.scheme, rounding=args.rounding, impls=args.impls,

@@ -1033,7 +1033,7 @@ def _fixed16_here() -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Auto(Codec):
+class Auto(_Bucketed):
   """The fastest ``bits``-bit codec for the transport and the number of devices: ``sync(bits=b)``.
 
   The candidates are :class:`QSGD` (a scatter-reduce-allgather: an all-to-all and an all-gather
@@ -1104,14 +1104,6 @@ class Auto(Codec):
   def name(self) -> str:
     rounding = "" if self.rounding == "stochastic" else f" {self.rounding}"
     return f"auto {self.bits}b/{self.bucket_size}{rounding}"
-
-  @property
-  def needs_key(self) -> bool:
-    return self.rounding == "stochastic"
-
-  @property
-  def pad_multiple(self) -> int:
-    return self.bucket_size
 
   # One device and the array API: QSGD.
   def pad_fill(self, x):
