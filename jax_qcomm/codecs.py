@@ -851,39 +851,54 @@ class Summable(_SummedFields):
     return out
 
 
-_FIELD = 1 << 16  # Wire16: two 16-bit fields per uint32 word
+#: Wire16: the radix of ``k`` fields in one uint32 word, the largest ``R`` with ``R**k <= 2**32``.
+_RADIX = {2: 1 << 16, 3: 1625}
+#: Wire16 packs three fields per word only where that keeps at least this many levels per side
+#: (D <= 2): on normal values its error is then within the bf16 cast's (docs/wire-format.md).
+_MIN_LEVELS_3 = 400
 
 
 @dataclasses.dataclass(frozen=True)
 class Wire16(_SummedFields):
-  """16 bits per value that the transport sums at its integer rate: ``sync(bits=16)``.
+  """bfloat16-class accuracy in fields that the transport sums at its integer rate: ``sync(bits=16)``.
 
   On CPU (XLA's collectives over gloo) a bfloat16 all-reduce is carried out in float32, so the
-  bf16 cast halves nothing there. This codec sends 16-bit fixed-point fields instead, two per
-  uint32 word, which XLA's ``psum`` sums as integers: every bucket of ``bucket_size`` values shares
-  one scale, its largest ``|x|`` over all devices (one float32 ``lax.pmax`` per bucket); over D
-  devices a value becomes a level ``q`` in ``[-L, L]``, ``L = (2**16 - 1) // (2 D)`` (16383 at D = 2,
-  4095 at D = 8, 511 at D = 64: the headroom the sum of D fields needs), sent as the field
-  ``q + L``; one ``psum`` of the words and one decode give every device the same sum. Each value is
-  quantised once. Wire bits per element: ``16 + 32 / bucket_size``.
+  bf16 cast halves nothing there. This codec sends fixed-point fields instead, ``k`` per uint32
+  word, which XLA's ``psum`` sums as integers: every bucket of ``bucket_size`` values shares one
+  scale, its largest ``|x|`` over all devices (one float32 ``lax.pmax`` per bucket); over D devices
+  a value becomes a level ``q`` in ``[-L, L]``, ``L = (R - 1) // (2 D)`` with ``R`` the radix of
+  ``k`` fields (``R**k <= 2**32``: 65536 for two, 1625 for three), sent as the field ``q + L``;
+  one ``psum`` of the words and one decode give every device the same sum. Each value is quantised
+  once.
 
+  * ``fields=None`` (the default) packs three fields per word where they keep at least 400 levels
+    per side (D <= 2; ``L = 406`` at D = 2): ``32 / 3 + 32 / bucket_size`` bits per value, 10.8 at
+    the default bucket of 192. Elsewhere it packs two, ``L = (2**16 - 1) // (2 D)`` (10922 at
+    D = 3, 4095 at D = 8, 511 at D = 64): ``16 + 32 / bucket_size`` bits. Three fields need a
+    ``bucket_size`` divisible by 3; with any other bucket the codec packs two at every D.
+    ``fields=2`` or ``3`` fixes the packing; :meth:`resolve` names the one a reduction uses.
   * Error per value and device: ``<= step / 2`` (nearest, the default: like the bf16 cast's
-    round-to-nearest, biased but tiny) or ``< step`` (stochastic: unbiased), ``step = max|x| / L``
-    of the bucket (float32 arithmetic aside): at D = 2 about ``3e-5`` of the bucket's largest value,
-    against bf16's ``2**-9`` of each value; the mean's error is at most the same ``step``.
+    round-to-nearest, biased but small) or ``< step`` (stochastic: unbiased), ``step = max|x| / L``
+    of the bucket (float32 arithmetic aside). Against bf16's ``2**-9`` of each value: on normal
+    values the mean's relative error at D = 2 is 2.3e-3 with three fields (the bf16 cast's
+    all-reduce: 2.4e-3) and 6e-5 with two; on heavy-tailed values (Student t with 3 degrees of
+    freedom) three fields reach 6.4e-3 against the cast's 2.4e-3: pass ``fields=2`` there.
   * Valid range: any finite float32; an all-zero bucket decodes to exact zeros; a bucket holding
-    NaN or +-Inf on any device decodes to NaN throughout, on every device. D <= 32767.
+    NaN or +-Inf on any device decodes to NaN throughout, on every device. D <= 32767 (two
+    fields; 812 with ``fields=3``).
   * On other platforms (GPUs, whose NCCL sums bf16 natively) the same codec sends the bf16 cast:
     ``Cast(bfloat16)``'s scatter-reduce-allgather. :meth:`traffic` reports the bytes of the
     platform ``jax.default_backend()`` names.
 
   Args:
-    bucket_size: values sharing one scale; a positive multiple of 8.
+    bucket_size: values sharing one scale; a positive multiple of 8 (and of 3 for three fields).
     rounding: ``"nearest"`` (default) or ``"stochastic"`` (unbiased; needs a key).
+    fields: fields per uint32 word: ``None`` (three where they keep 400 levels, else two), 2 or 3.
   """
 
-  bucket_size: int = 1024
+  bucket_size: int = 192
   rounding: str = "nearest"
+  fields: int | None = None
 
   wire_dtype = np.uint32
 
@@ -892,23 +907,43 @@ class Wire16(_SummedFields):
     if self.rounding not in wire.ROUNDINGS:
       raise ValueError(f"rounding must be one of {wire.ROUNDINGS}, got {self.rounding!r}")
     object.__setattr__(self, "bucket_size", int(self.bucket_size))
+    if self.fields is not None:
+      check_int_in("fields", self.fields, 2, 3, " (fields per uint32 word) or None")
+      object.__setattr__(self, "fields", int(self.fields))
+      if self.bucket_size % self.fields:
+        raise ValueError(f"bucket_size must be a multiple of fields={self.fields}, "
+                         f"got {self.bucket_size}")
 
   @property
   def name(self) -> str:
     rounding = "" if self.rounding == "nearest" else f" {self.rounding}"
-    return f"Wire16 /{self.bucket_size}{rounding}"
+    fields = "" if self.fields is None else f" {self.fields}x"
+    return f"Wire16{fields} /{self.bucket_size}{rounding}"
 
   def _kernel_platforms(self) -> tuple[str, ...]:
     return ()  # pure JAX: XLA fuses the few elementwise passes
 
-  @staticmethod
-  def levels(devices: int) -> int:
-    """L: the largest level when ``devices`` fields are summed (their sum fits 16 bits)."""
-    return (_FIELD - 1) // (2 * devices)
+  def fields_for(self, devices: int) -> int:
+    """Fields per word when ``devices`` payloads are summed (the rule of ``fields=None``)."""
+    if self.fields is not None:
+      return self.fields
+    if self.bucket_size % 3 == 0 and (_RADIX[3] - 1) // (2 * devices) >= _MIN_LEVELS_3:
+      return 3
+    return 2
+
+  def levels(self, devices: int) -> int:
+    """L: the largest level when ``devices`` fields are summed (their sum fits the radix)."""
+    return (_RADIX[self.fields_for(devices)] - 1) // (2 * devices)
+
+  def resolve(self, devices, collective="allreduce", transport=None):
+    super().resolve(devices, collective, transport)  # the checks
+    d = self.check_devices(devices)
+    return self if self.fields is not None else dataclasses.replace(self, fields=self.fields_for(d))
 
   def check_devices(self, devices: int) -> int:
-    return check_int_in("devices", devices, 1, (_FIELD - 1) // 2,
-                        f" for {self.name} (at least one level per side: 2 D < 2**16)")
+    most = (_RADIX[self.fields or 2] - 1) // 2
+    return check_int_in("devices", devices, 1, most,
+                        f" for {self.name} (at least one level per side: 2 D < {_RADIX[self.fields or 2]})")
 
   def _buckets(self, n: int) -> int:
     return -(-n // self.bucket_size)
@@ -916,11 +951,13 @@ class Wire16(_SummedFields):
   def payload_size(self, n: int) -> int:
     """Standalone payload (D = 1): a float32 scale per bucket, then the words of whole buckets."""
     nb = self._buckets(check_int("n", n, 0))
-    return 4 * nb + 2 * nb * self.bucket_size
+    return 4 * nb + 4 * nb * self.bucket_size // self.fields_for(1)
 
   def wire_bits(self, devices: int = 1) -> float:
-    self.check_devices(devices)
-    return 16.0 + 32.0 / self.bucket_size if _fixed16_here() else 16.0
+    d = self.check_devices(devices)
+    if not _fixed16_here():
+      return 16.0
+    return 32.0 / self.fields_for(d) + 32.0 / self.bucket_size
 
   # -- the fixed-point fields ----------------------------------------------------------------------
   def bucket_max(self, x: jax.Array) -> jax.Array:
@@ -933,30 +970,39 @@ class Wire16(_SummedFields):
 
   def encode_fields(self, x: jax.Array, shared: jax.Array, key: jax.Array | None,
                     devices: int) -> jax.Array:
-    """float32[k * bucket_size] -> uint32[k * bucket_size / 2]: fields ``q + L`` for ``devices``;
-    word i of a bucket holds value i (low half) and value i + bucket_size / 2 (high half)."""
-    lv = self.levels(devices)
+    """float32[m * bucket_size] -> uint32[m * bucket_size / k]: fields ``q + L`` for ``devices``,
+    ``k = fields_for(devices)``; word i of a bucket holds value ``i + j bucket_size / k`` as digit
+    j (``R**j`` times its field: for two fields, the low and the high 16 bits)."""
+    k, lv = self.fields_for(devices), self.levels(devices)
     inv = jnp.where(shared > 0, lv / shared, 0.0).astype(jnp.float32)  # 0 for zero / inf buckets
-    halves = x.reshape(-1, 2, self.bucket_size // 2)
+    parts = x.reshape(-1, k, self.bucket_size // k)
     if self.rounding == "stochastic":
       if key is None:
         raise ValueError("key is required for rounding='stochastic' (pass a jax.random key)")
-      u = jax.random.uniform(key, halves.shape, jnp.float32)
+      u = jax.random.uniform(key, parts.shape, jnp.float32)
 
-    def field(h):  # one half of every bucket; a fused pass each (XLA CPU vectorises them apart)
-      v = halves[:, h] * inv[:, None]
+    def field(h):  # one part of every bucket; a fused pass each (XLA CPU vectorises them apart)
+      v = parts[:, h] * inv[:, None]
       q = jnp.floor(v + u[:, h]) if self.rounding == "stochastic" else jnp.round(v)
       # NaN (only in a bucket whose scale is inf, decoded as NaN) -> the clip's lower end.
       return (jnp.clip(q, -lv, lv) + lv).astype(jnp.uint32)
 
-    return (field(0) | (field(1) << 16)).reshape(-1)
+    words = field(k - 1)
+    for h in range(k - 2, -1, -1):  # Horner: ((f_{k-1} R) + ... ) R + f_0
+      words = words * jnp.uint32(_RADIX[k]) + field(h)
+    return words.reshape(-1)
 
   def decode_fields(self, words: jax.Array, shared: jax.Array, devices: int, count: int,
                     scale: float = 1.0) -> jax.Array:
-    """The inverse for a sum of ``count`` devices' words: float32[2 * words] times ``scale``."""
-    lv = self.levels(devices)
-    w = words.reshape(-1, 1, self.bucket_size // 2)
-    fields = jnp.concatenate([w & 0xFFFF, w >> 16], axis=1)
+    """The inverse for a sum of ``count`` devices' words: float32[k * words] times ``scale``."""
+    k, lv = self.fields_for(devices), self.levels(devices)
+    r = jnp.uint32(_RADIX[k])
+    w = words.reshape(-1, 1, self.bucket_size // k)
+    digits = []
+    for _ in range(k - 1):
+      digits.append(w % r)
+      w = w // r
+    fields = jnp.concatenate(digits + [w], axis=1)
     q = fields.astype(jnp.int32) - jnp.int32(count * lv)
     step = (shared / jnp.float32(lv)) * jnp.float32(scale)  # NaN / inf for NaN / inf buckets
     out = q.astype(jnp.float32) * step[:, None, None]
@@ -1021,7 +1067,7 @@ class Wire16(_SummedFields):
     return self.decode_fields(words, shared, devices, count, scale)[:n]
 
   def _words(self, n, devices):
-    return self._buckets(n) * self.bucket_size // 2
+    return self._buckets(n) * self.bucket_size // self.fields_for(devices)
 
 
 _BF16 = Cast(jnp.bfloat16)
@@ -1030,6 +1076,14 @@ _BF16 = Cast(jnp.bfloat16)
 def _fixed16_here() -> bool:
   """Wire16 sends fixed-point fields where XLA's all-reduce would widen bf16 (CPU: gloo)."""
   return jax.default_backend() == "cpu"
+
+
+#: The bucket of the ``bits`` shorthand: 64 values at 1 and 2 bits, 128 from 3 bits. At 2 bits the
+#: bucket's range sets most of the error: on normal values at D = 2 a bucket of 64 brings the
+#: relative error of the mean from 1.08 to 0.96 for 3.0 wire bits per value instead of 2.5.
+def default_bucket(bits: int) -> int:
+  """The bucket size ``codec_for_bits(bits)`` and ``sync(bits=...)`` use when none is given."""
+  return 64 if bits <= 2 else 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1057,20 +1111,23 @@ class Auto(_Bucketed):
 
   Args:
     bits: 1..8 (1 and 2 bits: QSGD only).
-    bucket_size: values sharing scales; a positive multiple of 8.
+    bucket_size: values sharing scales; a positive multiple of 8; default :func:`default_bucket`
+      (64 at 1 and 2 bits, 128 from 3).
     scheme: QSGD's ``"maxmin"`` or ``"norm"``.
     rounding: ``"stochastic"`` (needs a key) or ``"nearest"``.
     impl: ``"auto"``, ``"ffi"`` or ``"jax"``, as the candidates take it.
   """
 
   bits: int = 4
-  bucket_size: int = 128
+  bucket_size: int | None = None
   scheme: str = "maxmin"
   rounding: str = "stochastic"
   impl: str = "auto"
 
   def __post_init__(self):
     check_int_in("bits", self.bits, 1, 8, " for Auto")
+    if self.bucket_size is None:
+      object.__setattr__(self, "bucket_size", default_bucket(int(self.bits)))
     candidates = [QSGD(self.bits, self.bucket_size, self.scheme, self.rounding, self.impl)]
     if self.bits >= 3:  # 2-bit Summable is ternary: 3 levels against QSGD's 4, a 1.5x step
       candidates.append(Summable(self.bits, self.bucket_size, self.rounding, self.impl))
@@ -1143,12 +1200,13 @@ class Auto(_Bucketed):
     return self.resolve(d, collective).traffic(n, d, collective)
 
 
-def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
+def codec_for_bits(bits: int, bucket_size: int | None = None, scheme: str = "maxmin",
                    rounding: str = "stochastic") -> Codec:
-  """The codec a ``bits`` shorthand names: 32 -> NoCompression, 16 -> Wire16 (16-bit fields summed
-  as integers on CPU, the bf16 cast on GPUs), 1..8 -> ``Auto(bits, bucket_size, scheme,
+  """The codec a ``bits`` shorthand names: 32 -> NoCompression, 16 -> Wire16 (fixed-point fields
+  summed as integers on CPU, the bf16 cast on GPUs), 1..8 -> ``Auto(bits, bucket_size, scheme,
   rounding)``: QSGD or Summable, whichever the transport and the number of devices make faster
-  (``bucket_size``, ``scheme`` and ``rounding`` apply to 1..8 bits; they are checked even where
+  (``bucket_size`` default :func:`default_bucket`: 64 at 1 and 2 bits, 128 from 3;
+  ``bucket_size``, ``scheme`` and ``rounding`` apply to 1..8 bits; they are checked even where
   they do not apply). Any other codec, e.g. ``QSGD(4)`` to force the scatter-reduce-allgather, is
   passed as an object: ``sync(inner, codec=...)``."""
   if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not (
@@ -1157,7 +1215,8 @@ def codec_for_bits(bits: int, bucket_size: int = 128, scheme: str = "maxmin",
                      f"got {bits!r}")
   bits = int(bits)
   if bits in (16, 32):
-    QSGD(bits=4, bucket_size=bucket_size, scheme=scheme, rounding=rounding)
+    QSGD(bits=4, bucket_size=128 if bucket_size is None else bucket_size, scheme=scheme,
+         rounding=rounding)
   if bits == 32:
     return NoCompression()
   if bits == 16:

@@ -177,7 +177,7 @@ def _resolve_codec(codec: Any, bits: Any, bucket_size: Any, error_feedback: bool
                           "or any qcomm.Codec)")
   # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit the
   # residual (up to a whole bucket range) feeds the next range and training diverged.
-  return codec_for_bits(4 if bits is None else bits, 128 if bucket_size is None else bucket_size,
+  return codec_for_bits(4 if bits is None else bits, bucket_size,
                         rounding="nearest" if error_feedback else "stochastic")
 
 
@@ -231,8 +231,10 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
       gradient. JAX records variation only inside ``shard_map`` with ``check_vma=True`` (the
       default): under ``jax.pmap`` or ``check_vma=False`` this is not checked.
     bits, bucket_size: shorthand for ``codec``: 32 exact (``NoCompression``), 16 ``Wire16()``
-      (16-bit fields summed as integers on CPU, where XLA's all-reduce widens bf16; the bf16 cast
-      on GPUs), 1..8 ``QSGD(bits, bucket_size)`` (default 4 bits, bucket 128).
+      (bf16-class accuracy in fixed-point fields summed as integers on CPU, where XLA's
+      all-reduce widens bf16; the bf16 cast on GPUs), 1..8 ``Auto(bits, bucket_size)`` (QSGD or
+      Summable, whichever the transport makes faster; default 4 bits; bucket 128, or 64 at 1 and
+      2 bits: ``qcomm.codecs.default_bucket``).
     min_size, exclude: shorthand for ``policy=qcomm.LeafPolicy(min_size=..., exclude=...)``.
     shard_state: sharded optimizer state (ZeRO-1 style, per-parameter shards as PyTorch FSDP2):
       the gradients are reduce-scattered with ``codec`` (each value quantised once on its way to

@@ -42,8 +42,9 @@ def test_the_rule_on_the_measured_transports():
     # a reduce-scatter over gloo runs at the exchange's rate: QSGD's fewer bytes again
     assert a.resolve(2, "reduce_scatter", T.GLOO_PAIR) == qcomm.QSGD(bits)
   # 1 and 2 bits have one candidate; one device sends nothing, and QSGD wins the tie
-  assert qcomm.Auto(1).resolve(2, transport=CHEAP_PSUM) == qcomm.QSGD(1)
-  assert qcomm.Auto(2).candidates == (qcomm.QSGD(2),)
+  assert qcomm.Auto(1).resolve(2, transport=CHEAP_PSUM) == qcomm.QSGD(1, 64)
+  assert qcomm.Auto(2).candidates == (qcomm.QSGD(2, 64),)  # bucket 64 at 1 and 2 bits
+  assert qcomm.Auto(3).bucket_size == 128 and qcomm.Auto(2, 256).bucket_size == 256
   assert qcomm.Auto(4).resolve(1, transport=CHEAP_PSUM) == qcomm.QSGD(4)
   # the candidates carry the bucket, rounding, scheme and impl
   a = qcomm.Auto(3, 64, scheme="norm", rounding="nearest", impl="jax")

@@ -151,6 +151,10 @@ def _summable_cases() -> list[Case]:
       Case("Wire16", "bucket_size", lambda: qcomm.Wire16(bucket_size=12)),
       Case("Wire16", "rounding", lambda: qcomm.Wire16(rounding="up")),
       Case("Wire16.traffic", "devices", lambda: qcomm.Wire16().traffic(16, 1 << 15)),
+      Case("Wire16", "fields", lambda: qcomm.Wire16(fields=1)),
+      Case("Wire16", "fields", lambda: qcomm.Wire16(fields="3")),
+      Case("Wire16", "bucket_size", lambda: qcomm.Wire16(bucket_size=128, fields=3)),
+      Case("Wire16.traffic", "devices", lambda: qcomm.Wire16(fields=3).traffic(16, 813)),
       Case("sync", "codec", lambda: qcomm.sync(sgd, codec=4)),
       Case("sync", "policy", lambda: qcomm.sync(sgd, policy={"min_size": 4})),
   ]

@@ -47,9 +47,11 @@ def test_sra_bytes_match_the_allreduce_benchmark_convention():
 def test_cast_bf16_halves_fp32():
   assert eff.allreduce_bytes(4096, 4, qcomm.Cast(jnp.bfloat16)) == pytest.approx(
       eff.allreduce_bytes(4096, 4, 32) / 2)
-  # bits=16 is Wire16: half of fp32, plus a float32 scale per bucket of 1024 (CPU)
-  assert eff.allreduce_bytes(4096, 4, 16) == pytest.approx(
-      eff.allreduce_bytes(4096, 4, 32) / 2 + 1.5 * 4 * 4)
+  # bits=16 is Wire16, two 16-bit fields per word at D = 4: 2 bytes per value of whole buckets of
+  # 192 (22 buckets, 4224 values) plus a float32 scale per bucket (CPU)
+  assert eff.allreduce_bytes(4096, 4, 16) == pytest.approx(1.5 * (2 * 4224 + 4 * 22))
+  # at D = 2 three fields per word: 4 bytes per 3 values
+  assert eff.allreduce_bytes(4224, 2, 16) == pytest.approx(4 * 4224 / 3 + 4 * 22)
 
 
 def test_hierarchical_bytes():
@@ -175,7 +177,7 @@ def test_argument_errors(call, match):
 
 def test_numpy_scalars_accepted():
   assert eff.allreduce_bytes(np.int64(1000), np.int32(4), 32) == pytest.approx(6000)
-  assert eff.allreduce_bytes(1000, 4, np.int64(16)) == pytest.approx(1.5 * (2 * 1024 + 4))
+  assert eff.allreduce_bytes(1000, 4, np.int64(16)) == pytest.approx(1.5 * (2 * 1152 + 4 * 6))
   assert eff.scaling_efficiency(np.float32(0.1), np.float64(0.3), np.int64(2)) == pytest.approx(0.4)
 
 
