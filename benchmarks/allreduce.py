@@ -93,7 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="N", help="float32 elements per device (default: 1M 25.6M)")
   parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(DEFAULT_CODECS),
                       help=f"codecs to time (default: {' '.join(DEFAULT_CODECS)})")
-  parser.add_argument("--bucket", type=int, default=128, help="QSGD bucket size (default: 128)")
+  parser.add_argument("--bucket", type=int, default=None,
+                      help="bucket size of the quantising codecs (default: 128; auto rows: what "
+                           "sync(bits=b) holds, 64 at 1 and 2 bits)")
   parser.add_argument("--devices", type=int, default=None,
                       help=f"host devices per process (default: {_common.DEFAULT_DEVICES} in a single "
                            "process; under the launcher QCOMM_LOCAL_DEVICES, else 1)")
@@ -120,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- setup ------------------------------------------------------------------------------------------
 
-def make_codec(name: str, bucket: int = 128, impl: str = "auto"):
+def make_codec(name: str, bucket: int | None = None, impl: str = "auto"):
   """The library codec of a benchmark codec name (None for cast_pmean, which is not a codec); also
   the cost model check's (benchmarks.model)."""
   _, kind, kw = CODECS[name]
@@ -131,11 +133,13 @@ def make_codec(name: str, bucket: int = 128, impl: str = "auto"):
   if "dtype" in kw:
     return qcomm.Cast(getattr(jnp, kw["dtype"]))
   if kind == "summable":
-    return qcomm.Summable(bits=kw["bits"], bucket_size=bucket, impl=impl)
+    return qcomm.Summable(bits=kw["bits"], bucket_size=128 if bucket is None else bucket, impl=impl)
   if kind == "wire16":
     return qcomm.Wire16()
   if kind == "auto":
     return qcomm.Auto(bits=kw["bits"], bucket_size=bucket, impl=impl)
+  if bucket is None:
+    bucket = 128
   return qcomm.QSGD(bits=kw["bits"], bucket_size=bucket, scheme="maxmin", impl=impl)
 
 
@@ -213,7 +217,7 @@ def bench_size(n: int, mesh, names: Sequence[str], *, bucket: int, impl: str, re
     rows.append(dict(
         codec=label, description=CODECS[name][0], exchange=method, size=n, devices=d,
         runs=codec.resolve(d).name if codec is not None else None,
-        processes=jax.process_count(), bucket_size=bucket if name.startswith(("qsgd", "sum", "auto")) else None,
+        processes=jax.process_count(), bucket_size=getattr(codec, "bucket_size", None),
         psum_wire_itemsize=psum_itemsize if CODECS[name][1] != "sra" else None,
         payload_bytes=payload, wire_bytes_per_device=sent,
         **t.as_dict(),
@@ -507,7 +511,7 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
 
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark of the parsed ``args``; process 0 prints the table and writes the JSON."""
-  if args.bucket < 8 or args.bucket % 8:
+  if args.bucket is not None and (args.bucket < 8 or args.bucket % 8):
     raise SystemExit(f"--bucket must be a positive multiple of 8, got {args.bucket}")
   _common.init_devices(args.devices)
 

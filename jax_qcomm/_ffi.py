@@ -174,6 +174,50 @@ def summable_decode(words: jax.Array, shared: jax.Array, n: int, *, bits: int, b
                         scale=np.float32(scale)))
 
 
+def _leaves_span(sizes, bucket_size: int) -> int:
+  """Elements of the packed buffer of leaves of these sizes, each padded to whole buckets."""
+  return sum(wire.num_buckets(n, bucket_size) * bucket_size for n in sizes)
+
+
+def _call_leaves(target: str, results, *operands: jax.Array, **attrs):
+  """``_call`` for the kernels on a list of leaves (any number of operands or results, one call;
+  under vmap, one call per batch element)."""
+  call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
+  vma = frozenset().union(*(_compat.vma_of(x) for x in operands))
+  out = call(*operands, **attrs)
+  if isinstance(out, (list, tuple)):
+    return [_compat.make_varying(o, vma) for o in out]
+  return _compat.make_varying(out, vma)
+
+
+def summable_scale_leaves(leaves, *, bucket_size: int) -> jax.Array:
+  """float32 leaves -> int32[num_buckets] of their packed buffer (each leaf padded with zeros to
+  whole buckets), read in place."""
+  nb = _leaves_span([x.size for x in leaves], bucket_size) // bucket_size
+  return _call_leaves("qcomm_summable_scale_leaves", jax.ShapeDtypeStruct((nb,), jnp.int32),
+                      *leaves, bucket_size=np.int32(bucket_size))
+
+
+def summable_encode_leaves(leaves, shared: jax.Array, seed: jax.Array, *, bits: int,
+                           bucket_size: int, devices: int, rounding: str) -> jax.Array:
+  """float32 leaves -> the uint32 words of their packed buffer (as ``summable_encode`` of it)."""
+  n = _leaves_span([x.size for x in leaves], bucket_size)
+  size = wire.summable_words(n, bits, devices)
+  return _call_leaves("qcomm_summable_encode_leaves", jax.ShapeDtypeStruct((size,), jnp.uint32),
+                      shared, seed, *leaves,
+                      **_attrs(bits, bucket_size, rounding=rounding, devices=np.int32(devices)))
+
+
+def summable_decode_leaves(words: jax.Array, shared: jax.Array, sizes, *, bits: int,
+                           bucket_size: int, devices: int, count: int, scale: float) -> list:
+  """The words of a packed buffer -> float32[sizes[i]] per leaf (as ``summable_decode``, padding
+  dropped), written in place."""
+  results = [jax.ShapeDtypeStruct((int(n),), jnp.float32) for n in sizes]
+  return _call_leaves("qcomm_summable_decode_leaves", results, words, shared,
+                      **_attrs(bits, bucket_size, devices=np.int32(devices),
+                               count=np.int32(count), scale=np.float32(scale)))
+
+
 def summable_scale(x: jax.Array, *, bucket_size: int) -> jax.Array:
   """x: float32[n] -> int32[num_buckets]: the bits of each bucket's largest |x|."""
   nb = wire.num_buckets(x.shape[-1], bucket_size)

@@ -89,6 +89,30 @@ def _pad_to(x: jax.Array, size: int) -> jax.Array:
   return jnp.pad(x, (0, pad)) if pad else x
 
 
+def concat_leaves(parts: Sequence[jax.Array], codec: "Codec") -> jax.Array:
+  """Flat float32 leaves -> the one buffer that carries them: each padded to a whole number of
+  ``codec.pad_multiple`` elements with ``codec.pad_fill`` (the leaf's own last value for QSGD's
+  maxmin, 0 otherwise: the last bucket's scales stay the leaf's), then concatenated."""
+  m = codec.pad_multiple
+  padded = []
+  for x in parts:
+    pad = -x.shape[0] % m
+    if pad:
+      x = jnp.concatenate([x, jnp.broadcast_to(codec.pad_fill(x), (pad,)).astype(x.dtype)])
+    padded.append(x)
+  return padded[0] if len(padded) == 1 else jnp.concatenate(padded)
+
+
+def split_leaves(flat: jax.Array, sizes: Sequence[int], multiple: int) -> list[jax.Array]:
+  """The inverse of :func:`concat_leaves`: flat[N] -> one array of sizes[i] per leaf, padding
+  dropped."""
+  out, offset = [], 0
+  for n in sizes:
+    out.append(flat[offset:offset + n])
+    offset += -(-n // multiple) * multiple
+  return out
+
+
 def _ring(devices: int, nbytes: float) -> float:
   """Bytes each device sends in a ring all-reduce of a buffer of ``nbytes``: 2 (D-1)/D of it."""
   return 2.0 * (devices - 1) / devices * nbytes
@@ -145,6 +169,11 @@ class Codec(abc.ABC):
     float32[n])``: the mean (``op="mean"``) or sum over the D devices, the same bits on every
     device, and ``residual``, what this device's own quantisation lost (x minus what it
     contributed; zeros for exact codecs), for error feedback.
+  * ``allreduce_leaves(parts: [float32[n_i]], axis_name, key, op, exchange) -> (outs, residuals)``:
+    the same for the leaves a communication buffer carries (lists of float32[n_i]): the result of
+    ``allreduce_flat`` on :func:`concat_leaves` of them (each leaf padded to whole buckets),
+    split again. The default builds that buffer; a codec may read and write the leaves in place
+    of the packed copy instead, with the same bytes on the wire (:class:`Summable` on CPU does).
   * ``reduce_scatter_flat(x: float32[D*m], axis_name, key, op, exchange) -> (block: float32[m],
     residual: float32[D*m])``: block i of the reduction lands on the device with axis index i.
     ``exchange`` is the schedule of an all-to-all (``jax_qcomm._exchange``); codecs that use none
@@ -256,6 +285,16 @@ class Codec(abc.ABC):
     mine = self.wire_decode_sum_reencode(received, c, device_key(key, axis_name, 1), scale)
     gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, W], the same everywhere
     return self._decode_rows(gathered, c).reshape(-1)[:n], residual[:n]
+
+  def allreduce_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
+                       key: jax.Array | None, op: str = "mean", exchange: str = "auto"
+                       ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """[float32[n_i]] -> ([mean or sum], [residual]): :meth:`allreduce_flat` of the packed
+    buffer (:func:`concat_leaves`), split per leaf."""
+    sizes = [p.shape[0] for p in parts]
+    out, lost = self.allreduce_flat(concat_leaves(parts, self), axis_name, key, op, exchange)
+    return (split_leaves(out, sizes, self.pad_multiple),
+            split_leaves(lost, sizes, self.pad_multiple))
 
   def reduce_scatter_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
                           op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
@@ -672,6 +711,34 @@ class _SummedFields(_Bucketed):
     out = self._unfields(total, shared, d, d, n, 1.0 / d if op == "mean" else 1.0)
     return out, x - self._unfields(words, shared, d, 1, n)
 
+  def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
+    """:meth:`allreduce_flat` of the leaves' packed buffer, through the ``_*_leaves`` hooks (which
+    a codec may implement on the leaves in place)."""
+    d = self.check_devices(axis_size(axis_name))
+    sizes = [p.shape[0] for p in parts]
+    shared = lax.pmax(self._stat_leaves(parts), axis_name)
+    words = self._fields_leaves(parts, shared, device_key(key, axis_name, 0), d)
+    total = lax.psum(words, axis_name)
+    outs = self._unfields_leaves(total, shared, d, d, sizes, 1.0 / d if op == "mean" else 1.0)
+    own = self._unfields_leaves(words, shared, d, 1, sizes)
+    return outs, [p - o for p, o in zip(parts, own)]
+
+  # The hooks on leaves: by default the packed buffer's (concat_leaves) through the flat hooks.
+  def _packed(self, parts):
+    flat = concat_leaves(parts, self)
+    return _pad_to(flat, self._field_size(flat.shape[0]))
+
+  def _stat_leaves(self, parts):
+    return self._stat(self._packed(parts))
+
+  def _fields_leaves(self, parts, shared, key, devices):
+    return self._fields(self._packed(parts), shared, key, devices)
+
+  def _unfields_leaves(self, words, shared, devices, count, sizes, scale=1.0):
+    n = sum(-(-m // self.pad_multiple) * self.pad_multiple for m in sizes)
+    flat = self._unfields(words, shared, devices, count, n, scale)
+    return split_leaves(flat, sizes, self.pad_multiple)
+
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     """Block i's words summed onto device i: one psum_scatter of [D, W] words (whole rows), the
     statistics of every block shared by one pmax."""
@@ -804,6 +871,30 @@ class Summable(_SummedFields):
 
   def _words(self, n, devices):
     return wire.summable_words(n, self.bits, devices)
+
+  # On CPU the kernels read and write the leaves in place of the packed buffer (the same words and
+  # values); elsewhere the reference runs on the packed buffer.
+  def _stat_leaves(self, parts):
+    b = self.bucket_size
+    return self._select(lambda *ps: _ffi.summable_scale_leaves(ps, bucket_size=b),
+                        lambda *ps: _reference.summable_bucket_scale(self._packed(ps), b), *parts)
+
+  def _fields_leaves(self, parts, shared, key, devices):
+    kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, rounding=self.rounding)
+    return self._select(
+        lambda m, s, *ps: _ffi.summable_encode_leaves(ps, m, s, **kw),
+        lambda m, s, *ps: _reference.summable_encode(self._packed(ps), m, s, **kw),
+        shared, self._seed(key), *parts)
+
+  def _unfields_leaves(self, words, shared, devices, count, sizes, scale=1.0):
+    kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, count=count,
+              scale=float(scale))
+    n = sum(wire.num_buckets(m, self.bucket_size) * self.bucket_size for m in sizes)
+    return self._select(
+        lambda w, m: _ffi.summable_decode_leaves(w, m, sizes, **kw),
+        lambda w, m: split_leaves(_reference.summable_decode(w, m, n, **kw), sizes,
+                                  self.bucket_size),
+        words, shared)
 
   # -- summable wire API ---------------------------------------------------------------------------
   def bucket_scale(self, x: jax.Array) -> jax.Array:
@@ -1035,6 +1126,11 @@ class Wire16(_SummedFields):
       return _BF16.allreduce_flat(x, axis_name, key, op, exchange)
     return super().allreduce_flat(x, axis_name, key, op, exchange)
 
+  def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
+    if not _fixed16_here():
+      return _BF16.allreduce_leaves(parts, axis_name, key, op, exchange)
+    return super().allreduce_leaves(parts, axis_name, key, op, exchange)
+
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     if not _fixed16_here():
       return _BF16.reduce_scatter_flat(x, axis_name, key, op, exchange)
@@ -1187,6 +1283,9 @@ class Auto(_Bucketed):
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     return self.resolve(axis_size(axis_name)).allreduce_flat(x, axis_name, key, op, exchange)
+
+  def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
+    return self.resolve(axis_size(axis_name)).allreduce_leaves(parts, axis_name, key, op, exchange)
 
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     codec = self.resolve(axis_size(axis_name), "reduce_scatter")

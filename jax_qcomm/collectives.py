@@ -23,7 +23,7 @@ from jax_qcomm import _compat, _exchange, _varying, packing
 from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check_instance,
                                check_int, check_key)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
-from jax_qcomm.codecs import QSGD, Codec
+from jax_qcomm.codecs import QSGD, Codec, concat_leaves, split_leaves
 
 __all__ = ["AxisName", "Hierarchical", "allreduce", "allreduce_flat", "reduce_scatter",
            "all_gather", "cast_pmean", "axis_names", "axis_size"]
@@ -105,6 +105,21 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
   return codec.allreduce_flat(x, axis_name, key, op, exchange)
 
 
+def _allreduce_leaves(parts: list[jax.Array], axis_name: AxisName, codec: Codec,
+                      key: jax.Array | None, op: str, exchange: str
+                      ) -> tuple[list[jax.Array], list[jax.Array]]:
+  """The allreduce of one communication buffer's leaves (flat float32 each), as
+  :meth:`Codec.allreduce_leaves`; a :class:`Hierarchical` axis reduces their packed buffer."""
+  if sum(p.shape[0] for p in parts) == 0:
+    return parts, parts
+  if isinstance(axis_name, Hierarchical):
+    sizes = [p.shape[0] for p in parts]
+    out, lost = _hierarchical(concat_leaves(parts, codec), axis_name, codec, key, op, exchange)
+    return (split_leaves(out, sizes, codec.pad_multiple),
+            split_leaves(lost, sizes, codec.pad_multiple))
+  return codec.allreduce_leaves(parts, axis_name, key, op, exchange)
+
+
 # ---- public API ----------------------------------------------------------------------------------
 
 def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array | None = None,
@@ -166,10 +181,11 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   residual: list[Any] = [None] * len(leaves)
   for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size)):
     group_key = None if key is None else jax.random.fold_in(key, i)
-    flat = packing.pack(leaves, group)
-    reduced, lost = allreduce_flat(flat, axis_name, group.codec, group_key, op, exchange)
-    packing.unpack(reduced, leaves, group, out)
-    packing.unpack(lost, leaves, group, residual, dtype=jnp.float32)
+    parts = [leaves[j].reshape(-1).astype(jnp.float32) for j in group.leaves]
+    reduced, lost = _allreduce_leaves(parts, axis_name, group.codec, group_key, op, exchange)
+    for j, r, l in zip(group.leaves, reduced, lost):
+      out[j] = r.reshape(leaves[j].shape).astype(leaves[j].dtype)
+      residual[j] = l.reshape(leaves[j].shape)
   result = jax.tree_util.tree_unflatten(treedef, out)
   if return_residual:
     return result, jax.tree_util.tree_unflatten(treedef, residual)

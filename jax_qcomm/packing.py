@@ -1,10 +1,10 @@
 """Pytree -> flat communication buffers and back, and the per-leaf compression policy.
 
 A model with 160 leaves must not issue 320 collectives, so leaves that share a codec are concatenated
-into flat float32 buffers of at most ``comm_bucket_size`` elements. Each leaf is padded to a whole
-number of quantisation buckets first, so a quantisation bucket never straddles two leaves. The pad
-value leaves the bucket's scales unchanged (the leaf's last value for maxmin, 0 otherwise), and the
-padding is dropped again on the way back.
+into flat float32 buffers of at most ``comm_bucket_size`` elements (:func:`plan`). Each leaf is
+padded to a whole number of quantisation buckets first, so a quantisation bucket never straddles two
+leaves; ``jax_qcomm.codecs.concat_leaves`` builds such a buffer and ``split_leaves`` takes it
+apart, and a codec may reduce the leaves in place of the copy (``Codec.allreduce_leaves``).
 """
 
 from __future__ import annotations
@@ -149,17 +149,6 @@ def padded_size(n: int, codec: Codec) -> int:
   return -(-n // codec.pad_multiple) * codec.pad_multiple
 
 
-def neutral_pad(x: jax.Array, multiple: int, codec: Codec) -> jax.Array:
-  """Pads float32[n] to a multiple of `multiple` with ``codec.pad_fill(x)``, which leaves the
-  last bucket's scales unchanged."""
-  n = x.shape[0]
-  pad = -n % multiple
-  if pad == 0:
-    return x
-  fill = codec.pad_fill(x)
-  return jnp.concatenate([x, jnp.broadcast_to(fill, (pad,)).astype(x.dtype)])
-
-
 @dataclasses.dataclass(frozen=True)
 class Group:
   """Leaves (by index in the flattened tree) that travel together in one flat buffer."""
@@ -184,21 +173,3 @@ def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int) 
     groups[-1].append(i)
     sizes[codec] = sizes.get(codec, 0) + padded
   return [Group(codec, tuple(g)) for codec, gs in by_codec.items() for g in gs if g]
-
-
-def pack(leaves: Sequence[jax.Array], group: Group) -> jax.Array:
-  """float32 flat buffer of the group's leaves, each padded to whole quantisation buckets."""
-  b = group.codec.pad_multiple
-  parts = [neutral_pad(leaves[i].reshape(-1).astype(jnp.float32), b, group.codec)
-           for i in group.leaves]
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-
-def unpack(flat: jax.Array, leaves: Sequence[jax.Array], group: Group, out: list[Any],
-           dtype: Any = None) -> None:
-  """Writes the group's leaves (original shapes; their dtypes unless `dtype`) into out[i]."""
-  offset = 0
-  for i in group.leaves:
-    leaf = leaves[i]
-    out[i] = flat[offset:offset + leaf.size].reshape(leaf.shape).astype(dtype or leaf.dtype)
-    offset += padded_size(leaf.size, group.codec)

@@ -18,11 +18,11 @@ namespace qcomm::cpu {
   void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* out);  \
   void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p, \
                   float* out);                                                                    \
-  void summable_encode(const float* x, int64_t n, const int32_t* shared, const uint32_t seed[2],  \
-                       const SummableParams& p, uint32_t* words);                                 \
-  void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,    \
-                       float scale, const SummableParams& p, float* out);                         \
-  void summable_scale(const float* x, int64_t n, int32_t bucket, int32_t* out);                   \
+  void summable_encode(const Leaves<const float>& x, const int32_t* shared,                       \
+                       const uint32_t seed[2], const SummableParams& p, uint32_t* words);         \
+  void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,    \
+                       int32_t count, float scale, const SummableParams& p);                      \
+  void summable_scale(const Leaves<const float>& x, int32_t bucket, int32_t* out);                \
   }
 QCOMM_DECLARE_ISA(generic)
 #if defined(QCOMM_HAVE_X86_VARIANTS)
@@ -106,35 +106,35 @@ void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, c
   generic::decode_sum(payloads, k, stride, n, p, out);
 }
 
-void summable_encode(const float* x, int64_t n, const int32_t* shared, const uint32_t seed[2],
+void summable_encode(const Leaves<const float>& x, const int32_t* shared, const uint32_t seed[2],
                      const SummableParams& p, uint32_t* words) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
-  if (which == Isa::kAvx512) return avx512::summable_encode(x, n, shared, seed, p, words);
-  if (which == Isa::kAvx2) return avx2::summable_encode(x, n, shared, seed, p, words);
+  if (which == Isa::kAvx512) return avx512::summable_encode(x, shared, seed, p, words);
+  if (which == Isa::kAvx2) return avx2::summable_encode(x, shared, seed, p, words);
 #endif
-  generic::summable_encode(x, n, shared, seed, p, words);
+  generic::summable_encode(x, shared, seed, p, words);
 }
 
-void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,
-                     float scale, const SummableParams& p, float* out) {
+void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,
+                     int32_t count, float scale, const SummableParams& p) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
-  if (which == Isa::kAvx512) return avx512::summable_decode(words, shared, n, count, scale, p, out);
-  if (which == Isa::kAvx2) return avx2::summable_decode(words, shared, n, count, scale, p, out);
+  if (which == Isa::kAvx512) return avx512::summable_decode(words, shared, out, count, scale, p);
+  if (which == Isa::kAvx2) return avx2::summable_decode(words, shared, out, count, scale, p);
 #endif
-  generic::summable_decode(words, shared, n, count, scale, p, out);
+  generic::summable_decode(words, shared, out, count, scale, p);
 }
 
-void summable_scale(const float* x, int64_t n, int32_t bucket, int32_t* out) {
+void summable_scale(const Leaves<const float>& x, int32_t bucket, int32_t* out) {
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
-  if (which == Isa::kAvx512) return avx512::summable_scale(x, n, bucket, out);
-  if (which == Isa::kAvx2) return avx2::summable_scale(x, n, bucket, out);
+  if (which == Isa::kAvx512) return avx512::summable_scale(x, bucket, out);
+  if (which == Isa::kAvx2) return avx2::summable_scale(x, bucket, out);
 #endif
-  generic::summable_scale(x, n, bucket, out);
+  generic::summable_scale(x, bucket, out);
 }
 
 void decode(const uint8_t* payload, int64_t n, const Params& p, float* out) {

@@ -34,15 +34,42 @@ struct SummableParams {
   int32_t devices;   // payloads summed (sets the field width); >= 1, 2 L devices < 2^32
   int32_t rounding;  // Rounding
 };
-// x[n], shared[num_buckets(n)] (the bits of each bucket's largest |x| over all devices) ->
-// words[ceil(n / fields)].
-void summable_encode(const float* x, int64_t n, const int32_t* shared, const uint32_t seed[2],
+// The buffer the summable kernels read or write: `count` leaves laid end to end, leaf i holding
+// size[i] elements from data[i] and occupying the elements [start[i], start[i + 1]) of the
+// buffer, the rest of its span padding (zeros on input, skipped on output). start[0] == 0 and
+// start[count] is the buffer's length n; every start[i] with i > 0 is a multiple of the bucket,
+// so that no bucket straddles two leaves. One leaf of n elements is a flat buffer; several leaves
+// are what a packed communication buffer would hold, read and written in place (no packed copy).
+template <typename T>
+struct Leaves {
+  T* const* data;
+  const int64_t* size;
+  const int64_t* start;  // count + 1 entries
+  int64_t count;
+
+  int64_t length() const { return start[count]; }
+  // The leaf whose span holds element e (0 <= e < length()), searched from `hint` onwards.
+  int64_t find(int64_t e, int64_t hint) const {
+    if (hint >= 0 && hint < count && start[hint] <= e && e < start[hint + 1]) return hint;
+    int64_t lo = 0, hi = count;  // start[lo] <= e < start[hi]
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      (start[mid] <= e ? lo : hi) = mid;
+    }
+    return lo;
+  }
+};
+
+// x (n = x.length() elements), shared[num_buckets(n)] (the bits of each bucket's largest |x| over
+// all devices) -> words[ceil(n / fields)].
+void summable_encode(const Leaves<const float>& x, const int32_t* shared, const uint32_t seed[2],
                      const SummableParams& p, uint32_t* words);
-// x[n] -> out[num_buckets(n)]: the bits of each bucket's largest |x| as int32 (NaN > Inf > finite).
-void summable_scale(const float* x, int64_t n, int32_t bucket, int32_t* out);
-// words (the sum of `count` payloads) -> out[n] = the sum of their decodes times `scale`.
-void summable_decode(const uint32_t* words, const int32_t* shared, int64_t n, int32_t count,
-                     float scale, const SummableParams& p, float* out);
+// x -> out[num_buckets(n)]: the bits of each bucket's largest |x| as int32 (NaN > Inf > finite).
+void summable_scale(const Leaves<const float>& x, int32_t bucket, int32_t* out);
+// words (the sum of `count` payloads) -> out (n = out.length()): the sum of their decodes times
+// `scale`, written to the leaves' elements (padding is not written).
+void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,
+                     int32_t count, float scale, const SummableParams& p);
 
 // Name of the instruction set the kernels run ("avx512", "avx2" or "generic").
 const char* isa();

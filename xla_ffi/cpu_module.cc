@@ -6,6 +6,7 @@
 // CUDA; the checks shared by both are in xla_ffi/qsgd_ffi_common.h.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels/qsgd_cpu.h"
 #include "kernels/qsgd_math.h"
@@ -93,6 +94,16 @@ ffi::Error CheckSummable(int32_t bits, int32_t bucket_size, int32_t devices, int
   return ffi::Error::Success();
 }
 
+// One flat row as a buffer of one leaf.
+template <typename T>
+struct Flat {
+  T* data;
+  int64_t size, start[2];
+  qcomm::cpu::Leaves<T> leaves;
+  Flat(T* p, int64_t n) : data(p), size(n), start{0, n}, leaves{&data, &size, start, 1} {}
+  Flat(const Flat&) = delete;
+};
+
 ffi::Error SummableEncodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> shared,
                               ffi::Buffer<ffi::U32> seed, ffi::ResultBuffer<ffi::U32> words,
                               int32_t bits, int32_t bucket_size, int32_t devices, int32_t rounding) {
@@ -108,9 +119,11 @@ ffi::Error SummableEncodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> sha
     return ffi::Error::InvalidArgument("shared must hold one int32 per bucket and row");
   if (seed.element_count() != 2 * rows)
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per row");
-  for (int64_t r = 0; r < rows; ++r)
-    qcomm::cpu::summable_encode(x.typed_data() + r * n, n, shared.typed_data() + r * nb,
-                                seed.typed_data() + 2 * r, p, words->typed_data() + r * nw);
+  for (int64_t r = 0; r < rows; ++r) {
+    Flat<const float> row(x.typed_data() + r * n, n);
+    qcomm::cpu::summable_encode(row.leaves, shared.typed_data() + r * nb, seed.typed_data() + 2 * r,
+                                p, words->typed_data() + r * nw);
+  }
   return ffi::Error::Success();
 }
 
@@ -124,8 +137,10 @@ ffi::Error SummableScaleImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32
   const int64_t nb = qcomm::num_buckets(n, bucket_size);
   if (common::LastDim(out->dimensions()) != nb || out->element_count() != rows * nb)
     return ffi::Error::InvalidArgument("output shape does not match the number of buckets");
-  for (int64_t r = 0; r < rows; ++r)
-    qcomm::cpu::summable_scale(x.typed_data() + r * n, n, bucket_size, out->typed_data() + r * nb);
+  for (int64_t r = 0; r < rows; ++r) {
+    Flat<const float> row(x.typed_data() + r * n, n);
+    qcomm::cpu::summable_scale(row.leaves, bucket_size, out->typed_data() + r * nb);
+  }
   return ffi::Error::Success();
 }
 
@@ -146,9 +161,95 @@ ffi::Error SummableDecodeImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32>
     return ffi::Error::InvalidArgument("words shape does not match the output size");
   if (shared.element_count() != rows * nb)
     return ffi::Error::InvalidArgument("shared must hold one int32 per bucket and row");
-  for (int64_t r = 0; r < rows; ++r)
-    qcomm::cpu::summable_decode(words.typed_data() + r * nw, shared.typed_data() + r * nb, n, count,
-                                scale, p, out->typed_data() + r * n);
+  for (int64_t r = 0; r < rows; ++r) {
+    Flat<float> row(out->typed_data() + r * n, n);
+    qcomm::cpu::summable_decode(words.typed_data() + r * nw, shared.typed_data() + r * nb,
+                                row.leaves, count, scale, p);
+  }
+  return ffi::Error::Success();
+}
+
+// ---- the summable codec on a list of leaves, read and written in place of a packed buffer ------
+// Leaf i is float32 of any shape, its span padded to whole buckets: the packed buffer's layout.
+
+template <typename T>
+struct LeafList {
+  std::vector<T*> data;
+  std::vector<int64_t> size, start{0};
+  qcomm::cpu::Leaves<T> leaves() const {
+    return {data.data(), size.data(), start.data(), static_cast<int64_t>(data.size())};
+  }
+  void add(T* p, int64_t n, int64_t bucket) {
+    data.push_back(p);
+    size.push_back(n);
+    start.push_back(start.back() + qcomm::num_buckets(n, bucket) * bucket);
+  }
+};
+
+ffi::Error InputLeaves(const ffi::RemainingArgs& args, int64_t bucket, LeafList<const float>* out) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    ffi::ErrorOr<ffi::Buffer<ffi::F32>> leaf = args.get<ffi::Buffer<ffi::F32>>(i);
+    if (leaf.has_error()) return leaf.error();
+    out->add(leaf->typed_data(), static_cast<int64_t>(leaf->element_count()), bucket);
+  }
+  return ffi::Error::Success();
+}
+
+// shared[nb] s32, seed[2] u32, leaves... f32 -> words[W] u32.
+ffi::Error SummableEncodeLeavesImpl(ffi::Buffer<ffi::S32> shared, ffi::Buffer<ffi::U32> seed,
+                                    ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::U32> words,
+                                    int32_t bits, int32_t bucket_size, int32_t devices,
+                                    int32_t rounding) {
+  qcomm::cpu::SummableParams p;
+  if (ffi::Error e = CheckSummable(bits, bucket_size, devices, rounding, &p); e.failure()) return e;
+  LeafList<const float> x;
+  if (ffi::Error e = InputLeaves(leaves, bucket_size, &x); e.failure()) return e;
+  const int64_t n = x.start.back();
+  const int64_t nw = qcomm::summable::num_words(n, qcomm::summable::fields_per_word(bits, devices));
+  if (words->element_count() != nw)
+    return ffi::Error::InvalidArgument("words shape does not match the leaves' padded size");
+  if (shared.element_count() != qcomm::num_buckets(n, bucket_size))
+    return ffi::Error::InvalidArgument("shared must hold one int32 per bucket");
+  if (seed.element_count() != 2) return ffi::Error::InvalidArgument("seed must hold 2 uint32 words");
+  qcomm::cpu::summable_encode(x.leaves(), shared.typed_data(), seed.typed_data(), p,
+                              words->typed_data());
+  return ffi::Error::Success();
+}
+
+// leaves... f32 -> shared[nb] s32.
+ffi::Error SummableScaleLeavesImpl(ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::S32> out,
+                                   int32_t bucket_size) {
+  if (bucket_size <= 0) return ffi::Error::InvalidArgument("bucket_size must be positive");
+  LeafList<const float> x;
+  if (ffi::Error e = InputLeaves(leaves, bucket_size, &x); e.failure()) return e;
+  if (out->element_count() != qcomm::num_buckets(x.start.back(), bucket_size))
+    return ffi::Error::InvalidArgument("output shape does not match the number of buckets");
+  qcomm::cpu::summable_scale(x.leaves(), bucket_size, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// words[W] u32, shared[nb] s32 -> leaves... f32.
+ffi::Error SummableDecodeLeavesImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32> shared,
+                                    ffi::RemainingRets leaves, int32_t bits, int32_t bucket_size,
+                                    int32_t devices, int32_t count, float scale) {
+  qcomm::cpu::SummableParams p;
+  if (ffi::Error e = CheckSummable(bits, bucket_size, devices, qcomm::kNearest, &p); e.failure())
+    return e;
+  if (count < 1 || count > devices)
+    return ffi::Error::InvalidArgument("count must be in 1..devices");
+  LeafList<float> out;
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::F32>>> leaf = leaves.get<ffi::Buffer<ffi::F32>>(i);
+    if (leaf.has_error()) return leaf.error();
+    out.add((*leaf)->typed_data(), static_cast<int64_t>((*leaf)->element_count()), bucket_size);
+  }
+  const int64_t n = out.start.back();
+  const int64_t nw = qcomm::summable::num_words(n, qcomm::summable::fields_per_word(bits, devices));
+  if (words.element_count() != nw)
+    return ffi::Error::InvalidArgument("words shape does not match the leaves' padded size");
+  if (shared.element_count() != qcomm::num_buckets(n, bucket_size))
+    return ffi::Error::InvalidArgument("shared must hold one int32 per bucket");
+  qcomm::cpu::summable_decode(words.typed_data(), shared.typed_data(), out.leaves(), count, scale, p);
   return ffi::Error::Success();
 }
 
@@ -179,6 +280,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecode, SummableDecodeImpl,
                                   .Attr<int32_t>("devices")
                                   .Attr<int32_t>("count")
                                   .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableEncodeLeaves, SummableEncodeLeavesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("devices")
+                                  .Attr<int32_t>("rounding"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableScaleLeaves, SummableScaleLeavesImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("bucket_size"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecodeLeaves, SummableDecodeLeavesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("devices")
+                                  .Attr<int32_t>("count")
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
                               common::BindEncode(ffi::Ffi::Bind()));
@@ -198,6 +324,12 @@ NB_MODULE(_qcomm_cpu, m) {
     d["qcomm_summable_encode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableEncode));
     d["qcomm_summable_decode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableDecode));
     d["qcomm_summable_scale"] = nb::capsule(reinterpret_cast<void*>(QcommSummableScale));
+    d["qcomm_summable_encode_leaves"] =
+        nb::capsule(reinterpret_cast<void*>(QcommSummableEncodeLeaves));
+    d["qcomm_summable_decode_leaves"] =
+        nb::capsule(reinterpret_cast<void*>(QcommSummableDecodeLeaves));
+    d["qcomm_summable_scale_leaves"] =
+        nb::capsule(reinterpret_cast<void*>(QcommSummableScaleLeaves));
     return d;
   });
   m.def("isa", []() { return std::string(qcomm::cpu::isa()); },
