@@ -35,6 +35,12 @@ def random_bits(seed: jax.Array, index: jax.Array) -> jax.Array:
   return mix32(mix32(index * _U32(0x9E3779B1) + seed[0]) ^ seed[1])
 
 
+def summable_random_bits(seed: jax.Array, index: jax.Array) -> jax.Array:
+  """The summable codec's random bits: one lowbias32 round (QSGD's :func:`random_bits` takes two;
+  one round's bias is far below what stochastic rounding can show, and it halves the hash)."""
+  return mix32((index * _U32(0x9E3779B1) + seed[0]) ^ seed[1])
+
+
 def uniform01(bits: jax.Array) -> jax.Array:
   """Uniform in [0, 1) from the top 24 bits; exact in float32."""
   return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
@@ -286,7 +292,7 @@ def summable_encode(x: jax.Array, shared: jax.Array, seed: jax.Array, *, bits: i
   xb = jnp.pad(x, (0, nb * bucket_size - n)).reshape(nb, bucket_size)
   t = (_ldexp(xb, -k[:, None]) * inv[:, None]).reshape(-1)[:n]
   if rounding == "stochastic":
-    r = uniform01(random_bits(seed, jnp.arange(n, dtype=_U32)))
+    r = uniform01(summable_random_bits(seed, jnp.arange(n, dtype=_U32)))
   else:
     r = jnp.float32(0.5)
   fl = jnp.floor(t)

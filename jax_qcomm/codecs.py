@@ -697,7 +697,9 @@ class _SummedFields(_Bucketed):
   length x is padded to), ``_stat(x)`` (float32[_field_size(n)] -> per-bucket statistic),
   ``_fields(x, shared, key, devices)`` (-> uint32 words), ``_unfields(words, shared, devices,
   count, n, scale)`` (the sum of ``count`` devices' words -> float32[n] times ``scale``), and
-  ``_words(n, devices)`` (words of n values)."""
+  ``_words(n, devices)`` (words of n values); ``_stat_bytes`` is the size of one statistic."""
+
+  _stat_bytes = 4
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     """One pmax of the statistics, one psum of the words, one decode; the residual is x minus
@@ -759,18 +761,19 @@ class _SummedFields(_Bucketed):
 
   def traffic(self, n, devices, collective="allreduce"):
     """allreduce: ring all-reduces of the uint32 words (fields for D summed payloads) and of one
-    4-byte statistic per bucket (the pmax); reduce_scatter: a reduce-scatter of D blocks' words
-    and the pmax of every block's statistics; all_gather: the standalone payloads."""
+    statistic per bucket (the pmax, ``_stat_bytes`` each); reduce_scatter: a reduce-scatter of D
+    blocks' words and the pmax of every block's statistics; all_gather: the standalone payloads."""
     n, d, collective = _check_traffic(n, devices, collective)
     if collective == "all_gather":
       return super().traffic(n, d, collective)
     d = self.check_devices(d)
+    stat = self._stat_bytes
     if collective == "allreduce":
       return (("all-reduce", _ring(d, 4 * self._words(n, d))),
-              ("all-reduce", _ring(d, 4 * wire.num_buckets(n, self.bucket_size))))
+              ("all-reduce", _ring(d, stat * wire.num_buckets(n, self.bucket_size))))
     m = -(-n // d)
     return (("reduce-scatter", (d - 1) * 4 * self._words(m, d)),
-            ("all-reduce", _ring(d, 4 * d * wire.num_buckets(m, self.bucket_size))))
+            ("all-reduce", _ring(d, stat * d * wire.num_buckets(m, self.bucket_size))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -785,11 +788,13 @@ class Summable(_SummedFields):
   (XLA's all-reduce, at link rate on every backend) and the sum is decoded once. Each value is
   quantised once (the scatter-reduce-allgather of :class:`QSGD` quantises twice), and every device
   ends with the same result. Wire bits per element: ``32 / (32 // bit_length(2 L D)) +
-  32 / bucket_size`` (4 bits, D = 2: 5.58; docs/wire-format.md "Summable" has the table).
+  16 / bucket_size`` (4 bits, D = 2: 5.46; docs/wire-format.md "Summable" has the table).
 
-  With ``step = s * 2**k`` the bucket's step (``s`` the shared max, brought to [1, 2) by the power
-  of two ``2**k``, over ``L``, rounded up to 16 significant bits: ``step <= max|x| / L * (1 +
-  2**-15)``):
+  In a reduction the shared scale of a bucket is its largest ``|x|`` over the devices rounded up
+  to a bfloat16 (8 significant bits; the pmax sends 2 bytes per bucket). With ``step = s * 2**k``
+  the bucket's step (``s`` that scale, brought to [1, 2) by the power of two ``2**k``, over ``L``,
+  rounded up to 16 significant bits: ``step <= max|x| / L * (1 + 2**-7) * (1 + 2**-15)``; the
+  standalone payload of :meth:`encode` keeps the exact maximum, ``(1 + 2**-15)``):
 
   * Error bound, per element and device: ``|decoded - x| <= step`` (stochastic; unbiased,
     ``E[decoded] = x``, but for values that clamp to the top level, within ``2**-15`` of the
@@ -807,7 +812,8 @@ class Summable(_SummedFields):
 
   The C++ CPU kernel (each ISA) and the pure-JAX reference give the same words and decoded values
   for the same key. There is no CUDA kernel: on GPUs (and any platform without a compiled kernel)
-  the pure-JAX reference runs.
+  the pure-JAX reference runs. On CPU, a pytree's leaves are encoded and decoded in place of their
+  packed buffer (:meth:`~Codec.allreduce_leaves`; the same words).
 
   Args:
     bits: 2..8 bits per level (``2 L + 1`` levels, ``L = 2**(bits-1) - 1``; 2 bits: ternary).
@@ -860,14 +866,33 @@ class Summable(_SummedFields):
   def _field_size(self, n):
     return n  # the kernels take a partial last bucket
 
+  # The statistic a reduction shares: the largest |x| of each bucket as bfloat16 bits rounded up
+  # (a uint16; finite maxima stay finite), so the pmax sends 2 bytes per bucket; the kernels read
+  # it back as the int32 bits of that bfloat16.
+  _stat_bytes = 2
+
+  @staticmethod
+  def _narrow(scale_bits: jax.Array) -> jax.Array:
+    """int32 bits of the largest |x| -> uint16: the bits of the smallest bfloat16 >= it (at most
+    the largest finite bfloat16 for a finite maximum; NaN and Inf keep their class)."""
+    m = lax.bitcast_convert_type(scale_bits, jnp.uint32)
+    up = (m >> 16) + jnp.where((m & 0xFFFF) != 0, jnp.uint32(1), jnp.uint32(0))
+    finite = m < jnp.uint32(0x7F800000)
+    return jnp.where(finite, jnp.minimum(up, jnp.uint32(0x7F7F)), m >> 16).astype(jnp.uint16)
+
+  @staticmethod
+  def _widen(shared: jax.Array) -> jax.Array:
+    """The uint16 statistic -> the int32 scale bits the kernels take."""
+    return lax.shift_left(shared.astype(jnp.int32), jnp.int32(16))
+
   def _stat(self, x):
-    return self.bucket_scale(x)
+    return self._narrow(self.bucket_scale(x))
 
   def _fields(self, x, shared, key, devices):
-    return self.wire_encode_summable(x, shared, key, devices)
+    return self.wire_encode_summable(x, self._widen(shared), key, devices)
 
   def _unfields(self, words, shared, devices, count, n, scale=1.0):
-    return self.wire_decode_summed(words, shared, devices, count, n, scale)
+    return self.wire_decode_summed(words, self._widen(shared), devices, count, n, scale)
 
   def _words(self, n, devices):
     return wire.summable_words(n, self.bits, devices)
@@ -876,15 +901,16 @@ class Summable(_SummedFields):
   # values); elsewhere the reference runs on the packed buffer.
   def _stat_leaves(self, parts):
     b = self.bucket_size
-    return self._select(lambda *ps: _ffi.summable_scale_leaves(ps, bucket_size=b),
-                        lambda *ps: _reference.summable_bucket_scale(self._packed(ps), b), *parts)
+    return self._narrow(self._select(
+        lambda *ps: _ffi.summable_scale_leaves(ps, bucket_size=b),
+        lambda *ps: _reference.summable_bucket_scale(self._packed(ps), b), *parts))
 
   def _fields_leaves(self, parts, shared, key, devices):
     kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, rounding=self.rounding)
     return self._select(
         lambda m, s, *ps: _ffi.summable_encode_leaves(ps, m, s, **kw),
         lambda m, s, *ps: _reference.summable_encode(self._packed(ps), m, s, **kw),
-        shared, self._seed(key), *parts)
+        self._widen(shared), self._seed(key), *parts)
 
   def _unfields_leaves(self, words, shared, devices, count, sizes, scale=1.0):
     kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, count=count,
@@ -894,7 +920,7 @@ class Summable(_SummedFields):
         lambda w, m: _ffi.summable_decode_leaves(w, m, sizes, **kw),
         lambda w, m: split_leaves(_reference.summable_decode(w, m, n, **kw), sizes,
                                   self.bucket_size),
-        words, shared)
+        words, self._widen(shared))
 
   # -- summable wire API ---------------------------------------------------------------------------
   def bucket_scale(self, x: jax.Array) -> jax.Array:

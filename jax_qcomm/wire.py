@@ -73,5 +73,6 @@ def summable_payload_bytes(n: int, bits: int, bucket_size: int, devices: int) ->
 
 
 def summable_wire_bits(bits: int, bucket_size: int, devices: int) -> float:
-  """Bits per element on the wire for whole words and buckets: 32 / fields + 32 / bucket."""
-  return 32.0 / summable_fields(bits, devices) + 32.0 / bucket_size
+  """Bits per element on the wire of a reduction, for whole words and buckets: 32 / fields + 16 /
+  bucket (a 16-bit statistic per bucket)."""
+  return 32.0 / summable_fields(bits, devices) + 16.0 / bucket_size

@@ -41,9 +41,12 @@ QCOMM_HD int32_t field_bits(int32_t bits, int64_t devices) {
 QCOMM_HD int32_t fields_per_word(int32_t bits, int64_t devices) { return 32 / field_bits(bits, devices); }
 QCOMM_HD int64_t num_words(int64_t n, int32_t fields) { return (n + fields - 1) / fields; }
 
-// qcomm::random_bits(seed0, seed1, index) from h = index * kIndexMul + seed0 (see qsgd_math.h).
+// The random bits of element `index` from h = index * kIndexMul + seed0 (see qsgd_math.h): one
+// lowbias32 round of h ^ seed1 (QSGD's random_bits takes two; one round's bias is far below what
+// stochastic rounding can show, and the hash's multiplies bound the encode: 18.1 -> 14.1 ms per
+// 25M values on AVX2).
 using qcomm::kIndexMul;
-using qcomm::random_bits_at;
+QCOMM_HD uint32_t random_bits_at(uint32_t h, uint32_t seed1) { return mix32(h ^ seed1); }
 
 // What the encoder and the decoder need of a bucket, from the shared statistic: the bits of the
 // largest |x| of the bucket over all devices (an int32 >= 0; >= 0x7f800000 for Inf or NaN).

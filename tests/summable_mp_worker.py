@@ -35,6 +35,9 @@ for bits, op in ((4, "mean"), (8, "sum"), (2, "mean")):
   xs = np.stack([inp(g) for g in range(d)])
   c = codec
   shared = np.max(np.stack([np.asarray(jax.jit(c.bucket_scale)(jnp.asarray(v))) for v in xs]), axis=0)
+  # a reduction shares each maximum rounded up to bfloat16 bits
+  up = (shared.view(np.uint32) >> 16) + ((shared.view(np.uint32) & 0xFFFF) != 0)
+  shared = (up.astype(np.uint32) << 16).view(np.int32)
   keys = [jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, 0), g), 0) for g in range(d)]
   enc = jax.jit(lambda v, m, k: c.wire_encode_summable(v, m, k, d))
   words = np.stack([np.asarray(enc(jnp.asarray(v), shared, k)) for v, k in zip(xs, keys)]).sum(0, dtype=np.uint32)
