@@ -174,11 +174,6 @@ def summable_decode(words: jax.Array, shared: jax.Array, n: int, *, bits: int, b
                         scale=np.float32(scale)))
 
 
-def _leaves_span(sizes, bucket_size: int) -> int:
-  """Elements of the packed buffer of leaves of these sizes, each padded to whole buckets."""
-  return sum(wire.num_buckets(n, bucket_size) * bucket_size for n in sizes)
-
-
 def _call_leaves(target: str, results, *operands: jax.Array, **attrs):
   """``_call`` for the kernels on a list of leaves (any number of operands or results, one call;
   under vmap, one call per batch element)."""
@@ -193,7 +188,7 @@ def _call_leaves(target: str, results, *operands: jax.Array, **attrs):
 def summable_scale_leaves(leaves, *, bucket_size: int) -> jax.Array:
   """float32 leaves -> int32[num_buckets] of their packed buffer (each leaf padded with zeros to
   whole buckets), read in place."""
-  nb = _leaves_span([x.size for x in leaves], bucket_size) // bucket_size
+  nb = wire.leaves_span([x.size for x in leaves], bucket_size) // bucket_size
   return _call_leaves("qcomm_summable_scale_leaves", jax.ShapeDtypeStruct((nb,), jnp.int32),
                       *leaves, bucket_size=np.int32(bucket_size))
 
@@ -201,7 +196,7 @@ def summable_scale_leaves(leaves, *, bucket_size: int) -> jax.Array:
 def summable_encode_leaves(leaves, shared: jax.Array, seed: jax.Array, *, bits: int,
                            bucket_size: int, devices: int, rounding: str) -> jax.Array:
   """float32 leaves -> the uint32 words of their packed buffer (as ``summable_encode`` of it)."""
-  n = _leaves_span([x.size for x in leaves], bucket_size)
+  n = wire.leaves_span([x.size for x in leaves], bucket_size)
   size = wire.summable_words(n, bits, devices)
   return _call_leaves("qcomm_summable_encode_leaves", jax.ShapeDtypeStruct((size,), jnp.uint32),
                       shared, seed, *leaves,

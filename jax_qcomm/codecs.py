@@ -109,7 +109,7 @@ def split_leaves(flat: jax.Array, sizes: Sequence[int], multiple: int) -> list[j
   out, offset = [], 0
   for n in sizes:
     out.append(flat[offset:offset + n])
-    offset += -(-n // multiple) * multiple
+    offset += wire.leaves_span([n], multiple)
   return out
 
 
@@ -737,7 +737,7 @@ class _SummedFields(_Bucketed):
     return self._fields(self._packed(parts), shared, key, devices)
 
   def _unfields_leaves(self, words, shared, devices, count, sizes, scale=1.0):
-    n = sum(-(-m // self.pad_multiple) * self.pad_multiple for m in sizes)
+    n = wire.leaves_span(sizes, self.pad_multiple)
     flat = self._unfields(words, shared, devices, count, n, scale)
     return split_leaves(flat, sizes, self.pad_multiple)
 
@@ -915,7 +915,7 @@ class Summable(_SummedFields):
   def _unfields_leaves(self, words, shared, devices, count, sizes, scale=1.0):
     kw = dict(bits=self.bits, bucket_size=self.bucket_size, devices=devices, count=count,
               scale=float(scale))
-    n = sum(wire.num_buckets(m, self.bucket_size) * self.bucket_size for m in sizes)
+    n = wire.leaves_span(sizes, self.bucket_size)
     return self._select(
         lambda w, m: _ffi.summable_decode_leaves(w, m, sizes, **kw),
         lambda w, m: split_leaves(_reference.summable_decode(w, m, n, **kw), sizes,

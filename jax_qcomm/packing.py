@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_qcomm import wire
 from jax_qcomm._checks import check_bool, check_int, shown
 from jax_qcomm.codecs import Codec, NoCompression, is_float_dtype
 
@@ -146,7 +147,7 @@ def check_float_leaves(tree: Any, name: str = "x") -> None:
 
 def padded_size(n: int, codec: Codec) -> int:
   """Elements a leaf of ``n`` takes in a flat buffer: n rounded up to whole buckets."""
-  return -(-n // codec.pad_multiple) * codec.pad_multiple
+  return wire.leaves_span([n], codec.pad_multiple)
 
 
 @dataclasses.dataclass(frozen=True)

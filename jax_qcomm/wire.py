@@ -27,6 +27,11 @@ def num_buckets(n: int, bucket_size: int) -> int:
   return -(-n // bucket_size)
 
 
+def leaves_span(sizes, multiple: int) -> int:
+  """Elements of the buffer that carries leaves of these sizes, each padded to a multiple."""
+  return sum(-(-int(n) // multiple) * multiple for n in sizes)
+
+
 def qsgd_payload_bytes(n: int, bits: int, bucket_size: int, scheme: str) -> int:
   """Bytes of the QSGD payload of n elements: per bucket 4*S scale bytes + bucket*bits/8 code bytes."""
   per_bucket = 4 * scales_per_bucket(scheme) + bucket_size * bits // 8

@@ -29,7 +29,9 @@ from jax_qcomm import _ffi
 
 TARGETS = {"qcomm_qsgd_encode", "qcomm_qsgd_decode_sum", "qcomm_qsgd_decode_sum_reencode"}
 #: CPU only: qcomm.Summable has no CUDA kernel yet (GPUs run its pure-JAX reference; docs/cuda.md).
-CPU_ONLY = {"qcomm_summable_scale", "qcomm_summable_encode", "qcomm_summable_decode"}
+CPU_ONLY = {"qcomm_summable_scale", "qcomm_summable_encode", "qcomm_summable_decode",
+            "qcomm_summable_scale_leaves", "qcomm_summable_encode_leaves",
+            "qcomm_summable_decode_leaves"}
 
 
 # ---- the build (no GPU needed) ---------------------------------------------------------------------
