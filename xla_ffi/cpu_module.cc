@@ -255,56 +255,59 @@ ffi::Error SummableDecodeLeavesImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi
 
 }  // namespace
 
+// The summable handlers' attributes: encode (bits, bucket_size, devices, rounding) and decode
+// (bits, bucket_size, devices, count, scale), after their operands, flat or on leaves.
+template <typename B>
+auto SummableEncodeAttrs(B binding) {
+  return std::move(binding)
+      .template Attr<int32_t>("bits")
+      .template Attr<int32_t>("bucket_size")
+      .template Attr<int32_t>("devices")
+      .template Attr<int32_t>("rounding");
+}
+
+template <typename B>
+auto SummableDecodeAttrs(B binding) {
+  return std::move(binding)
+      .template Attr<int32_t>("bits")
+      .template Attr<int32_t>("bucket_size")
+      .template Attr<int32_t>("devices")
+      .template Attr<int32_t>("count")
+      .template Attr<float>("scale");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableEncode, SummableEncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("devices")
-                                  .Attr<int32_t>("rounding"));
+                              SummableEncodeAttrs(ffi::Ffi::Bind()
+                                                      .Arg<ffi::Buffer<ffi::F32>>()
+                                                      .Arg<ffi::Buffer<ffi::S32>>()
+                                                      .Arg<ffi::Buffer<ffi::U32>>()
+                                                      .Ret<ffi::Buffer<ffi::U32>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableScale, SummableScaleImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("bucket_size"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecode, SummableDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("devices")
-                                  .Attr<int32_t>("count")
-                                  .Attr<float>("scale"));
+                              SummableDecodeAttrs(ffi::Ffi::Bind()
+                                                      .Arg<ffi::Buffer<ffi::U32>>()
+                                                      .Arg<ffi::Buffer<ffi::S32>>()
+                                                      .Ret<ffi::Buffer<ffi::F32>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableEncodeLeaves, SummableEncodeLeavesImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("devices")
-                                  .Attr<int32_t>("rounding"));
+                              SummableEncodeAttrs(ffi::Ffi::Bind()
+                                                      .Arg<ffi::Buffer<ffi::S32>>()
+                                                      .Arg<ffi::Buffer<ffi::U32>>()
+                                                      .RemainingArgs()
+                                                      .Ret<ffi::Buffer<ffi::U32>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableScaleLeaves, SummableScaleLeavesImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("bucket_size"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecodeLeaves, SummableDecodeLeavesImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingRets()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("devices")
-                                  .Attr<int32_t>("count")
-                                  .Attr<float>("scale"));
+                              SummableDecodeAttrs(ffi::Ffi::Bind()
+                                                      .Arg<ffi::Buffer<ffi::U32>>()
+                                                      .Arg<ffi::Buffer<ffi::S32>>()
+                                                      .RemainingRets()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
                               common::BindEncode(ffi::Ffi::Bind()));
