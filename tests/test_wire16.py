@@ -137,8 +137,8 @@ def test_bad_arguments_name_the_parameter(kwargs, name):
     qcomm.Wire16().check_devices(1 << 15)
 
 
-def test_sync_bits_16_keeps_replicas_identical_replicated_and_sharded():
-  d = 3
+@pytest.mark.parametrize("d", [2, 3])  # three fields per word at D = 2, two at D = 3
+def test_sync_bits_16_keeps_replicas_identical_replicated_and_sharded(d):
   params = {"w": jnp.zeros((7, 300)), "b": jnp.zeros((5,)), "v": jnp.zeros((2, 3, 200))}
   for kw in (dict(bits=16), dict(bits=16, error_feedback=True),
              dict(codec=qcomm.Wire16(), shard_state=True, gather_codec=qcomm.Wire16())):

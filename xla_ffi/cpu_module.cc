@@ -104,6 +104,16 @@ struct Flat {
   Flat(const Flat&) = delete;
 };
 
+// CheckSummable for a decode of the sum of `count` payloads (1 <= count <= devices).
+ffi::Error CheckSummableDecode(int32_t bits, int32_t bucket_size, int32_t devices, int32_t count,
+                               qcomm::cpu::SummableParams* p) {
+  if (ffi::Error e = CheckSummable(bits, bucket_size, devices, qcomm::kNearest, p); e.failure())
+    return e;
+  if (count < 1 || count > devices)
+    return ffi::Error::InvalidArgument("count must be in 1..devices");
+  return ffi::Error::Success();
+}
+
 ffi::Error SummableEncodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> shared,
                               ffi::Buffer<ffi::U32> seed, ffi::ResultBuffer<ffi::U32> words,
                               int32_t bits, int32_t bucket_size, int32_t devices, int32_t rounding) {
@@ -149,10 +159,8 @@ ffi::Error SummableDecodeImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32>
                               ffi::ResultBuffer<ffi::F32> out, int32_t bits, int32_t bucket_size,
                               int32_t devices, int32_t count, float scale) {
   qcomm::cpu::SummableParams p;
-  if (ffi::Error e = CheckSummable(bits, bucket_size, devices, qcomm::kNearest, &p); e.failure())
+  if (ffi::Error e = CheckSummableDecode(bits, bucket_size, devices, count, &p); e.failure())
     return e;
-  if (count < 1 || count > devices)
-    return ffi::Error::InvalidArgument("count must be in 1..devices");
   const int64_t n = common::LastDim(out->dimensions());
   const int64_t rows = n == 0 ? 0 : out->element_count() / n;
   const int64_t nb = qcomm::num_buckets(n, bucket_size);
@@ -233,10 +241,8 @@ ffi::Error SummableDecodeLeavesImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi
                                     ffi::RemainingRets leaves, int32_t bits, int32_t bucket_size,
                                     int32_t devices, int32_t count, float scale) {
   qcomm::cpu::SummableParams p;
-  if (ffi::Error e = CheckSummable(bits, bucket_size, devices, qcomm::kNearest, &p); e.failure())
+  if (ffi::Error e = CheckSummableDecode(bits, bucket_size, devices, count, &p); e.failure())
     return e;
-  if (count < 1 || count > devices)
-    return ffi::Error::InvalidArgument("count must be in 1..devices");
   LeafList<float> out;
   for (size_t i = 0; i < leaves.size(); ++i) {
     ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::F32>>> leaf = leaves.get<ffi::Buffer<ffi::F32>>(i);
