@@ -339,6 +339,26 @@ def test_leaves_reduced_in_place_equal_the_packed_reference(d, rounding):
   assert np.all(np.abs(res["a"]) <= np.abs(tree["a"]).max() / 7 * 1.01)
 
 
+def test_shared_statistic_is_the_bfloat16_ceiling_and_stays_finite():
+  narrow = qcomm.Summable._narrow
+  bits = np.array([0x3F800000, 0x3F800001, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F0000, 0x7F800000,
+                   0x7FC00000, 0x00000001, 0], np.uint32).view(np.int32)
+  got = np.asarray(narrow(jnp.asarray(bits)))
+  # 1.0 exact; just above 1.0 -> the next bfloat16; the largest finite float32 -> the largest
+  # finite bfloat16 (rounded down, not up to Inf); Inf and NaN keep their class; subnormal -> tiny
+  np.testing.assert_array_equal(got, [0x3F80, 0x3F81, 0x3F81, 0x7F7F, 0x7F7F, 0x7F80, 0x7FC0, 1, 0])
+  assert np.all(np.asarray(qcomm.Summable._widen(jnp.asarray(got))).view(np.uint32)
+                == got.astype(np.uint32) << 16)
+  # in an allreduce, a bucket at the float32 maximum decodes finite and close; Inf decodes NaN
+  codec = qcomm.Summable(bits=4, bucket_size=128)
+  xs = np.random.default_rng(5).standard_normal((2, 384)).astype(np.float32)
+  xs[0, 10] = np.finfo(np.float32).max
+  xs[1, 300] = np.inf
+  out = np.asarray(_allreduce(codec, 2, "mean")(jnp.asarray(xs), jax.random.key(1)))
+  assert np.all(np.isfinite(out[:, :256])) and np.all(np.isnan(out[:, 256:]))
+  assert abs(out[0, 10] / (np.finfo(np.float32).max / 2) - 1) < 2.0**-6
+
+
 def test_allreduce_nan_on_one_device_is_nan_everywhere():
   codec = qcomm.Summable(bits=4, bucket_size=128)
   xs = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
