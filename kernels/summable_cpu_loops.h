@@ -49,8 +49,9 @@ inline int64_t leaf_run(const qcomm::cpu::Leaves<T>& v, int64_t e, int64_t end, 
   const int64_t i = v.find(e, *hint);
   *hint = i;
   const int64_t local = e - v.start[i];
-  *ptr = v.data[i] + local;
-  return std::max<int64_t>(0, std::min<int64_t>(end - e, v.size[i] - local));
+  const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(end - e, v.size[i] - local));
+  *ptr = valid > 0 ? v.data[i] + local : v.data[i];  // no pointer past the leaf's end
+  return valid;
 }
 
 inline uint32_t max_abs_bits(const float* xb, int64_t len) {
