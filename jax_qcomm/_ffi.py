@@ -110,12 +110,20 @@ def implementation() -> dict[str, str]:
           "cuda": "ffi (CUDA)" if has_cuda_kernels() else ref}
 
 
-def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, **attrs) -> jax.Array:
-  """One ``jax.ffi.ffi_call`` of a registered target; the result varies over the manual axes any
-  operand varies over (shard_map's vma types: XLA cannot infer them through a custom call)."""
-  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype), vmap_method="broadcast_all")
+def _varying_call(target: str, results, vmap_method: str, operands, attrs):
+  """One ``jax.ffi.ffi_call`` of a registered target; every result varies over the manual axes
+  any operand varies over (shard_map's vma types: XLA cannot infer them through a custom call)."""
+  out = jax.ffi.ffi_call(target, results, vmap_method=vmap_method)(*operands, **attrs)
   vma = frozenset().union(*(_compat.vma_of(x) for x in operands))
-  return _compat.make_varying(call(*operands, **attrs), vma)
+  if isinstance(out, (list, tuple)):
+    return [_compat.make_varying(o, vma) for o in out]
+  return _compat.make_varying(out, vma)
+
+
+def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, **attrs) -> jax.Array:
+  """One call of a kernel on an array (leading batch rows under vmap)."""
+  return _varying_call(target, jax.ShapeDtypeStruct(shape, dtype), "broadcast_all", operands,
+                       attrs)
 
 
 def _attrs(bits: int, bucket_size: int, scheme: str | None = None, rounding: str | None = None,
@@ -177,12 +185,7 @@ def summable_decode(words: jax.Array, shared: jax.Array, n: int, *, bits: int, b
 def _call_leaves(target: str, results, *operands: jax.Array, **attrs):
   """``_call`` for the kernels on a list of leaves (any number of operands or results, one call;
   under vmap, one call per batch element)."""
-  call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
-  vma = frozenset().union(*(_compat.vma_of(x) for x in operands))
-  out = call(*operands, **attrs)
-  if isinstance(out, (list, tuple)):
-    return [_compat.make_varying(o, vma) for o in out]
-  return _compat.make_varying(out, vma)
+  return _varying_call(target, results, "sequential", operands, attrs)
 
 
 def summable_scale_leaves(leaves, *, bucket_size: int) -> jax.Array:

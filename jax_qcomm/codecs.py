@@ -113,6 +113,16 @@ def split_leaves(flat: jax.Array, sizes: Sequence[int], multiple: int) -> list[j
   return out
 
 
+def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat
+                  ) -> tuple[list[jax.Array], list[jax.Array]]:
+  """``reduce_flat(buffer) -> (out, residual)`` on :func:`concat_leaves` of ``parts``, both split
+  per leaf again: how a reduction of a packed buffer serves the leaves it carries."""
+  sizes = [p.shape[0] for p in parts]
+  out, lost = reduce_flat(concat_leaves(parts, codec))
+  return (split_leaves(out, sizes, codec.pad_multiple),
+          split_leaves(lost, sizes, codec.pad_multiple))
+
+
 def _ring(devices: int, nbytes: float) -> float:
   """Bytes each device sends in a ring all-reduce of a buffer of ``nbytes``: 2 (D-1)/D of it."""
   return 2.0 * (devices - 1) / devices * nbytes
@@ -291,10 +301,8 @@ class Codec(abc.ABC):
                        ) -> tuple[list[jax.Array], list[jax.Array]]:
     """[float32[n_i]] -> ([mean or sum], [residual]): :meth:`allreduce_flat` of the packed
     buffer (:func:`concat_leaves`), split per leaf."""
-    sizes = [p.shape[0] for p in parts]
-    out, lost = self.allreduce_flat(concat_leaves(parts, self), axis_name, key, op, exchange)
-    return (split_leaves(out, sizes, self.pad_multiple),
-            split_leaves(lost, sizes, self.pad_multiple))
+    return reduce_packed(
+        parts, self, lambda flat: self.allreduce_flat(flat, axis_name, key, op, exchange))
 
   def reduce_scatter_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
                           op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
@@ -701,28 +709,35 @@ class _SummedFields(_Bucketed):
 
   _stat_bytes = 4
 
+  def _summed(self, stat, fields, unfields, axis_name, key, op):
+    """The reduction, once: one pmax of ``stat()``, ``fields(shared, key, D)`` words, one psum,
+    ``unfields(words, shared, D, count, scale)`` of the sum (the result) and of this device's own
+    words (what it contributed, for the residual)."""
+    d = self.check_devices(axis_size(axis_name))
+    shared = lax.pmax(stat(), axis_name)  # the same on every device
+    words = fields(shared, device_key(key, axis_name, 0), d)
+    total = lax.psum(words, axis_name)
+    out = unfields(total, shared, d, d, 1.0 / d if op == "mean" else 1.0)
+    return out, unfields(words, shared, d, 1, 1.0)
+
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     """One pmax of the statistics, one psum of the words, one decode; the residual is x minus
     this device's own decode."""
     n = x.shape[0]
-    d = self.check_devices(axis_size(axis_name))
     xp = _pad_to(x, self._field_size(n))
-    shared = lax.pmax(self._stat(xp), axis_name)  # the same on every device
-    words = self._fields(xp, shared, device_key(key, axis_name, 0), d)
-    total = lax.psum(words, axis_name)
-    out = self._unfields(total, shared, d, d, n, 1.0 / d if op == "mean" else 1.0)
-    return out, x - self._unfields(words, shared, d, 1, n)
+    out, own = self._summed(
+        lambda: self._stat(xp), lambda sh, k, d: self._fields(xp, sh, k, d),
+        lambda w, sh, d, c, scale: self._unfields(w, sh, d, c, n, scale), axis_name, key, op)
+    return out, x - own
 
   def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
     """:meth:`allreduce_flat` of the leaves' packed buffer, through the ``_*_leaves`` hooks (which
     a codec may implement on the leaves in place)."""
-    d = self.check_devices(axis_size(axis_name))
     sizes = [p.shape[0] for p in parts]
-    shared = lax.pmax(self._stat_leaves(parts), axis_name)
-    words = self._fields_leaves(parts, shared, device_key(key, axis_name, 0), d)
-    total = lax.psum(words, axis_name)
-    outs = self._unfields_leaves(total, shared, d, d, sizes, 1.0 / d if op == "mean" else 1.0)
-    own = self._unfields_leaves(words, shared, d, 1, sizes)
+    outs, own = self._summed(
+        lambda: self._stat_leaves(parts), lambda sh, k, d: self._fields_leaves(parts, sh, k, d),
+        lambda w, sh, d, c, scale: self._unfields_leaves(w, sh, d, c, sizes, scale),
+        axis_name, key, op)
     return outs, [p - o for p, o in zip(parts, own)]
 
   # The hooks on leaves: by default the packed buffer's (concat_leaves) through the flat hooks.
@@ -975,6 +990,11 @@ _RADIX = {2: 1 << 16, 3: 1625}
 _MIN_LEVELS_3 = 400
 
 
+def _levels(fields: int, devices: int) -> int:
+  """Wire16's largest level with ``fields`` per word summed over ``devices``: ``(R - 1) // 2D``."""
+  return (_RADIX[fields] - 1) // (2 * devices)
+
+
 @dataclasses.dataclass(frozen=True)
 class Wire16(_SummedFields):
   """bfloat16-class accuracy in fields that the transport sums at its integer rate: ``sync(bits=16)``.
@@ -1044,13 +1064,13 @@ class Wire16(_SummedFields):
     """Fields per word when ``devices`` payloads are summed (the rule of ``fields=None``)."""
     if self.fields is not None:
       return self.fields
-    if self.bucket_size % 3 == 0 and (_RADIX[3] - 1) // (2 * devices) >= _MIN_LEVELS_3:
+    if self.bucket_size % 3 == 0 and _levels(3, devices) >= _MIN_LEVELS_3:
       return 3
     return 2
 
   def levels(self, devices: int) -> int:
     """L: the largest level when ``devices`` fields are summed (their sum fits the radix)."""
-    return (_RADIX[self.fields_for(devices)] - 1) // (2 * devices)
+    return _levels(self.fields_for(devices), devices)
 
   def resolve(self, devices, collective="allreduce", transport=None):
     super().resolve(devices, collective, transport)  # the checks
@@ -1058,9 +1078,9 @@ class Wire16(_SummedFields):
     return self if self.fields is not None else dataclasses.replace(self, fields=self.fields_for(d))
 
   def check_devices(self, devices: int) -> int:
-    most = (_RADIX[self.fields or 2] - 1) // 2
-    return check_int_in("devices", devices, 1, most,
-                        f" for {self.name} (at least one level per side: 2 D < {_RADIX[self.fields or 2]})")
+    r = _RADIX[self.fields or 2]  # fields=None packs two where three would not fit
+    return check_int_in("devices", devices, 1, (r - 1) // 2,
+                        f" for {self.name} (at least one level per side: 2 D < {r})")
 
   def _buckets(self, n: int) -> int:
     return -(-n // self.bucket_size)
@@ -1168,8 +1188,8 @@ class Wire16(_SummedFields):
     return super().all_gather_flat(x, axis_name, key)
 
   def traffic(self, n, devices, collective="allreduce"):
-    """CPU: the summed fields' (16 bits per value, a float32 scale per bucket; see
-    ``_SummedFields.traffic``). Elsewhere: ``Cast(bfloat16)``'s."""
+    """CPU: the summed fields' (``32 / fields_for(D)`` bits per value and a float32 scale per
+    bucket; see ``_SummedFields.traffic``). Elsewhere: ``Cast(bfloat16)``'s."""
     n, d, collective = _check_traffic(n, devices, collective)
     if not _fixed16_here():
       return _BF16.traffic(n, d, collective)

@@ -23,7 +23,7 @@ from jax_qcomm import _compat, _exchange, _varying, packing
 from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check_instance,
                                check_int, check_key)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
-from jax_qcomm.codecs import QSGD, Codec, concat_leaves, split_leaves
+from jax_qcomm.codecs import QSGD, Codec, reduce_packed
 
 __all__ = ["AxisName", "Hierarchical", "allreduce", "allreduce_flat", "reduce_scatter",
            "all_gather", "cast_pmean", "axis_names", "axis_size"]
@@ -113,10 +113,8 @@ def _allreduce_leaves(parts: list[jax.Array], axis_name: AxisName, codec: Codec,
   if sum(p.shape[0] for p in parts) == 0:
     return parts, parts
   if isinstance(axis_name, Hierarchical):
-    sizes = [p.shape[0] for p in parts]
-    out, lost = _hierarchical(concat_leaves(parts, codec), axis_name, codec, key, op, exchange)
-    return (split_leaves(out, sizes, codec.pad_multiple),
-            split_leaves(lost, sizes, codec.pad_multiple))
+    return reduce_packed(
+        parts, codec, lambda flat: _hierarchical(flat, axis_name, codec, key, op, exchange))
   return codec.allreduce_leaves(parts, axis_name, key, op, exchange)
 
 

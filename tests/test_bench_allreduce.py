@@ -21,14 +21,8 @@ CODECS = ("fp32", "cast_pmean_bf16", "cast_bf16", "qsgd8", "qsgd4", "qsgd2")
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-  out = tmp_path_factory.mktemp("bench") / "allreduce.json"
-  env = _bench_env()
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "4", "--sizes", "5000",
-       "--repeats", "2", "--warmup", "1", "--breakdown", "--link-gbps", "1", "--out", str(out)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-  return json.loads(out.read_text()), proc.stdout
+  return _run(tmp_path_factory.mktemp("bench") / "allreduce.json", "--devices", "4", "--sizes",
+              "5000", "--repeats", "2", "--warmup", "1", "--breakdown", "--link-gbps", "1")
 
 
 def _bench_env() -> dict[str, str]:
@@ -36,6 +30,14 @@ def _bench_env() -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith("QCOMM_")}
   env.pop("XLA_FLAGS", None)
   return env
+
+
+def _run(out, *args: str, timeout: int = 300) -> tuple[dict, str]:
+  """``python -m benchmarks allreduce *args --out out``, which must succeed: (its JSON, stdout)."""
+  proc = subprocess.run([sys.executable, "-m", "benchmarks", "allreduce", *args, "--out", str(out)],
+                        cwd=ROOT, env=_bench_env(), capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+  return json.loads(out.read_text()), proc.stdout
 
 
 def _positive_finite(v):
@@ -94,15 +96,9 @@ def test_breakdown_and_metadata(result):
 def test_exchange_variants_are_timed_side_by_side(tmp_path):
   """--exchange rounds all_to_all: one row per SRA codec and schedule, psum codecs once; the
   compiled programs really differ (the rows record the method)."""
-  out = tmp_path / "x.json"
-  env = _bench_env()
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "4", "--sizes", "4096",
-       "--codecs", "fp32", "qsgd4", "--exchange", "rounds", "all_to_all", "--repeats", "1",
-       "--warmup", "1", "--out", str(out)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-  rows = {r["codec"]: r for r in json.loads(out.read_text())["rows"]}
+  data, _ = _run(tmp_path / "x.json", "--devices", "4", "--sizes", "4096", "--codecs", "fp32",
+                 "qsgd4", "--exchange", "rounds", "all_to_all", "--repeats", "1", "--warmup", "1")
+  rows = {r["codec"]: r for r in data["rows"]}
   assert set(rows) == {"fp32", "qsgd4/rounds", "qsgd4/all_to_all"}
   assert rows["fp32"]["exchange"] is None
   assert rows["qsgd4/rounds"]["exchange"] == "rounds"
@@ -118,14 +114,9 @@ def test_tree_mode_counts_describes_bytes_and_the_error(tmp_path):
   import jax_qcomm as qcomm
   from jax_qcomm.tools import efficiency
   from benchmarks import sharded
-  out = tmp_path / "t.json"
-  env = _bench_env()
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks", "allreduce", "--devices", "2", "--tree", "resnet50",
-       "--codecs", "fp32", "auto4", "--repeats", "1", "--warmup", "1", "--out", str(out)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-  rows = {r["codec"]: r for r in json.loads(out.read_text())["rows"]}
+  data, _ = _run(tmp_path / "t.json", "--devices", "2", "--tree", "resnet50", "--codecs", "fp32",
+                 "auto4", "--repeats", "1", "--warmup", "1", timeout=600)
+  rows = {r["codec"]: r for r in data["rows"]}
   assert rows["fp32"]["rel_error"] == 0 and rows["auto4"]["runs"] == "QSGD 4b/128 maxmin"
   assert 0.05 < rows["auto4"]["rel_error"] < 0.5
   shapes = sharded.payload("resnet50")

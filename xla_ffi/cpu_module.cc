@@ -264,20 +264,21 @@ ffi::Error SummableDecodeLeavesImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi
 // The summable handlers' attributes: encode (bits, bucket_size, devices, rounding) and decode
 // (bits, bucket_size, devices, count, scale), after their operands, flat or on leaves.
 template <typename B>
-auto SummableEncodeAttrs(B binding) {
+auto SummableAttrs(B&& binding) {
   return std::move(binding)
       .template Attr<int32_t>("bits")
       .template Attr<int32_t>("bucket_size")
-      .template Attr<int32_t>("devices")
-      .template Attr<int32_t>("rounding");
+      .template Attr<int32_t>("devices");
 }
 
 template <typename B>
-auto SummableDecodeAttrs(B binding) {
-  return std::move(binding)
-      .template Attr<int32_t>("bits")
-      .template Attr<int32_t>("bucket_size")
-      .template Attr<int32_t>("devices")
+auto SummableEncodeAttrs(B&& binding) {
+  return SummableAttrs(std::move(binding)).template Attr<int32_t>("rounding");
+}
+
+template <typename B>
+auto SummableDecodeAttrs(B&& binding) {
+  return SummableAttrs(std::move(binding))
       .template Attr<int32_t>("count")
       .template Attr<float>("scale");
 }
