@@ -14,10 +14,13 @@ echo "[wheel] building with $PY ($("$PY" --version 2>&1)) into $work/dist"
 "$PY" -m pip wheel -q --no-deps . -w "$work/dist"  # --no-deps: only our wheel, not jax's
 wheel=$(ls "$work"/dist/jax_qcomm-*.whl)
 echo "[wheel] $(basename "$wheel"): $(du -h "$wheel" | cut -f1); compiled modules:"
-"$PY" -m zipfile -l "$wheel" | awk '/\.so/ {print "  " $1}'
-"$PY" -m zipfile -l "$wheel" | grep -q '_qcomm_cpu.*\.so' || { echo "error: no CPU module in the wheel" >&2; exit 1; }
+# The listing is read once into a variable: `zipfile -l | grep -q` under pipefail fails whenever
+# grep exits before zipfile has written everything (a broken pipe in the lister).
+listing=$("$PY" -m zipfile -l "$wheel")
+awk '/\.so/ {print "  " $1}' <<<"$listing"
+grep -q '_qcomm_cpu.*\.so' <<<"$listing" || { echo "error: no CPU module in the wheel" >&2; exit 1; }
 for tool in efficiency distributed launch cluster; do  # the tooling subpackage ships too
-  "$PY" -m zipfile -l "$wheel" | grep -q "jax_qcomm/tools/$tool.py" \
+  grep -q "jax_qcomm/tools/$tool.py" <<<"$listing" \
     || { echo "error: jax_qcomm/tools/$tool.py is not in the wheel" >&2; exit 1; }
 done
 "$PY" -m venv "$work/venv"
