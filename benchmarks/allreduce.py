@@ -113,8 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "sync(codec=...) sends; rows also give the relative error against the "
                            "exact mean")
   parser.add_argument("--comm-bucket", type=_common.parse_size, default=None, metavar="N",
-                      help="with --tree: most float32 elements per packed buffer (default: the "
-                           "library's, 16M)")
+                      help="with --tree: most float32 elements per communication buffer (default: "
+                           "each codec's own comm_buffer_size)")
   parser.add_argument("--breakdown", action="store_true",
                       help="also time the codec work of one device without communication")
   parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
@@ -470,7 +470,7 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
           np.random.default_rng([7, g, k]).standard_normal(shape, dtype=np.float32)
           for g in range(*idx[0].indices(d))])) for k, s in enumerate(leaves)])
   key = jax.random.key(0)
-  comm = collectives.DEFAULT_COMM_BUCKET if comm_bucket is None else comm_bucket
+  comm = comm_bucket  # None: each codec's own comm_buffer_size
 
   def run(codec):
     def per_device(t):
@@ -503,7 +503,7 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
     _common.log(f"  resnet50 {name:<16} {1e3 * t.median:10.2f} ms  rel. error {err:.3g}")
     rows.append(dict(codec=name, description=CODECS[name][0], runs=codec.resolve(d).name,
                      size=n, devices=d, processes=jax.process_count(), tree="resnet50",
-                     comm_bucket_size=comm,
+                     comm_bucket_size=(codec.comm_buffer_size(d) if comm is None else comm),
                      wire_bytes_per_device=sent, rel_error=err, **t.as_dict(),
                      link_floor_s=None if link_gbps is None else sent * 8 / (link_gbps * 1e9)))
   return rows

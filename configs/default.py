@@ -2,6 +2,7 @@
 jax_qcomm's gradient synchronisation. Other configs start from here and change what differs."""
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -39,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = -1        # optimizer steps; -1: num_epochs worth
 
   # Gradient synchronisation: qcomm.sync(...).
-  config.bits = 4                    # 32 exact, 16 bf16 wire, 1..8 QSGD
+  config.bits = 4                    # 32 exact, 16 Wire16 fields, 1..8 the fastest codec (Auto)
   config.bucket_size = 128
   config.scheme = "maxmin"
   config.accum_steps = 2
@@ -47,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.min_size = 1024             # leaves smaller than this are sent exact
   config.compress_1d = False         # biases and BatchNorm scales exact
   config.exclude = ""                # comma-separated regexes of parameter paths sent exact
-  config.comm_bucket_size = 2**24
+  config.comm_bucket_size = config_dict.placeholder(int)  # None: the codec's own buffer size
 
   # Loop, logging, checkpoints.
   config.eval_every_steps = 5000     # optimizer steps; 0: only at the end

@@ -20,6 +20,16 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
   return int(value)
 
 
+def check_int_or_none(name: str, value: Any, minimum: int = 1) -> int | None:
+  """None, or `value` as an int >= minimum; else ValueError naming `name`."""
+  if value is None:
+    return None
+  try:
+    return check_int(name, value, minimum)
+  except ValueError:
+    raise ValueError(f"{name} must be None or an integer >= {minimum}, got {value!r}") from None
+
+
 def check_int_in(name: str, value: Any, lo: int, hi: int, context: str = "",
                  hi_text: str | None = None) -> int:
   """`value` as an int in lo..hi (bools and floats rejected), else ValueError:

@@ -136,6 +136,11 @@ def _sum_in_order(vals: jax.Array) -> jax.Array:
   return out
 
 
+#: Float32 elements per communication buffer where neither the caller nor the codec says otherwise
+#: (64 MiB of float32): :meth:`Codec.comm_buffer_size`.
+DEFAULT_COMM_BUCKET = 1 << 24
+
+
 class Codec(abc.ABC):
   """A codec: how values cross the wire, as array functions and as a reduction across devices.
 
@@ -197,6 +202,9 @@ class Codec(abc.ABC):
     all-to-all ``(D-1)/D`` of the gathered size, reduce-scatter ``(D-1)`` times its output).
     ``collective`` is ``"allreduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
     :meth:`sent_bytes` is their sum: the one byte count of the library.
+  * ``comm_buffer_size(devices) -> int``: the most elements a communication buffer of this codec
+    carries where the caller leaves ``comm_bucket_size=None``; leaves of one codec are packed up to
+    it (:data:`DEFAULT_COMM_BUCKET` here).
 
   The defaults implement the scatter-reduce-allgather (SRA) from the wire API: each device's
   buffer is padded to whole buckets per device chunk and cut into D chunks, chunk j encoded and
@@ -344,6 +352,13 @@ class Codec(abc.ABC):
     """Bytes each device sends for one reduction of ``n`` elements over ``devices`` devices: the
     sum of :meth:`traffic`, equal to what the compiled program's collectives send."""
     return float(sum(b for _, b in self.traffic(n, devices, collective)))
+
+  def comm_buffer_size(self, devices: int) -> int:
+    """The most float32 elements one communication buffer of this codec carries over ``devices``
+    where the caller passes ``comm_bucket_size=None`` (the default of :func:`jax_qcomm.allreduce`,
+    :func:`jax_qcomm.sync` and :func:`jax_qcomm.diloco`): :data:`DEFAULT_COMM_BUCKET`. Each buffer
+    is one reduction, so fewer buffers mean fewer collectives; a bound keeps packed copies small."""
+    return DEFAULT_COMM_BUCKET
 
   def resolve(self, devices: int, collective: str = "allreduce",
               transport: _transport.Transport | None = None) -> Codec:
@@ -873,6 +888,13 @@ class Summable(_SummedFields):
   def _kernel_platforms(self) -> tuple[str, ...]:
     return ("cpu",) if _ffi.has_cpu_kernels() else ()  # no CUDA kernel: GPUs run the reference
 
+  def comm_buffer_size(self, devices: int) -> int:
+    """``4 * DEFAULT_COMM_BUCKET`` (2**26 elements): a buffer costs a ``pmax`` and a ``psum`` of
+    its own, and on CPU the kernels read and write the leaves in place (no packed copy to bound),
+    so a model of up to 67M values travels in one buffer. On 2 nodes at 1 Gbit/s ResNet-50 in one
+    buffer took 171 ms against 177 ms in two (docs/benchmarks.md)."""
+    return 4 * DEFAULT_COMM_BUCKET
+
   # -- the reduction protocol: one pmax of the scales, one psum of the words -------------------------
   def padded_size(self, n: int, devices: int) -> int:
     return -(-n // self.bucket_size) * self.bucket_size  # whole buckets; no chunks per device
@@ -1326,6 +1348,9 @@ class Auto(_Bucketed):
   # The reduction protocol: the candidate resolved for the axis.
   def padded_size(self, n, devices):
     return self.resolve(devices).padded_size(n, devices)
+
+  def comm_buffer_size(self, devices):
+    return self.resolve(devices).comm_buffer_size(devices)
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     return self.resolve(axis_size(axis_name)).allreduce_flat(x, axis_name, key, op, exchange)

@@ -21,15 +21,14 @@ from jax import lax
 
 from jax_qcomm import _compat, _exchange, _varying, packing
 from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check_instance,
-                               check_int, check_key)
+                               check_int, check_int_or_none, check_key)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
-from jax_qcomm.codecs import QSGD, Codec, reduce_packed
+from jax_qcomm.codecs import DEFAULT_COMM_BUCKET, QSGD, Codec, reduce_packed
 
-__all__ = ["AxisName", "Hierarchical", "allreduce", "allreduce_flat", "reduce_scatter",
+__all__ = ["DEFAULT_COMM_BUCKET", "AxisName", "Hierarchical", "allreduce", "allreduce_flat", "reduce_scatter",
            "all_gather", "cast_pmean", "axis_names", "axis_size"]
 
 OPS = ("mean", "sum")
-DEFAULT_COMM_BUCKET = 1 << 24  # elements per flat communication buffer (64 MiB of float32)
 
 
 def _check_common(codec: Any, op: str) -> None:
@@ -122,7 +121,7 @@ def _allreduce_leaves(parts: list[jax.Array], axis_name: AxisName, codec: Codec,
 
 def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array | None = None,
               op: str = "mean", *, policy: packing.LeafPolicy | None = None,
-              comm_bucket_size: int = DEFAULT_COMM_BUCKET, return_residual: bool = False,
+              comm_bucket_size: int | None = None, return_residual: bool = False,
               check_varying: bool = True, exchange: str = "auto") -> Any:
   """Compressed allreduce of an array or a pytree of float arrays across ``axis_name``.
 
@@ -143,7 +142,9 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
       ``LeafPolicy()``: leaves under 1024 elements and 1-D leaves exact). A single array is always
       sent with ``codec``.
     comm_bucket_size: most float32 elements per flat communication buffer; leaves sharing a codec
-      are concatenated up to this size so that a model issues few collectives.
+      are concatenated up to this size so that a model issues few collectives. None (default):
+      the codec's own :meth:`~jax_qcomm.Codec.comm_buffer_size` (2**24 elements; Summable
+      2**26).
     return_residual: also return, as a float32 pytree like ``x``, what this device's own
       quantisation lost (zeros for exact leaves), for error feedback.
     check_varying: raise ValueError if a leaf of ``x`` is the same on every device (not varying
@@ -158,14 +159,14 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   """
   _check_common(codec, op)
   _exchange.check_method(exchange, "exchange")
-  check_int("comm_bucket_size", comm_bucket_size)
+  check_int_or_none("comm_bucket_size", comm_bucket_size)
   check_key("key", key)
   if policy is not None:
     check_instance("policy", policy, packing.LeafPolicy, "None or a qcomm.LeafPolicy")
   return_residual = check_bool("return_residual", return_residual)
   check_varying = check_bool("check_varying", check_varying)
   check_axis(axis_name)
-  axis_size(axis_name)
+  d = axis_size(axis_name)
   packing.check_float_leaves(x)
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.allreduce")
@@ -177,7 +178,7 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
                      "(a new one per call)")
   out: list[Any] = [None] * len(leaves)
   residual: list[Any] = [None] * len(leaves)
-  for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size)):
+  for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size, d)):
     group_key = None if key is None else jax.random.fold_in(key, i)
     parts = [leaves[j].reshape(-1).astype(jnp.float32) for j in group.leaves]
     reduced, lost = _allreduce_leaves(parts, axis_name, group.codec, group_key, op, exchange)

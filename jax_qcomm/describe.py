@@ -202,7 +202,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
       _share(sent, group.leaves, [layout.leaves[i].size for i in group.leaves], total)
     extra = NoCompression().sent_bytes(1, devices)
   else:
-    for group in packing.plan(shapes, codecs, cfg.comm_bucket_size):
+    for group in packing.plan(shapes, codecs, cfg.comm_bucket_size, devices):
       sizes = [packing.padded_size(shapes[i].size, group.codec) for i in group.leaves]
       _share(sent, group.leaves, sizes, group.codec.sent_bytes(sum(sizes), devices))
   leaves = []

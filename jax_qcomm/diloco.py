@@ -35,10 +35,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat, _varying, collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
-                               check_int, check_key)
+                               check_int, check_int_or_none, check_key)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import QSGD, Codec
-from jax_qcomm.collectives import DEFAULT_COMM_BUCKET
 from jax_qcomm.data_parallel import _SpecKey, place
 from jax_qcomm.sync import (SyncConfig, _all_finite, holds_sync, num_devices, register_state,
                             state_partition_spec)
@@ -93,7 +92,7 @@ class DiLoCoConfig:
   policy: packing.LeafPolicy
   every: int
   error_feedback: bool
-  comm_bucket_size: int
+  comm_bucket_size: int | None
   seed: int = 0
   inner_accum_steps: int = 1
   inner_axis_name: Any = None
@@ -112,7 +111,7 @@ def _sync_config(tx: Any) -> SyncConfig | None:
 def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: int,
            codec: Codec | None = None, outer: optax.GradientTransformation | None = None,
            error_feedback: bool = False, policy: packing.LeafPolicy | None = None,
-           comm_bucket_size: int = DEFAULT_COMM_BUCKET,
+           comm_bucket_size: int | None = None,
            seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """Local steps of ``inner``, and every ``every`` steps a compressed outer step across replicas.
 
@@ -134,7 +133,8 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
       to the next one (float32; only for lossy codecs).
     policy: which leaves travel exact (:class:`qcomm.LeafPolicy`; default ``LeafPolicy()``: small
       and 1-D leaves exact).
-    comm_bucket_size: most elements per flat communication buffer.
+    comm_bucket_size: most elements per flat communication buffer (None: the codec's own
+      :meth:`~qcomm.Codec.comm_buffer_size`).
     seed: seeds the rounding key.
 
   Returns:
@@ -159,7 +159,7 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
   error_feedback = check_bool("error_feedback", error_feedback)
   policy = packing.LeafPolicy() if policy is None else check_instance(
       "policy", policy, packing.LeafPolicy, "a qcomm.LeafPolicy")
-  comm_bucket_size = check_int("comm_bucket_size", comm_bucket_size)
+  comm_bucket_size = check_int_or_none("comm_bucket_size", comm_bucket_size)
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"seed must be an integer, got {seed!r}")
   inner_cfg = _sync_config(inner)

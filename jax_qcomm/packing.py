@@ -1,7 +1,8 @@
 """Pytree -> flat communication buffers and back, and the per-leaf compression policy.
 
 A model with 160 leaves must not issue 320 collectives, so leaves that share a codec are concatenated
-into flat float32 buffers of at most ``comm_bucket_size`` elements (:func:`plan`). Each leaf is
+into flat float32 buffers of at most ``comm_bucket_size`` elements, or the codec's own bound
+(:func:`plan`, :meth:`jax_qcomm.Codec.comm_buffer_size`). Each leaf is
 padded to a whole number of quantisation buckets first, so a quantisation bucket never straddles two
 leaves; ``jax_qcomm.codecs.concat_leaves`` builds such a buffer and ``split_leaves`` takes it
 apart, and a codec may reduce the leaves in place of the copy (``Codec.allreduce_leaves``).
@@ -157,18 +158,24 @@ class Group:
   leaves: tuple[int, ...]
 
 
-def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int) -> list[Group]:
-  """Groups consecutive-by-codec leaves into buffers of at most comm_bucket_size elements.
+def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int | None,
+         devices: int) -> list[Group]:
+  """Groups consecutive-by-codec leaves into buffers of at most ``comm_bucket_size`` elements
+  (None: each codec's own :meth:`~jax_qcomm.Codec.comm_buffer_size` over ``devices``).
 
-  A leaf larger than comm_bucket_size gets a buffer of its own. Order within a group follows the
-  tree order, so the plan is deterministic (every device builds the same buffers).
+  A leaf larger than the bound gets a buffer of its own. Order within a group follows the tree
+  order, so the plan is deterministic (every device builds the same buffers).
   """
   by_codec: dict[Codec, list[list[int]]] = {}
   sizes: dict[Codec, int] = {}
+  bounds: dict[Codec, int] = {}
   for i, (leaf, codec) in enumerate(zip(leaves, codecs)):
     padded = padded_size(leaf.size, codec)
+    if codec not in bounds:
+      bounds[codec] = (codec.comm_buffer_size(devices) if comm_bucket_size is None
+                       else comm_bucket_size)
     groups = by_codec.setdefault(codec, [[]])
-    if groups[-1] and sizes[codec] + padded > comm_bucket_size:
+    if groups[-1] and sizes[codec] + padded > bounds[codec]:
       groups.append([])
       sizes[codec] = 0
     groups[-1].append(i)

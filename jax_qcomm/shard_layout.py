@@ -100,10 +100,11 @@ class Layout:
 
   @staticmethod
   def of(shapes: Sequence[tuple[int, ...]], devices: int, codecs: Sequence[Codec],
-         comm_bucket_size: int) -> "Layout":
+         comm_bucket_size: int | None) -> "Layout":
     leaves = tuple(LeafShard(tuple(int(d) for d in s), devices) for s in shapes)
     segments = [jax.ShapeDtypeStruct((leaf.size,), jnp.float32) for leaf in leaves]
-    return Layout(leaves, devices, tuple(packing.plan(segments, codecs, comm_bucket_size)))
+    return Layout(leaves, devices,
+                  tuple(packing.plan(segments, codecs, comm_bucket_size, devices)))
 
   def row_size(self, group: packing.Group) -> int:
     """Elements of one row of the group's buffer (what each device owns of it)."""

@@ -38,11 +38,10 @@ from jax.sharding import PartitionSpec as P
 
 from jax_qcomm import _compat, _varying, collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
-                               check_int)
+                               check_int, check_int_or_none)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import QSGD, Codec, NoCompression, codec_for_bits
 from jax_qcomm.shard_layout import SHARDED, Layout
-from jax_qcomm.collectives import DEFAULT_COMM_BUCKET
 
 
 class SyncState(NamedTuple):
@@ -96,7 +95,7 @@ class SyncConfig:
   policy: packing.LeafPolicy
   accum_steps: int
   error_feedback: bool
-  comm_bucket_size: int
+  comm_bucket_size: int | None
   seed: int = 0
   check_varying: bool = True
   shard_state: bool = False
@@ -195,7 +194,7 @@ def _resolve_policy(policy: Any, min_size: Any, exclude: Any) -> packing.LeafPol
 def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
          policy: packing.LeafPolicy | None = None, axis_name: AxisName = "data",
          accum_steps: int = 1, error_feedback: bool = False,
-         comm_bucket_size: int = DEFAULT_COMM_BUCKET, seed: int = 0, check_varying: bool = True,
+         comm_bucket_size: int | None = None, seed: int = 0, check_varying: bool = True,
          bits: int | None = None, bucket_size: int | None = None, min_size: int | None = None,
          exclude: str | Sequence[str] | None = None, shard_state: bool = False,
          gather_codec: Codec | None = None,
@@ -222,7 +221,8 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
       gradient (only for lossy codecs). Costs one float32 copy of the gradients per device. With
       the ``bits`` shorthand QSGD then rounds to nearest (EF-SGD's deterministic compressor); a
       codec object is used as given (``QSGD(1, rounding="nearest")`` is the stable choice).
-    comm_bucket_size: most elements per flat communication buffer.
+    comm_bucket_size: most elements per flat communication buffer (None: the codec's own
+      :meth:`~qcomm.Codec.comm_buffer_size`, 2**24 elements; Summable 2**26).
     seed: seeds the rounding key (the device index is folded in, so replicas still differ).
     check_varying: ``update`` raises ValueError for a gradient that is the same on every device
       (not varying over ``axis_name`` inside ``shard_map``): the gradient of a replicated
@@ -305,7 +305,7 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
   config = SyncConfig(axis_name=axis_name, codec=codec, policy=policy,
                       accum_steps=check_int("accum_steps", accum_steps),
                       error_feedback=error_feedback and codec.lossy,
-                      comm_bucket_size=check_int("comm_bucket_size", comm_bucket_size),
+                      comm_bucket_size=check_int_or_none("comm_bucket_size", comm_bucket_size),
                       seed=int(seed), check_varying=check_bool("check_varying", check_varying),
                       shard_state=shard_state, gather_codec=gather_codec)
   s = (_ShardedSync if shard_state else _Sync)(optax.with_extra_args_support(inner), config)

@@ -462,6 +462,38 @@ def test_pytree_policy_and_small_comm_buckets():
   assert n_small >= compressed_small, n_small
 
 
+def test_the_codec_bounds_its_communication_buffers():
+  """comm_bucket_size=None (the default) packs each codec's leaves up to its own
+  comm_buffer_size: 2**24 elements by default, 2**26 for Summable (one pmax and one psum per
+  buffer, leaves read in place), what Auto's resolved codec says, and what a subclass says; an
+  explicit comm_bucket_size wins. The allreduce, describe's plan and the cost model agree."""
+  from jax_qcomm import packing  # noqa: PLC0415
+  from jax_qcomm.tools import efficiency  # noqa: PLC0415
+  import dataclasses  # noqa: PLC0415
+
+  shapes = [jax.ShapeDtypeStruct((3000, 4000), jnp.float32) for _ in range(2)]  # 12M each
+  big = 1 << 24
+  assert qcomm.QSGD(4).comm_buffer_size(2) == big
+  assert qcomm.Summable(4).comm_buffer_size(2) == 4 * big
+  assert qcomm.Auto(4).comm_buffer_size(2) == qcomm.Auto(4).resolve(2).comm_buffer_size(2)
+  for codec, buffers in ((qcomm.QSGD(4), 2), (qcomm.Summable(4), 1)):
+    assert len(packing.plan(shapes, [codec] * 2, None, 2)) == buffers, codec
+    assert len(packing.plan(shapes, [codec] * 2, 1 << 25, 2)) == 1, codec  # explicit: wins
+    assert len(efficiency.tree_allreduce_bytes(shapes, 2, codec)["buffers"]) == buffers
+
+  @dataclasses.dataclass(frozen=True)
+  class SmallBuffers(qcomm.Summable):
+    def comm_buffer_size(self, devices):
+      return 2048
+
+  codec = SmallBuffers(4, 128, impl="jax")
+  tree = {"a": data(20, shape=(D, 30, 100)), "b": data(21, shape=(D, 40, 50))}
+  # the traced program (XLA may later combine independent all-reduces into one op)
+  psums = lambda cbs: len(re.findall(r"stablehlo.all_reduce", allreduce_fn(  # noqa: E731
+      codec, cbs=cbs).lower(tree, key1(1)).as_text()))
+  assert psums(None) == 2 * psums(1 << 20) == 4  # a pmax and a psum per buffer: two buffers
+
+
 # ---- 6. quantisation buckets never straddle leaves ---------------------------------------------
 
 @pytest.mark.parametrize("names", [("a", "b"), ("b", "a")], ids=["tiny-first", "huge-first"])

@@ -60,7 +60,7 @@ import numpy as np
 import jax
 
 from jax_qcomm import collectives, packing
-from jax_qcomm._checks import check_int
+from jax_qcomm._checks import check_int, check_int_or_none
 from jax_qcomm.codecs import Codec, codec_for_bits
 from jax_qcomm.transport import GLOO, GLOO_PAIR, IDEAL, Transport
 
@@ -148,12 +148,13 @@ def hierarchical_allreduce_bytes(n: int, inner: int, outer: int, codec: Any = 4)
 
 
 def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any = None,
-                         comm_bucket_size: int = DEFAULT_COMM_BUCKET) -> dict[str, Any]:
+                         comm_bucket_size: int | None = None) -> dict[str, Any]:
   """Bytes each device sends when ``qcomm.allreduce`` / ``qcomm.sync`` synchronise a pytree.
 
   ``tree``: arrays or ``jax.ShapeDtypeStruct`` leaves (only shapes are read). Applies the same leaf
   policy (default ``LeafPolicy()``: leaves under 1024 elements and 1-D leaves exact) and the same
-  packing into flat buffers of at most ``comm_bucket_size`` elements as the library.
+  packing into flat buffers of at most ``comm_bucket_size`` elements (None: the codec's own
+  ``comm_buffer_size``) as the library.
 
   Returns a dict: ``bytes`` (total sent per device), ``messages`` (``2 (D-1)`` per buffer),
   ``coded_elements`` (elements going through a lossy codec, i.e. its codec work), ``elements``
@@ -161,11 +162,11 @@ def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any
   """
   codec = codec_of(codec)
   d = check_int("devices", devices, 1)
-  comm_bucket_size = check_int("comm_bucket_size", comm_bucket_size, 1)
+  comm_bucket_size = check_int_or_none("comm_bucket_size", comm_bucket_size)
   leaves = jax.tree_util.tree_leaves(tree)
   codecs = packing.leaf_codecs(tree, codec, policy)
   total, messages, coded, buffers = 0.0, 0, 0, []
-  for group in packing.plan(leaves, codecs, comm_bucket_size):
+  for group in packing.plan(leaves, codecs, comm_bucket_size, d):
     n = sum(packing.padded_size(int(math.prod(leaves[i].shape)), group.codec) for i in group.leaves)
     sent = allreduce_bytes(n, d, group.codec)
     total += sent
