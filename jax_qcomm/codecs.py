@@ -892,7 +892,7 @@ class Summable(_SummedFields):
     """``4 * DEFAULT_COMM_BUCKET`` (2**26 elements): a buffer costs a ``pmax`` and a ``psum`` of
     its own, and on CPU the kernels read and write the leaves in place (no packed copy to bound),
     so a model of up to 67M values travels in one buffer. On 2 nodes at 1 Gbit/s ResNet-50 in one
-    buffer took 171 ms against 177 ms in two (docs/benchmarks.md)."""
+    buffer took 168.6 ms against 176.9 ms in two (docs/benchmarks-log.md)."""
     return 4 * DEFAULT_COMM_BUCKET
 
   # -- the reduction protocol: one pmax of the scales, one psum of the words -------------------------

@@ -25,8 +25,8 @@ from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
 from jax_qcomm.codecs import DEFAULT_COMM_BUCKET, QSGD, Codec, reduce_packed
 
-__all__ = ["DEFAULT_COMM_BUCKET", "AxisName", "Hierarchical", "allreduce", "allreduce_flat", "reduce_scatter",
-           "all_gather", "cast_pmean", "axis_names", "axis_size"]
+__all__ = ["DEFAULT_COMM_BUCKET", "AxisName", "Hierarchical", "allreduce", "allreduce_flat",
+           "reduce_scatter", "all_gather", "cast_pmean", "axis_names", "axis_size"]
 
 OPS = ("mean", "sum")
 
@@ -166,7 +166,7 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   return_residual = check_bool("return_residual", return_residual)
   check_varying = check_bool("check_varying", check_varying)
   check_axis(axis_name)
-  d = axis_size(axis_name)
+  axis_size(axis_name)
   packing.check_float_leaves(x)
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.allreduce")
@@ -178,6 +178,8 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
                      "(a new one per call)")
   out: list[Any] = [None] * len(leaves)
   residual: list[Any] = [None] * len(leaves)
+  # the devices the codec reduces over: the outer axis of a Hierarchical one
+  d = axis_size(axis_name.outer if isinstance(axis_name, Hierarchical) else axis_name)
   for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size, d)):
     group_key = None if key is None else jax.random.fold_in(key, i)
     parts = [leaves[j].reshape(-1).astype(jnp.float32) for j in group.leaves]

@@ -2,10 +2,10 @@
 
 A model with 160 leaves must not issue 320 collectives, so leaves that share a codec are concatenated
 into flat float32 buffers of at most ``comm_bucket_size`` elements, or the codec's own bound
-(:func:`plan`, :meth:`jax_qcomm.Codec.comm_buffer_size`). Each leaf is
-padded to a whole number of quantisation buckets first, so a quantisation bucket never straddles two
-leaves; ``jax_qcomm.codecs.concat_leaves`` builds such a buffer and ``split_leaves`` takes it
-apart, and a codec may reduce the leaves in place of the copy (``Codec.allreduce_leaves``).
+(:func:`plan`, :meth:`jax_qcomm.Codec.comm_buffer_size`). Each leaf is padded to a whole number of
+quantisation buckets first, so a quantisation bucket never straddles two leaves;
+``jax_qcomm.codecs.concat_leaves`` builds such a buffer and ``split_leaves`` takes it apart, and a
+codec may reduce the leaves in place of the copy (``Codec.allreduce_leaves``).
 """
 
 from __future__ import annotations
