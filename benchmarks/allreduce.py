@@ -52,7 +52,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _exchange, collectives
+from jax_qcomm import _exchange
 from jax_qcomm.codecs import Codec
 
 from benchmarks import _common

@@ -21,7 +21,7 @@ from jax import lax
 
 from jax_qcomm import _compat, _exchange, _varying, packing
 from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check_instance,
-                               check_int, check_int_or_none, check_key)
+                               check_int_or_none, check_key)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
 from jax_qcomm.codecs import DEFAULT_COMM_BUCKET, QSGD, Codec, reduce_packed
 
