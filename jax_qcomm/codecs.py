@@ -202,9 +202,10 @@ class Codec(abc.ABC):
     all-to-all ``(D-1)/D`` of the gathered size, reduce-scatter ``(D-1)`` times its output).
     ``collective`` is ``"allreduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
     :meth:`sent_bytes` is their sum: the one byte count of the library.
-  * ``comm_buffer_size(devices) -> int``: the most elements a communication buffer of this codec
-    carries where the caller leaves ``comm_bucket_size=None``; leaves of one codec are packed up to
-    it (:data:`DEFAULT_COMM_BUCKET` here).
+  * ``comm_buffer_size(devices, collective="allreduce") -> int``: the most elements a
+    communication buffer of this codec carries in ``collective`` where the caller leaves
+    ``comm_bucket_size=None``; leaves of one codec are packed up to it (:data:`DEFAULT_COMM_BUCKET`
+    here).
 
   The defaults implement the scatter-reduce-allgather (SRA) from the wire API: each device's
   buffer is padded to whole buckets per device chunk and cut into D chunks, chunk j encoded and
@@ -353,8 +354,9 @@ class Codec(abc.ABC):
     sum of :meth:`traffic`, equal to what the compiled program's collectives send."""
     return float(sum(b for _, b in self.traffic(n, devices, collective)))
 
-  def comm_buffer_size(self, devices: int) -> int:
-    """The most float32 elements one communication buffer of this codec carries over ``devices``
+  def comm_buffer_size(self, devices: int, collective: str = "allreduce") -> int:
+    """The most float32 elements one communication buffer of this codec carries in ``collective``
+    (``"allreduce"``, or ``"reduce_scatter"`` for the rows of sharded state) over ``devices``
     where the caller passes ``comm_bucket_size=None`` (the default of :func:`jax_qcomm.allreduce`,
     :func:`jax_qcomm.sync` and :func:`jax_qcomm.diloco`): :data:`DEFAULT_COMM_BUCKET`. Each buffer
     is one reduction, so fewer buffers mean fewer collectives; a bound keeps packed copies small."""
@@ -888,12 +890,14 @@ class Summable(_SummedFields):
   def _kernel_platforms(self) -> tuple[str, ...]:
     return ("cpu",) if _ffi.has_cpu_kernels() else ()  # no CUDA kernel: GPUs run the reference
 
-  def comm_buffer_size(self, devices: int) -> int:
-    """``4 * DEFAULT_COMM_BUCKET`` (2**26 elements): a buffer costs a ``pmax`` and a ``psum`` of
-    its own, and on CPU the kernels read and write the leaves in place (no packed copy to bound),
-    so a model of up to 67M values travels in one buffer. On 2 nodes at 1 Gbit/s ResNet-50 in one
-    buffer took 168.6 ms against 176.9 ms in two (docs/benchmarks-log.md)."""
-    return 4 * DEFAULT_COMM_BUCKET
+  def comm_buffer_size(self, devices: int, collective: str = "allreduce") -> int:
+    """In an allreduce ``4 * DEFAULT_COMM_BUCKET`` (2**26 elements): a buffer costs a ``pmax`` and
+    a ``psum`` of its own, and on CPU the kernels read and write the leaves in place (no packed
+    copy to bound), so a model of up to 67M values travels in one buffer. On 2 nodes at 1 Gbit/s
+    ResNet-50 in one buffer took 168.6 ms against 176.9 ms in two (docs/benchmarks-log.md). Where
+    the reference runs (GPUs) or the axis is Hierarchical, the packed copy of a buffer takes up to
+    256 MiB. The rows of sharded state keep :data:`DEFAULT_COMM_BUCKET`."""
+    return 4 * DEFAULT_COMM_BUCKET if collective == "allreduce" else DEFAULT_COMM_BUCKET
 
   # -- the reduction protocol: one pmax of the scales, one psum of the words -------------------------
   def padded_size(self, n: int, devices: int) -> int:
@@ -1349,8 +1353,8 @@ class Auto(_Bucketed):
   def padded_size(self, n, devices):
     return self.resolve(devices).padded_size(n, devices)
 
-  def comm_buffer_size(self, devices):
-    return self.resolve(devices).comm_buffer_size(devices)
+  def comm_buffer_size(self, devices, collective="allreduce"):
+    return self.resolve(devices, collective).comm_buffer_size(devices, collective)
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     return self.resolve(axis_size(axis_name)).allreduce_flat(x, axis_name, key, op, exchange)

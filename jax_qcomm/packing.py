@@ -159,9 +159,10 @@ class Group:
 
 
 def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int | None,
-         devices: int) -> list[Group]:
+         devices: int, collective: str = "allreduce") -> list[Group]:
   """Groups consecutive-by-codec leaves into buffers of at most ``comm_bucket_size`` elements
-  (None: each codec's own :meth:`~jax_qcomm.Codec.comm_buffer_size` over ``devices``).
+  (None: each codec's own :meth:`~jax_qcomm.Codec.comm_buffer_size` for ``collective`` over
+  ``devices``).
 
   A leaf larger than the bound gets a buffer of its own. Order within a group follows the tree
   order, so the plan is deterministic (every device builds the same buffers).
@@ -172,8 +173,8 @@ def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int |
   for i, (leaf, codec) in enumerate(zip(leaves, codecs)):
     padded = padded_size(leaf.size, codec)
     if codec not in bounds:
-      bounds[codec] = (codec.comm_buffer_size(devices) if comm_bucket_size is None
-                       else comm_bucket_size)
+      bounds[codec] = comm_bucket_size if comm_bucket_size is not None else check_int(
+          f"{type(codec).__name__}.comm_buffer_size", codec.comm_buffer_size(devices, collective))
     groups = by_codec.setdefault(codec, [[]])
     if groups[-1] and sizes[codec] + padded > bounds[codec]:
       groups.append([])

@@ -14,8 +14,9 @@ The collectives work on flat buffers of ``D`` rows: row ``j`` is the concatenati
 shard ``j`` (flattened with the split axis first, padded to the codec's ``pad_multiple`` so that no
 quantisation bucket straddles two leaves). A reduce-scatter of the rows hands device ``j`` the
 reduced row ``j``, its shards; an all-gather of every device's row gives every device all shards.
-Leaves are grouped by codec (and into buffers of at most ``comm_bucket_size`` elements per row) by
-:func:`jax_qcomm.packing.plan`, as the allreduce groups them.
+Leaves are grouped by codec (and into buffers of at most ``comm_bucket_size`` elements per row,
+None: the codec's ``comm_buffer_size`` for a reduce-scatter) by :func:`jax_qcomm.packing.plan`, as
+the allreduce groups them.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class Layout:
          comm_bucket_size: int | None) -> "Layout":
     leaves = tuple(LeafShard(tuple(int(d) for d in s), devices) for s in shapes)
     segments = [jax.ShapeDtypeStruct((leaf.size,), jnp.float32) for leaf in leaves]
-    return Layout(leaves, devices,
-                  tuple(packing.plan(segments, codecs, comm_bucket_size, devices)))
+    return Layout(leaves, devices, tuple(packing.plan(segments, codecs, comm_bucket_size, devices,
+                                                      "reduce_scatter")))
 
   def row_size(self, group: packing.Group) -> int:
     """Elements of one row of the group's buffer (what each device owns of it)."""

@@ -462,12 +462,14 @@ def test_pytree_policy_and_small_comm_buckets():
   assert n_small >= compressed_small, n_small
 
 
-def test_the_codec_bounds_its_communication_buffers():
+def test_the_codec_bounds_its_communication_buffers(monkeypatch):
   """comm_bucket_size=None (the default) packs each codec's leaves up to its own
-  comm_buffer_size: 2**24 elements by default, 2**26 for Summable (one pmax and one psum per
-  buffer, leaves read in place), what Auto's resolved codec says, and what a subclass says; an
-  explicit comm_bucket_size wins. The allreduce, describe's plan and the cost model agree."""
-  from jax_qcomm import packing  # noqa: PLC0415
+  comm_buffer_size: 2**24 elements by default, 2**26 for Summable's allreduce (one pmax and one
+  psum per buffer, leaves read in place; the rows of sharded state keep 2**24), what Auto's
+  resolved codec says, and what a subclass says; an explicit comm_bucket_size wins. The
+  allreduce, the sharded layout and the cost model follow the same plan."""
+  from jax_qcomm import packing, transport  # noqa: PLC0415
+  from jax_qcomm.shard_layout import Layout  # noqa: PLC0415
   from jax_qcomm.tools import efficiency  # noqa: PLC0415
   import dataclasses  # noqa: PLC0415
 
@@ -475,15 +477,21 @@ def test_the_codec_bounds_its_communication_buffers():
   big = 1 << 24
   assert qcomm.QSGD(4).comm_buffer_size(2) == big
   assert qcomm.Summable(4).comm_buffer_size(2) == 4 * big
-  assert qcomm.Auto(4).comm_buffer_size(2) == qcomm.Auto(4).resolve(2).comm_buffer_size(2)
+  assert qcomm.Summable(4).comm_buffer_size(2, "reduce_scatter") == big
+  for t, want in ((transport.GLOO_PAIR, 4 * big), (transport.IDEAL, big)):  # Summable, QSGD
+    monkeypatch.setattr(transport, "current", lambda devices, t=t: t)
+    assert qcomm.Auto(4).comm_buffer_size(2) == want, t
+  monkeypatch.undo()
   for codec, buffers in ((qcomm.QSGD(4), 2), (qcomm.Summable(4), 1)):
     assert len(packing.plan(shapes, [codec] * 2, None, 2)) == buffers, codec
     assert len(packing.plan(shapes, [codec] * 2, 1 << 25, 2)) == 1, codec  # explicit: wins
     assert len(efficiency.tree_allreduce_bytes(shapes, 2, codec)["buffers"]) == buffers
+    # rows of sharded state: 12M + 12M per row of two 24M leaves, over 2**24 for every codec
+    assert len(Layout.of([(3000, 8000)] * 2, 2, [codec] * 2, None).groups) == 2, codec
 
   @dataclasses.dataclass(frozen=True)
   class SmallBuffers(qcomm.Summable):
-    def comm_buffer_size(self, devices):
+    def comm_buffer_size(self, devices, collective="allreduce"):
       return 2048
 
   codec = SmallBuffers(4, 128, impl="jax")
@@ -492,6 +500,14 @@ def test_the_codec_bounds_its_communication_buffers():
   psums = lambda cbs: len(re.findall(r"stablehlo.all_reduce", allreduce_fn(  # noqa: E731
       codec, cbs=cbs).lower(tree, key1(1)).as_text()))
   assert psums(None) == 2 * psums(1 << 20) == 4  # a pmax and a psum per buffer: two buffers
+
+  @dataclasses.dataclass(frozen=True)
+  class NoBound(qcomm.Summable):
+    def comm_buffer_size(self, devices, collective="allreduce"):
+      return 0
+
+  with pytest.raises(ValueError, match="NoBound.comm_buffer_size"):
+    packing.plan(shapes, [NoBound()] * 2, None, 2)
 
 
 # ---- 6. quantisation buckets never straddle leaves ---------------------------------------------

@@ -70,7 +70,8 @@ __all__ = [
     "micro_step_time", "scaling_efficiency", "speedup", "algbw", "busbw", "BUS_FACTORS", "eta_table",
 ]
 
-#: elements per flat communication buffer (the collectives' default).
+#: elements per flat communication buffer where the codec does not say otherwise
+#: (``Codec.comm_buffer_size``; the collectives' default ``comm_bucket_size`` is None).
 DEFAULT_COMM_BUCKET = collectives.DEFAULT_COMM_BUCKET
 
 #: nccl-tests bus-bandwidth factors, as functions of the device count D.
