@@ -126,6 +126,7 @@ def make_codec(name: str, bucket: int | None = None, impl: str = "auto"):
   """The library codec of a benchmark codec name (None for cast_pmean, which is not a codec); also
   the cost model check's (benchmarks.model)."""
   _, kind, kw = CODECS[name]
+  fixed = 128 if bucket is None else bucket  # the bucket of the codecs that have no rule
   if kind == "psum":
     return qcomm.NoCompression()
   if kind == "cast_pmean":
@@ -133,14 +134,12 @@ def make_codec(name: str, bucket: int | None = None, impl: str = "auto"):
   if "dtype" in kw:
     return qcomm.Cast(getattr(jnp, kw["dtype"]))
   if kind == "summable":
-    return qcomm.Summable(bits=kw["bits"], bucket_size=128 if bucket is None else bucket, impl=impl)
+    return qcomm.Summable(bits=kw["bits"], bucket_size=fixed, impl=impl)
   if kind == "wire16":
     return qcomm.Wire16()
   if kind == "auto":
     return qcomm.Auto(bits=kw["bits"], bucket_size=bucket, impl=impl)
-  if bucket is None:
-    bucket = 128
-  return qcomm.QSGD(bits=kw["bits"], bucket_size=bucket, scheme="maxmin", impl=impl)
+  return qcomm.QSGD(bits=kw["bits"], bucket_size=fixed, scheme="maxmin", impl=impl)
 
 
 def _allreduce_fn(name: str, codec, mesh, exchange: str = "auto") -> Callable:

@@ -203,6 +203,19 @@ ffi::Error InputLeaves(const ffi::RemainingArgs& args, int64_t bucket, LeafList<
   return ffi::Error::Success();
 }
 
+// The words and the shared statistics of the packed buffer that the leaves span.
+template <typename T>
+ffi::Error CheckLeavesWords(const LeafList<T>& leaves, int32_t bits, int32_t bucket_size,
+                            int32_t devices, int64_t words, int64_t shared) {
+  const int64_t n = leaves.start.back();
+  const int64_t nw = qcomm::summable::num_words(n, qcomm::summable::fields_per_word(bits, devices));
+  if (words != nw)
+    return ffi::Error::InvalidArgument("words shape does not match the leaves' padded size");
+  if (shared != qcomm::num_buckets(n, bucket_size))
+    return ffi::Error::InvalidArgument("shared must hold one int32 per bucket");
+  return ffi::Error::Success();
+}
+
 // shared[nb] s32, seed[2] u32, leaves... f32 -> words[W] u32.
 ffi::Error SummableEncodeLeavesImpl(ffi::Buffer<ffi::S32> shared, ffi::Buffer<ffi::U32> seed,
                                     ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::U32> words,
@@ -212,12 +225,10 @@ ffi::Error SummableEncodeLeavesImpl(ffi::Buffer<ffi::S32> shared, ffi::Buffer<ff
   if (ffi::Error e = CheckSummable(bits, bucket_size, devices, rounding, &p); e.failure()) return e;
   LeafList<const float> x;
   if (ffi::Error e = InputLeaves(leaves, bucket_size, &x); e.failure()) return e;
-  const int64_t n = x.start.back();
-  const int64_t nw = qcomm::summable::num_words(n, qcomm::summable::fields_per_word(bits, devices));
-  if (words->element_count() != nw)
-    return ffi::Error::InvalidArgument("words shape does not match the leaves' padded size");
-  if (shared.element_count() != qcomm::num_buckets(n, bucket_size))
-    return ffi::Error::InvalidArgument("shared must hold one int32 per bucket");
+  if (ffi::Error e = CheckLeavesWords(x, bits, bucket_size, devices, words->element_count(),
+                                      shared.element_count());
+      e.failure())
+    return e;
   if (seed.element_count() != 2) return ffi::Error::InvalidArgument("seed must hold 2 uint32 words");
   qcomm::cpu::summable_encode(x.leaves(), shared.typed_data(), seed.typed_data(), p,
                               words->typed_data());
@@ -249,12 +260,10 @@ ffi::Error SummableDecodeLeavesImpl(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi
     if (leaf.has_error()) return leaf.error();
     out.add((*leaf)->typed_data(), static_cast<int64_t>((*leaf)->element_count()), bucket_size);
   }
-  const int64_t n = out.start.back();
-  const int64_t nw = qcomm::summable::num_words(n, qcomm::summable::fields_per_word(bits, devices));
-  if (words.element_count() != nw)
-    return ffi::Error::InvalidArgument("words shape does not match the leaves' padded size");
-  if (shared.element_count() != qcomm::num_buckets(n, bucket_size))
-    return ffi::Error::InvalidArgument("shared must hold one int32 per bucket");
+  if (ffi::Error e = CheckLeavesWords(out, bits, bucket_size, devices, words.element_count(),
+                                      shared.element_count());
+      e.failure())
+    return e;
   qcomm::cpu::summable_decode(words.typed_data(), shared.typed_data(), out.leaves(), count, scale, p);
   return ffi::Error::Success();
 }
