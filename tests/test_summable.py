@@ -299,24 +299,27 @@ def test_allreduce_equals_host_model(d, op):
 @needs_kernels
 @pytest.mark.parametrize("d", [2, 3])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_leaves_reduced_in_place_equal_the_packed_reference(d, rounding):
+@pytest.mark.parametrize("cbs", [None, 1024], ids=["one-buffer", "a-buffer-per-leaf"])
+def test_leaves_reduced_in_place_equal_the_packed_reference(d, rounding, cbs):
   """On CPU the kernels read and write a pytree's leaves in place of their packed buffer: results
   and residuals bit for bit those of the pure-JAX reference on the packed buffer, the same on
-  every device, with no packed copy in the compiled program."""
+  every device, with no packed copy in the compiled program; in one communication buffer
+  (Summable's own bound) and in one per leaf."""
   shapes = {"a": (7, 300), "b": (5000,), "c": (33, 129), "d": (128,), "e": (1,), "f": (0, 4),
             "g": (2, 3, 200)}
   r = np.random.default_rng(d)
   tree = {k: (r.standard_normal((d,) + s) * np.exp(r.uniform(-3, 3))).astype(np.float32)
           for k, s in shapes.items()}
   tree["b"][1, 17] = np.nan  # a NaN on one device: its bucket is NaN everywhere
-  policy = qcomm.LeafPolicy(min_size=0, compress_1d=True)  # every leaf in one buffer
+  policy = qcomm.LeafPolicy(min_size=0, compress_1d=True)  # every leaf compressed
   got = {}
   for impl in ("ffi", "jax"):
     codec = qcomm.Summable(4, 128, rounding, impl)
 
     def body(t, codec=codec):
       out, res = qcomm.allreduce(jax.tree_util.tree_map(lambda a: a[0], t), AX, codec=codec,
-                                 key=jax.random.key(9), policy=policy, return_residual=True)
+                                 key=jax.random.key(9), policy=policy, return_residual=True,
+                                 comm_bucket_size=cbs)
       return jax.tree_util.tree_map(lambda a: a[None], (out, res))
 
     f = jax.jit(jax.shard_map(body, mesh=_mesh(d), in_specs=P(AX), out_specs=P(AX)))
