@@ -16,13 +16,12 @@ from jax_qcomm.axes import Hierarchical
 from jax_qcomm.collectives import all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
 from jax_qcomm.accumulation import accumulate_gradients
-from jax_qcomm.sync import (ShardedSyncState, SyncState, codec_for_bits, state_partition_spec,
-                            sync)
+from jax_qcomm.sync import ShardedSyncState, SyncState, codec_for_bits, sync
+from jax_qcomm.specs import local_params, state_partition_spec
 from jax_qcomm.clipping import clip_by_global_norm
 from jax_qcomm.data_parallel import DataParallel, data_parallel
 from jax_qcomm.describe import Description, describe
-from jax_qcomm.diloco import (DiLoCoState, diloco, diloco_apply_updates, diloco_data_parallel,
-                             diloco_params, diloco_partition_spec)
+from jax_qcomm.diloco import DiLoCoState, diloco
 
 _ffi.register()
 
@@ -30,13 +29,25 @@ __all__ = [
     "QSGD", "Auto", "Cast", "Codec", "NoCompression", "Summable", "Wire16", "transport",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
     "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "clip_by_global_norm",
-    "codec_for_bits", "state_partition_spec",
+    "codec_for_bits", "state_partition_spec", "local_params",
     "data_parallel", "DataParallel", "describe", "Description",
-    "diloco", "DiLoCoState", "diloco_params", "diloco_apply_updates", "diloco_partition_spec",
-    "diloco_data_parallel",
+    "diloco", "DiLoCoState",
     "implementation", "self_test",
 ]
 __version__ = "0.1.0"
+
+
+# Names of earlier versions -> what replaces them (an AttributeError that says so).
+_REMOVED = {
+    "diloco_data_parallel": "qcomm.data_parallel(loss_fn, qcomm.diloco(...), mesh, axis_name=...): "
+                            "the one runner; its params are the anchor",
+    "diloco_params": "the params that qcomm.data_parallel(...).step returns (for diloco, the "
+                     "anchor)",
+    "diloco_apply_updates": "optax.apply_updates: a diloco update now moves the anchor (the "
+                            "params), and the replicas' parameters live in its state",
+    "diloco_partition_spec": "qcomm.state_partition_spec(opt_state), which reads each state's "
+                             "own axes",
+}
 
 
 def __getattr__(name: str):
@@ -44,4 +55,6 @@ def __getattr__(name: str):
   if name in ("nnx_data_parallel", "NNXDataParallel"):
     from jax_qcomm import flax_nnx
     return getattr(flax_nnx, name)
+  if name in _REMOVED:
+    raise AttributeError(f"qcomm.{name} was removed; use {_REMOVED[name]}")
   raise AttributeError(f"module 'jax_qcomm' has no attribute {name!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import optax
@@ -24,9 +25,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_qcomm import _compat, collectives
-from jax_qcomm._checks import check_axis_name, check_bool, check_choice, check_key
-from jax_qcomm.sync import holds_sync, state_partition_spec
+from jax_qcomm import _compat, collectives, packing
+from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_choice,
+                               check_key)
+from jax_qcomm.axes import axis_names
+from jax_qcomm.specs import (communicated, device_spec, find_states, local_params, replica_axes,
+                             state_partition_spec)
 
 AUX_REDUCTIONS = ("mean", "sum", "stack", "concat")
 
@@ -67,17 +71,17 @@ class DataParallel:
 
   def state_spec(self, opt_state: Any) -> Any:
     """``shard_map`` specs of ``opt_state`` (arrays or ``jax.ShapeDtypeStruct`` s)."""
-    spec = state_partition_spec(opt_state, self.axis_name)
-    _require_sync(opt_state, self.axis_name)
-    return spec
+    return checked_spec(opt_state, self.axis_name)
 
   def _put(self, tree: Any, spec: Any) -> Any:
     return place(tree, spec, self.mesh)
 
   # -- init -----------------------------------------------------------------------------------------
   def init(self, params: Any) -> Any:
-    """The optimizer state for ``params``, sharded over the mesh: replicated except the sync
-    state's per-device parts, split over the data axis."""
+    """The optimizer state for ``params``, placed on the mesh: replicated except the per-device
+    parts of the qcomm states (a sync's accumulator, the sharded sync's shards, a diloco replica's
+    parameters), split over their axes."""
+    check_array_leaves("params", params)
     with jax.set_mesh(self.mesh):
       spec = self.state_spec(jax.eval_shape(self.tx.init, params))
     return self._init_fn(_SpecKey(spec))(self._put(params, P()))
@@ -93,7 +97,8 @@ class DataParallel:
     """One train step: ``(params, opt_state, loss, aux)``; see :func:`data_parallel`."""
     check_key("key", key)
     spec = self.state_spec(opt_state)
-    fn = self._step_fn(_SpecKey(spec), len(extra), key is not None)
+    check_batch(batch, self.mesh, self.axis_name, self.batch_spec)
+    fn = self._step_fn(_SpecKey(spec), replica_axes(opt_state), len(extra), key is not None)
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
     args = (self._put(params, P()), self._put(opt_state, spec), self._put(batch, batch_spec),
             self._put(extra, P()))
@@ -104,35 +109,102 @@ class DataParallel:
   __call__ = step
 
   @functools.lru_cache(maxsize=None)
-  def _step_fn(self, spec_key, n_extra: int, with_key: bool):
+  def _step_fn(self, spec_key, replicas: tuple, n_extra: int, with_key: bool):
     names = self._names
     loss_fn, tx, has_aux, reduce = self.loss_fn, self.tx, self.has_aux, self.aux_reduce
-    spec = spec_key.spec
 
-    def local_step(params, opt_state, batch, extra, key=None):
-      # A varying copy: its gradient is this device's own, not the psum autodiff would take of the
-      # gradient of a replicated parameter.
-      local = jax.tree_util.tree_map(lambda p: _compat.make_varying(p, frozenset(names)), params)
-      kwargs = {}
-      if key is not None:  # dropout etc.: different randomness on every device
-        kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
-      out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *extra, **kwargs)
-      loss, aux = out if has_aux else (out, None)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      loss = lax.pmean(_compat.make_varying(loss, frozenset(names)), names)
-      return params, opt_state, loss, _reduce_aux(aux, reduce, names)
+    def step(params, opt_state, batch, extra, key=None):
+      params, opt_state, loss, aux = local_step(loss_fn, tx, names, has_aux, params, opt_state,
+                                                batch, extra, key)
+      return (params, opt_state, _reduce_aux(loss, "mean", names, replicas),
+              _reduce_aux(aux, reduce, names, replicas))
 
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
-    aux_spec = self._device_spec if reduce in ("stack", "concat") else P()
-    in_specs = (P(), spec, batch_spec, P()) + ((P(),) if with_key else ())
-    fn = jax.shard_map(local_step, mesh=self.mesh, in_specs=in_specs,
-                       out_specs=(P(), spec, P(), aux_spec))
+    in_specs = (P(), spec_key.spec, batch_spec, P()) + ((P(),) if with_key else ())
+    fn = jax.shard_map(step, mesh=self.mesh, in_specs=in_specs,
+                       out_specs=(P(), spec_key.spec, out_specs_of("mean", names, replicas),
+                                  out_specs_of(reduce, names, replicas)))
 
     def call(params, opt_state, batch, extra, *key):
       return fn(params, opt_state, batch, extra, *key)
 
     return jax.jit(call, donate_argnums=(0, 1) if self.donate else ())
+
+
+def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, names: tuple,
+               has_aux: bool, params: Any, opt_state: Any, batch: Any, extra: tuple,
+               key: jax.Array | None = None) -> tuple[Any, Any, jax.Array, Any]:
+  """The step on one device, inside ``shard_map`` over ``names`` (the runners share it).
+
+  The gradient is taken at :func:`qcomm.local_params` (a diloco replica's own parameters, else
+  ``params``), made varying over the data axes so that it is this device's own, not the psum that
+  autodiff takes of the gradient of a replicated value. ``tx.update`` gets ``params`` (for diloco,
+  the anchor); the updates are applied only on calls where every qcomm transformation
+  communicated (:func:`jax_qcomm.specs.communicated`), so that a transformation chained after an
+  accumulating sync acts once per optimizer step. Returns ``(params, opt_state, loss, aux)``:
+  this device's own loss and ``aux``."""
+  axes = frozenset(names)
+  at = local_params(opt_state, params)
+  diff = jax.tree_util.tree_map(lambda p: _compat.make_varying(p, axes), at)
+  kwargs = {}
+  if key is not None:  # dropout etc.: different randomness on every device
+    kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
+  out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(diff, batch, *extra, **kwargs)
+  loss, aux = out if has_aux else (out, None)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  new = optax.apply_updates(params, updates)
+  gate = communicated(opt_state)
+  if gate is not None:
+    new = jax.tree_util.tree_map(lambda n, p: jnp.where(gate, n, p), new, params)
+  return new, opt_state, loss, aux
+
+
+def checked_spec(opt_state: Any, axis_name: Any) -> Any:
+  """:func:`qcomm.state_partition_spec` of ``opt_state``, with ValueError unless its qcomm
+  transformations synchronise over exactly the data axes ``axis_name``."""
+  spec = state_partition_spec(opt_state, axis_name)
+  states = find_states(opt_state)
+  if not states:
+    raise ValueError(
+        f"tx must contain a qcomm transformation over {axis_name!r}: the optimizer state holds "
+        f"none, so each device would step with its own gradient. Wrap the optimizer: "
+        f"qcomm.sync(tx, axis_name={axis_name!r}) (compressed, 4 bits), qcomm.sync(tx, "
+        f"axis_name={axis_name!r}, codec=qcomm.NoCompression()) for exact data parallelism, or "
+        f"qcomm.diloco(tx, axis_name=..., every=H).")
+  covered = set()
+  for s in states:
+    cfg = getattr(s, "config", None)
+    if cfg is not None:
+      covered |= set(axis_names(cfg.axis_name))
+      if getattr(cfg, "inner_axis_name", None) is not None:
+        covered |= set(axis_names(cfg.inner_axis_name))
+    else:  # the mapping form carries no settings: it synchronises over axis_name
+      covered |= set(axis_names(axis_name))
+  missing = [n for n in axis_names(axis_name) if n not in covered]
+  if missing:
+    raise ValueError(
+        f"axis_name {axis_name!r} names data axes {missing} that no qcomm transformation in tx "
+        f"synchronises over: the devices along them would step apart. Synchronise them (a "
+        f"qcomm.sync over {missing[0]!r} inside the diloco: qcomm.diloco(qcomm.sync(inner, "
+        f"axis_name={missing[0]!r}), ...)) or leave them out of axis_name.")
+  return spec
+
+
+def check_batch(batch: Any, mesh: Mesh, axis_name: Any, batch_spec: P | None) -> None:
+  """ValueError for a batch whose leading axis the data axes cannot split evenly (with the
+  default ``batch_spec``)."""
+  if batch_spec is not None:
+    return
+  d = math.prod(mesh.shape[n] for n in axis_names(axis_name))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    shape = jnp.shape(leaf)
+    if not shape or shape[0] % d:
+      n = shape[0] if shape else "no"
+      raise ValueError(
+          f"batch must have a leading axis that the {d} devices along {axis_name!r} split "
+          f"evenly: leaf '{packing.path_str(path) or '<root>'}' has shape {tuple(shape)} ({n} "
+          f"examples, batch size not divisible by the device count {d}). Use a global batch "
+          f"size that is a multiple of {d}, or pass batch_spec= to split it otherwise.")
 
 
 def place(tree: Any, spec: Any, mesh: Mesh) -> Any:
@@ -159,13 +231,25 @@ class _SpecKey:
     return isinstance(other, _SpecKey) and self._key == other._key
 
 
-def _reduce_aux(aux: Any, how: str, names: tuple) -> Any:
+def _reduce_aux(aux: Any, how: str, names: tuple, replicas: tuple = ()) -> Any:
+  """``aux`` (or the loss) reduced across the data axes ``names`` as ``how`` says. With diloco
+  replicas, ``"mean"`` and ``"sum"`` reduce only over the axes inside a replica and give one row
+  per replica (a leading axis split over ``replicas``): no collective crosses replicas."""
   axes = frozenset(names)
   if how == "stack":
     return jax.tree_util.tree_map(lambda a: _compat.make_varying(jnp.asarray(a), axes)[None], aux)
   if how == "concat":
-    return jax.tree_util.tree_map(lambda a: _compat.make_varying(jnp.asarray(a), axes), aux)
+    def concat(path, a):
+      a = jnp.asarray(a)
+      if a.ndim == 0:
+        raise ValueError(
+            f"aux_reduce='concat' concatenates per-example aux leaves along their leading axis, "
+            f"but aux leaf '{packing.path_str(path) or '<root>'}' is a scalar: use "
+            f"aux_reduce='mean' (or 'sum', or 'stack' for one value per device)")
+      return _compat.make_varying(a, axes)
+    return jax.tree_util.tree_map_with_path(concat, aux)
   op = lax.pmean if how == "mean" else lax.psum
+  inside = tuple(n for n in names if n not in replicas)
 
   def reduce(a):
     a = jnp.asarray(a)
@@ -174,10 +258,21 @@ def _reduce_aux(aux: Any, how: str, names: tuple) -> Any:
       # BatchNorm with axis_name does its statistics): the same on every device, so its mean is
       # itself. A second allreduce would cost a collective and could round (the sum of D equal
       # floats divided by D need not give the value back exactly).
-      return a
-    return op(_compat.make_varying(a, axes), names)
+      pass
+    elif inside:
+      a = op(_compat.make_varying(a, frozenset(inside)), inside)
+    if replicas:
+      return _compat.make_varying(a, frozenset(replicas))[None]
+    return a
 
   return jax.tree_util.tree_map(reduce, aux)
+
+
+def out_specs_of(how: str, names: tuple, replicas: tuple) -> P:
+  """The ``shard_map`` spec of the loss (``how="mean"``) or of aux reduced as ``how`` says."""
+  if how in ("stack", "concat"):
+    return device_spec(names)
+  return device_spec(replicas) if replicas else P()
 
 
 def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh, *,
@@ -245,14 +340,3 @@ def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate
   if batch_spec is not None and not isinstance(batch_spec, P):
     raise ValueError(f"batch_spec must be None or a PartitionSpec, got {batch_spec!r}")
   check_bool("donate", donate)
-
-
-def _require_sync(opt_state: Any, axis_name: Any) -> None:
-  """ValueError for an optimizer state with no qcomm.sync state in it: a plain optax optimizer
-  would step on each device's own gradient and the replicas would drift apart."""
-  if not holds_sync(opt_state):
-    raise ValueError(
-        f"tx must contain a qcomm.sync over {axis_name!r}: the optimizer state holds none, so each "
-        f"device would step with its own gradient. Wrap the optimizer: qcomm.sync(tx, "
-        f"axis_name={axis_name!r}) (compressed, QSGD 4 bits), or qcomm.sync(tx, "
-        f"axis_name={axis_name!r}, codec=qcomm.NoCompression()) for exact data parallelism.")

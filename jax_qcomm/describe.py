@@ -25,7 +25,8 @@ from jax_qcomm.axes import Hierarchical
 from jax_qcomm.codecs import Codec, NoCompression
 from jax_qcomm.shard_layout import Layout
 from jax_qcomm.axes import axis_names
-from jax_qcomm.sync import config_of, num_devices, state_partition_spec
+from jax_qcomm._parts import num_devices
+from jax_qcomm.specs import find_states, state_partition_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +157,9 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
   """Per leaf of ``params``: the codec, elements, payload and bytes sent by the sync ``tx``.
 
   Args:
-    tx: a transformation returned by :func:`qcomm.sync`. A sync wrapped in ``optax.chain`` (or
-      another combinator) cannot be found from the outside: pass the sync itself (ValueError
-      otherwise).
+    tx: an optimizer holding one :func:`qcomm.sync` or :func:`qcomm.diloco` (alone, or inside
+      ``optax.chain`` or any other combinator: it is found through the state ``tx.init`` makes,
+      which carries its settings). ValueError for none or several.
     params: the parameters (arrays or ``jax.ShapeDtypeStruct`` s); the gradients have their
       shapes.
     devices: the number of devices along the sync axis (default: the axis size inside
@@ -174,7 +175,8 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     the pseudo-gradient across the outer axis, which add up to this (up to the padding of each
     share to whole quantisation buckets).
   """
-  cfg = config_of(tx)
+  check_array_leaves("params", params)
+  cfg = _config(tx, params)
   if isinstance(cfg.axis_name, Hierarchical):
     raise ValueError("describe covers flat axes (a name or a tuple of names), not "
                      "qcomm.Hierarchical, whose exact and compressed parts cross different links")
@@ -182,7 +184,6 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     devices, _ = num_devices(cfg.axis_name)
   else:
     devices = check_int("devices", devices)
-  check_array_leaves("params", params)
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)
   shapes = [jax.ShapeDtypeStruct(tuple(int(d) for d in jnp.shape(x)), jnp.float32)
             for _, x in with_path]
@@ -219,6 +220,20 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
                      state_bytes_per_device=_state_bytes(tx, params, cfg.axis_name, devices))
 
 
+def _config(tx: Any, params: Any) -> Any:
+  """The settings of the one qcomm transformation in ``tx``, read from its abstract state."""
+  if not (hasattr(tx, "init") and hasattr(tx, "update")):
+    raise ValueError(f"tx must be an optax.GradientTransformation holding a qcomm.sync or "
+                     f"qcomm.diloco, got {tx!r}")
+  shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                                  params)
+  states = find_states(jax.eval_shape(tx.init, shapes))
+  if len(states) != 1:
+    raise ValueError(f"tx must hold exactly one qcomm.sync or qcomm.diloco (at its top level), "
+                     f"found {len(states)}")
+  return states[0].config
+
+
 def _state_bytes(tx: Any, params: Any, axis_name: Any, devices: int) -> int:
   """Bytes of the optimizer state one device holds, counted from the arrays ``tx.init`` makes on
   ``devices`` devices: a replicated leaf whole, a per-device leaf (split over the axis) / D."""
@@ -229,7 +244,7 @@ def _state_bytes(tx: Any, params: Any, axis_name: Any, devices: int) -> int:
                                   params)
   with use_abstract_mesh(mesh):
     state = jax.eval_shape(tx.init, shapes)
-  specs = state_partition_spec(state, axis_name)
+  specs = state_partition_spec(state)
   total = 0
   for leaf, spec in zip(jax.tree_util.tree_leaves(state),
                         jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))):

@@ -33,8 +33,9 @@ from flax import nnx
 from jax_qcomm import _compat
 from jax_qcomm._checks import check_key
 from jax_qcomm.axes import AxisName, axis_names
-from jax_qcomm.data_parallel import _check, _reduce_aux, _require_sync, _SpecKey, place
-from jax_qcomm.sync import state_partition_spec
+from jax_qcomm.data_parallel import (_check, _reduce_aux, _SpecKey, check_batch, checked_spec,
+                                     local_step, out_specs_of, place)
+from jax_qcomm.specs import device_spec, replica_axes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,7 +48,7 @@ class NNXDataParallel:
   mesh: Mesh
   axis_name: AxisName = "data"
   has_aux: bool = False
-  aux_reduce: str = "concat"
+  aux_reduce: str = "mean"
   batch_spec: P | None = None
 
   def __post_init__(self):
@@ -56,65 +57,75 @@ class NNXDataParallel:
 
   @property
   def _spec(self) -> P:
-    names = axis_names(self.axis_name)
-    return P(names[0] if len(names) == 1 else names)
+    return device_spec(axis_names(self.axis_name))
 
   def step(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *extra: Any,
            key: jax.Array | None = None) -> Any:
     """One train step on the global ``batch`` (its leading axis split over the devices); ``extra``
     arguments reach ``loss_fn`` replicated; ``key`` gives ``loss_fn`` a per-device
-    ``rngs=nnx.Rngs(dropout=...)``. Updates ``model`` and ``optimizer`` in place."""
+    ``rngs=nnx.Rngs(dropout=...)``. Updates ``model`` and ``optimizer`` in place. The step is
+    compiled already; it may also be called inside ``nnx.jit``."""
     if not isinstance(model, nnx.Module):
       raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}")
     if not isinstance(optimizer, nnx.Optimizer):
       raise ValueError(f"optimizer must be an nnx.Optimizer(model, qcomm.sync(...), wrt=...), got "
                        f"{type(optimizer).__name__}")
     check_key("key", key)
-    graphdef, state = nnx.split((model, optimizer))
-    with jax.set_mesh(self.mesh):
-      spec = state_partition_spec(state, self.axis_name)
-    _require_sync(state, self.axis_name)
-    fn = self._step_fn(graphdef, _SpecKey(spec), len(extra), key is not None)
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    # Plain arrays, as nnx.Optimizer.update hands them to optax: the qcomm states keep their
+    # structure (and settings) there, unlike in the mapping form of nnx.state(optimizer).
+    params, opt_state = nnx.as_pure(params), nnx.as_pure(optimizer.opt_state)
+    spec = checked_spec(opt_state, self.axis_name)
+    check_batch(batch, self.mesh, self.axis_name, self.batch_spec)
+    fn = self._step_fn(graphdef, optimizer.wrt, optimizer.tx, _SpecKey(spec),
+                       replica_axes(opt_state), len(extra), key is not None)
     put = functools.partial(place, mesh=self.mesh)
     batch_spec = self.batch_spec if self.batch_spec is not None else self._spec
-    args = (put(state, spec), put(batch, batch_spec), put(extra, P()))
+    args = (put(params, P()), put(opt_state, spec), put(rest, P()), put(batch, batch_spec),
+            put(extra, P()))
     if key is not None:
       args += (put(key, P()),)
-    new_state, loss, aux = fn(*args)
-    nnx.update((model, optimizer), new_state)
+    params, opt_state, rest, loss, aux = fn(*args)
+    nnx.update(model, params, rest)
+    jax.tree_util.tree_map(lambda v, x: v.set_value(x), optimizer.opt_state, opt_state,
+                           is_leaf=_is_variable)
+    optimizer.step.set_value(optimizer.step.get_value() + 1)
     return (loss, aux) if self.has_aux else loss
 
   __call__ = step
 
   @functools.lru_cache(maxsize=None)
-  def _step_fn(self, graphdef, spec_key, n_extra: int, with_key: bool):
+  def _step_fn(self, graphdef, wrt, tx, spec_key, replicas: tuple, n_extra: int,
+               with_key: bool):
     names = axis_names(self.axis_name)
-    axes = frozenset(names)
     loss_fn, has_aux, reduce = self.loss_fn, self.has_aux, self.aux_reduce
 
-    def local_step(state, batch, extra, key=None):
-      model, optimizer = nnx.merge(graphdef, state)
-      # A copy whose parameters vary per device: its gradient is this device's own.
-      gdef, params, rest = nnx.split(model, nnx.Param, ...)
-      local = nnx.merge(gdef, jax.tree_util.tree_map(
-          lambda p: _compat.make_varying(p, axes), params), rest)
-      kwargs = {}
-      if key is not None:  # dropout: different randomness on every device
-        kwargs["rngs"] = nnx.Rngs(dropout=jax.random.fold_in(key, lax.axis_index(names)))
-      out, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *extra, **kwargs)
-      loss, aux = out if has_aux else (out, None)
+    def step(params, opt_state, rest, batch, extra, key=None):
+      def loss_of(p, batch, *extra, key=None):
+        # Fresh variables of this trace (the forward pass writes BatchNorm statistics).
+        model = nnx.merge(graphdef, p, jax.tree_util.tree_map(lambda a: a, rest))
+        kwargs = {} if key is None else {"rngs": nnx.Rngs(dropout=key)}
+        out = loss_fn(model, batch, *extra, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        return loss, (aux, nnx.state(model, nnx.Not(wrt)))
+
+      params, opt_state, loss, (aux, changed) = local_step(
+          loss_of, tx, names, True, params, opt_state, batch, extra, key)
       # What the forward pass changed per device (BatchNorm statistics): the devices' mean.
-      changed = nnx.state(local, nnx.Not(nnx.Param))
-      nnx.update(model, jax.tree_util.tree_map(lambda a: _mean_if_varying(a, names), changed))
-      optimizer.update(model, grads)  # qcomm.sync averages the devices' gradients
-      loss = lax.pmean(_compat.make_varying(loss, axes), names)
-      return nnx.state((model, optimizer)), loss, _reduce_aux(aux, reduce, names)
+      changed = jax.tree_util.tree_map(lambda a: _mean_if_varying(a, names), changed)
+      return (params, opt_state, changed, _reduce_aux(loss, "mean", names, replicas),
+              _reduce_aux(aux, reduce, names, replicas))
 
     batch_spec = self.batch_spec if self.batch_spec is not None else self._spec
-    aux_spec = self._spec if reduce in ("stack", "concat") else P()
-    in_specs = (spec_key.spec, batch_spec, P()) + ((P(),) if with_key else ())
-    return jax.jit(jax.shard_map(local_step, mesh=self.mesh, in_specs=in_specs,
-                                 out_specs=(spec_key.spec, P(), aux_spec)))
+    in_specs = (P(), spec_key.spec, P(), batch_spec, P()) + ((P(),) if with_key else ())
+    return jax.jit(jax.shard_map(step, mesh=self.mesh, in_specs=in_specs,
+                                 out_specs=(P(), spec_key.spec, P(),
+                                            out_specs_of("mean", names, replicas),
+                                            out_specs_of(reduce, names, replicas))))
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
 
 
 def _mean_if_varying(a: jax.Array, names: tuple) -> jax.Array:
@@ -130,7 +141,7 @@ def _mean_if_varying(a: jax.Array, names: tuple) -> jax.Array:
 
 
 def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: AxisName = "data",
-                      has_aux: bool = False, aux_reduce: str = "concat",
+                      has_aux: bool = False, aux_reduce: str = "mean",
                       batch_spec: P | None = None) -> NNXDataParallel:
   """A jitted data-parallel train step for a Flax NNX model and its ``nnx.Optimizer``.
 
@@ -141,8 +152,8 @@ def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: Axi
     mesh: a mesh with the data axis.
     axis_name: the data axis of ``mesh`` (the ``axis_name`` of the optimizer's ``qcomm.sync``).
     has_aux: loss_fn returns ``(loss, aux)``.
-    aux_reduce: ``"concat"`` (default: per-example outputs such as logits, for the global batch),
-      ``"mean"``, ``"sum"`` or ``"stack"``, as in :func:`qcomm.data_parallel`.
+    aux_reduce: ``"mean"`` (default), ``"sum"``, ``"stack"`` or ``"concat"`` (per-example outputs
+      such as logits, for the global batch), as in :func:`qcomm.data_parallel`.
     batch_spec: how the batch is split (default ``PartitionSpec(axis_name)``).
 
   Returns:

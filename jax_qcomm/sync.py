@@ -23,9 +23,8 @@ states (optax chains, ``MultiSteps``, ``inject_hyperparams``, flax ``TrainState`
 
 from __future__ import annotations
 
-import collections.abc
+import contextlib
 import dataclasses
-import math
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -36,14 +35,41 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_qcomm import _compat, _varying, collectives, packing
+from jax_qcomm import _compat, _parts, _varying, collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
                                check_int, check_int_or_none)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
-from jax_qcomm.codecs import QSGD, Codec, NoCompression, codec_for_bits
-from jax_qcomm.shard_layout import SHARDED, Layout
+from jax_qcomm.codecs import QSGD, Codec, NoCompression, codec_for_bits  # noqa: F401
+from jax_qcomm.specs import register_state, state_partition_spec  # noqa: F401
+from jax_qcomm.shard_layout import PROBE, SHARDED, Layout
 
 
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+  """The settings of a :func:`sync` transformation. Its state carries them
+  (``SyncState.config``, a static pytree node with no leaves), which is how
+  :func:`qcomm.state_partition_spec`, :func:`qcomm.data_parallel` and :func:`qcomm.describe` find
+  a sync inside any optax combinator."""
+
+  axis_name: Any
+  codec: Codec
+  policy: packing.LeafPolicy
+  accum_steps: int
+  error_feedback: bool
+  comm_bucket_size: int | None
+  seed: int = 0
+  check_varying: bool = True
+  shard_state: bool = False
+  gather_codec: Codec | None = None
+
+  def __hash__(self):  # static pytree data must hash; a policy's overrides may hold unhashables
+    return hash((type(self).__name__, repr(self.axis_name), self.accum_steps))
+
+
+jax.tree_util.register_static(SyncConfig)
+
+
+@register_state
 class SyncState(NamedTuple):
   """State of :func:`sync` (a pytree of arrays; checkpointable with orbax). Field names follow
   ``optax.MultiStepsState`` where the meaning is the same.
@@ -73,10 +99,12 @@ class SyncState(NamedTuple):
   residual: Any
   gradient_step: jax.Array
   total_notfinite: jax.Array
+  config: SyncConfig | None = None
 
-  # What state_partition_spec reads of a qcomm state class (see register_state).
+  # What state_partition_spec reads of a qcomm state class (jax_qcomm.specs).
   PER_DEVICE_FIELDS = ("acc_grads", "residual")
   NESTED_FIELDS = ("inner_opt_state",)
+  PER_DEVICE_NESTED_FIELDS = ()
   REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
 
 
@@ -85,21 +113,6 @@ DEFAULT_GATHER_CODEC = QSGD(8, rounding="nearest")
 
 
 
-@dataclasses.dataclass(frozen=True)
-class SyncConfig:
-  """The settings of a :func:`sync` transformation (``config_of(tx)``; read by
-  :func:`qcomm.describe`)."""
-
-  axis_name: Any
-  codec: Codec
-  policy: packing.LeafPolicy
-  accum_steps: int
-  error_feedback: bool
-  comm_bucket_size: int | None
-  seed: int = 0
-  check_varying: bool = True
-  shard_state: bool = False
-  gather_codec: Codec | None = None
 
 
 def config_of(tx: Any) -> SyncConfig:
@@ -123,31 +136,6 @@ def config_of(tx: Any) -> SyncConfig:
   return owner.config
 
 
-def num_devices(axis_name: AxisName = "data") -> tuple[int, bool]:
-  """(D, bound): the number of devices along ``axis_name`` and whether the axis is bound here.
-
-  Inside ``shard_map`` / ``pmap`` over the axis: its size, True. Elsewhere (False): the size of the
-  axis in the current mesh (``jax.set_mesh(mesh)``; ``jax.sharding.get_abstract_mesh()``) if it
-  has that axis, else ``jax.device_count()`` (all devices of all processes).
-  """
-  try:
-    return axis_size(axis_name), True
-  except ValueError:
-    pass
-  names = axis_names(axis_name)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and all(n in mesh.axis_names for n in names):
-    return math.prod(mesh.shape[n] for n in names), False
-  return jax.device_count(), False
-
-
-def _all_finite(tree: Any) -> jax.Array:
-  leaves = jax.tree_util.tree_leaves(tree)
-  if not leaves:
-    return jnp.bool_(True)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
 def _fix_hint(axis_name: Any) -> str:
   return (f"Give jax.shard_map the specs qcomm.state_partition_spec(opt_state, {axis_name!r}) "
           f"for the optimizer state, in in_specs and out_specs: they split the per-device parts "
@@ -163,21 +151,6 @@ _REMOVED = {
     "compress_1d": "policy=qcomm.LeafPolicy(compress_1d=...)",
     "overrides": "policy=qcomm.LeafPolicy(overrides={regex: codec})",
 }
-
-
-def _resolve_codec(codec: Any, bits: Any, bucket_size: Any, error_feedback: bool) -> Codec:
-  """The default codec from ``codec=`` or the ``bits`` / ``bucket_size`` shorthand."""
-  if codec is not None:
-    if bits is not None or bucket_size is not None:
-      raise ValueError(f"pass either codec= or the bits= / bucket_size= shorthand, not both; "
-                       f"got codec={codec!r}, bits={bits!r}, bucket_size={bucket_size!r}")
-    return check_instance("codec", codec, Codec, "a jax_qcomm codec (qcomm.QSGD(4), "
-                          "qcomm.Summable(4), qcomm.Cast(jnp.bfloat16), qcomm.NoCompression(), "
-                          "or any qcomm.Codec)")
-  # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit the
-  # residual (up to a whole bucket range) feeds the next range and training diverged.
-  return codec_for_bits(4 if bits is None else bits, bucket_size,
-                        rounding="nearest" if error_feedback else "stochastic")
 
 
 def _resolve_policy(policy: Any, min_size: Any, exclude: Any) -> packing.LeafPolicy:
@@ -207,7 +180,8 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
       reach it).
     codec: the default codec, any :class:`qcomm.Codec` object: ``qcomm.QSGD(4)``,
       ``qcomm.QSGD(2, bucket_size=256)``, ``qcomm.Summable(4)``, ``qcomm.Cast(jnp.bfloat16)``,
-      ``qcomm.NoCompression()``, or one of your own. Default: ``QSGD(4)``.
+      ``qcomm.NoCompression()``, or one of your own. Default: ``qcomm.Auto(4)`` (the ``bits``
+      shorthand's 4 bits).
     policy: the per-leaf rules (:class:`qcomm.LeafPolicy`): which leaves travel exact (small ones,
       1-D ones, names matching ``exclude``) and which get another codec (``overrides``). Default
       ``LeafPolicy()``.
@@ -247,10 +221,10 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
       difference (what quantisation lost stays in the master: error feedback on the weight path).
       ``update`` needs ``params`` and returns that difference, so ``optax.apply_updates`` works
       as always. The optimizer state per device is 1/D of the replicated one. Whole-model
-      quantities inside ``inner``: use :func:`qcomm.clip_by_global_norm` (one scalar psum), not
-      ``optax.clip_by_global_norm`` (which cannot be detected and would clip each shard by its
-      own norm); trust-ratio optimizers (LAMB, LARS) need whole-parameter norms: use them
-      unsharded. ``optax.apply_if_finite`` inside is an error: a non-finite window is skipped by
+      quantities inside ``inner``: use :func:`qcomm.clip_by_global_norm` (one scalar psum).
+      An ``inner`` that reduces over a parameter's elements (``optax.clip_by_global_norm``, the
+      trust ratios of LAMB and LARS, Adafactor's factored moments) would see a shard and is
+      refused (ValueError, found in its trace); use those unsharded. ``optax.apply_if_finite`` inside is an error: a non-finite window is skipped by
       the sync itself (the same decision on every device, one scalar psum) and counted in
       ``total_notfinite``.
     gather_codec: the codec of the weight differences with ``shard_state`` (default
@@ -261,15 +235,19 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` builds a :class:`SyncState`;
     called inside ``shard_map``/``pmap`` over the axis its per-device parts are this device's,
     ``(1, *param.shape)``; called anywhere else (``tx.init(params)``, flax ``TrainState.create``,
-    ``nnx.Optimizer``) they are global, ``(D, *param.shape)``, with D from :func:`num_devices`
-    (the current mesh's axis if set, else ``jax.device_count()``), to be passed to ``shard_map``
+    ``nnx.Optimizer``) they are global, ``(D, *param.shape)``, with D the current mesh's
+    axis (``jax.set_mesh``) if set, else ``jax.device_count()``, to be passed to ``shard_map``
     with :func:`state_partition_spec`. ``update(grads, state, params, **extra_args)`` must run
     inside ``shard_map``/``pmap``; it raises ValueError if the per-device parts arrive replicated.
 
   Composition: put everything stateful *inside* (``sync(optax.chain(clip, adamw), ...)``). With
   ``accum_steps > 1`` the calls that do not communicate return zero updates, which a stateful
   transformation chained *after* the sync would take for real gradients (Adam's moments decay);
-  :func:`state_partition_spec` and :func:`qcomm.data_parallel` raise for such a chain.
+  :func:`state_partition_spec` and :func:`qcomm.data_parallel` raise for such a chain. A stateless
+  transformation after it that does not map zero to zero (``optax.add_decayed_weights``) would
+  still act on those calls: :func:`qcomm.data_parallel` applies updates only on the calls that
+  communicate, so it decays once per optimizer step; in your own step, do the same (or put it
+  inside the sync).
 
   Non-finite gradients: a communication whose averaged gradient holds a NaN or an infinity (the
   same decision on every device: all replicas hold the same average) passes it to ``inner``
@@ -287,10 +265,8 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
     raise ValueError(f"inner must be an optax.GradientTransformation, got {inner!r}")
   check_axis_name("axis_name", axis_name, (Hierarchical,), "qcomm.Hierarchical(inner, outer)")
   error_feedback = check_bool("error_feedback", error_feedback)
-  codec = _resolve_codec(codec, bits, bucket_size, error_feedback)
+  codec = _parts.resolve_codec(codec, bits, bucket_size, error_feedback)
   policy = _resolve_policy(policy, min_size, exclude)
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-    raise ValueError(f"seed must be an integer, got {seed!r}")
   shard_state = check_bool("shard_state", shard_state)
   if gather_codec is not None and not shard_state:
     raise ValueError("gather_codec applies to shard_state=True only (the weight differences of "
@@ -306,7 +282,7 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
                       accum_steps=check_int("accum_steps", accum_steps),
                       error_feedback=error_feedback and codec.lossy,
                       comm_bucket_size=check_int_or_none("comm_bucket_size", comm_bucket_size),
-                      seed=int(seed), check_varying=check_bool("check_varying", check_varying),
+                      seed=_parts.check_seed(seed), check_varying=check_bool("check_varying", check_varying),
                       shard_state=shard_state, gather_codec=gather_codec)
   s = (_ShardedSync if shard_state else _Sync)(optax.with_extra_args_support(inner), config)
   return optax.GradientTransformationExtraArgs(s.init, s.update)
@@ -326,24 +302,15 @@ class _Sync:
   def init(self, params: Any) -> SyncState:
     check_array_leaves("params", params)
     cfg = self.config
-    d, bound = num_devices(cfg.axis_name)
-    tracked = bound and _varying.tracked(self.names)
-
-    def per_device(p):
-      # Bound: this device's own part (1, ...), typed as varying like what update returns.
-      # Elsewhere: the global array of all D devices' parts, to be split by state_partition_spec.
-      z = jnp.zeros((1 if bound else d,) + jnp.shape(p), jnp.float32)
-      return _compat.make_varying(z, frozenset(self.names)) if tracked else z
-
+    d, bound = _parts.num_devices(cfg.axis_name)
+    # Bound: this device's own part (1, ...), typed as varying like what update returns.
+    # Elsewhere: the global array of all D devices' parts, to be split by state_partition_spec.
+    zeros = lambda: _parts.per_device(_f32_zeros(params), self.names, d, bound)  # noqa: E731
     return SyncState(
-        inner_opt_state=self.inner.init(params),
-        mini_step=jnp.zeros((), jnp.int32),
-        key=jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32),
-        acc_grads=jax.tree_util.tree_map(per_device, params) if cfg.accum_steps > 1 else (),
-        residual=jax.tree_util.tree_map(per_device, params) if cfg.error_feedback else (),
-        gradient_step=jnp.zeros((), jnp.int32),
-        total_notfinite=jnp.zeros((), jnp.int32),
-    )
+        inner_opt_state=self.inner.init(params), mini_step=_parts.zero(),
+        key=_parts.seed_key(cfg.seed), acc_grads=zeros() if cfg.accum_steps > 1 else (),
+        residual=zeros() if cfg.error_feedback else (), gradient_step=_parts.zero(),
+        total_notfinite=_parts.zero(), config=cfg)
 
   # -- update ----------------------------------------------------------------------------------------
   def update(self, grads: Any, state: SyncState, params: Any = None, **extra_args: Any):
@@ -378,20 +345,18 @@ class _Sync:
   def _communicate(self, grads: Any, state: SyncState, params: Any, extra_args: dict):
     """Allreduce (with error feedback) + inner step. grads: float32, this device's mean."""
     cfg = self.config
-    key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
+    key, sub = _parts.split_key(state.key)
     if cfg.error_feedback:
-      grads = jax.tree_util.tree_map(lambda g, r: g + r[0], grads, state.residual)
+      grads = _parts.add_residual(grads, state.residual)
     synced, lost = collectives.allreduce(
         grads, cfg.axis_name, cfg.codec, sub, "mean", policy=cfg.policy,
         comm_bucket_size=cfg.comm_bucket_size, return_residual=True,
         check_varying=False)  # grads were checked in update
     # Every device holds the same average (bit-identical replicas), so this decision is the same
     # everywhere without another collective.
-    finite = _all_finite(synced)
-    residual = ()
-    if cfg.error_feedback:  # a non-finite window must not poison the residual of later steps
-      residual = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old[0])[None],
-                                        lost, state.residual)
+    finite = _parts.all_finite(synced)
+    # A non-finite window must not poison the residual of later steps.
+    residual = _parts.next_residual(finite, lost, state.residual) if cfg.error_feedback else ()
     if params is not None:  # inner sees gradients in the parameters' dtypes
       try:
         synced = jax.tree_util.tree_map(lambda g, p: g.astype(jnp.result_type(p)), synced, params)
@@ -400,10 +365,9 @@ class _Sync:
                          f"grads, got {jax.tree_util.tree_structure(params)}: {e}") from None
     updates, inner_state = self.inner.update(synced, state.inner_opt_state, params, **extra_args)
     return updates, SyncState(
-        inner_opt_state=inner_state, mini_step=jnp.zeros((), jnp.int32),
-        key=jax.random.key_data(key).astype(jnp.uint32), acc_grads=state.acc_grads,
-        residual=residual, gradient_step=state.gradient_step + 1,
-        total_notfinite=state.total_notfinite + jnp.logical_not(finite).astype(jnp.int32))
+        inner_opt_state=inner_state, mini_step=_parts.zero(), key=key,
+        acc_grads=state.acc_grads, residual=residual, gradient_step=state.gradient_step + 1,
+        total_notfinite=_parts.count_notfinite(state.total_notfinite, finite), config=cfg)
 
   def _check_state(self, state: Any, grads: Any) -> None:
     """Clear errors for a state that does not fit this step (the commonest: passed with P())."""
@@ -453,6 +417,7 @@ def _shape_hint(got: tuple, want: tuple, axis_name: Any) -> str:
   return _fix_hint(axis_name)
 
 
+@register_state
 class ShardedSyncState(NamedTuple):
   """State of ``qcomm.sync(..., shard_state=True)``: :class:`SyncState`'s fields, with the inner
   optimizer's state and the fp32 master copy of this device's shards per device.
@@ -474,9 +439,11 @@ class ShardedSyncState(NamedTuple):
   residual: Any
   gradient_step: jax.Array
   total_notfinite: jax.Array
+  config: SyncConfig | None = None
 
   PER_DEVICE_FIELDS = ("inner_opt_state", "master", "acc_grads", "residual")
   NESTED_FIELDS = ()
+  PER_DEVICE_NESTED_FIELDS = ()
   REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
 
 
@@ -509,7 +476,7 @@ class _ShardedSync(_Sync):
   def init(self, params: Any) -> ShardedSyncState:
     check_array_leaves("params", params)
     cfg = self.config
-    d, bound = num_devices(cfg.axis_name)
+    d, bound = _parts.num_devices(cfg.axis_name)
     tracked = bound and _varying.tracked(self.names)
     layout = self._layout(params, d)
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -530,16 +497,13 @@ class _ShardedSync(_Sync):
       return jax.tree_util.tree_map(lambda z: _compat.make_varying(z, frozenset(self.names)),
                                     tree) if tracked else tree
 
-    def zeros(p):
-      return jnp.zeros((1 if bound else d,) + jnp.shape(p), jnp.float32)
-
+    zeros = lambda: _parts.per_device(_f32_zeros(params), self.names, d, bound)  # noqa: E731
     return ShardedSyncState(
         inner_opt_state=per_device(inner_state), master=per_device(master),
-        mini_step=jnp.zeros((), jnp.int32),
-        key=jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32),
-        acc_grads=per_device(jax.tree_util.tree_map(zeros, params)) if cfg.accum_steps > 1 else (),
-        residual=per_device(jax.tree_util.tree_map(zeros, params)) if cfg.error_feedback else (),
-        gradient_step=jnp.zeros((), jnp.int32), total_notfinite=jnp.zeros((), jnp.int32))
+        mini_step=_parts.zero(), key=_parts.seed_key(cfg.seed),
+        acc_grads=zeros() if cfg.accum_steps > 1 else (),
+        residual=zeros() if cfg.error_feedback else (),
+        gradient_step=_parts.zero(), total_notfinite=_parts.zero(), config=cfg)
 
   def _check_state(self, state: Any, grads: Any) -> None:
     super()._check_state(state, grads)
@@ -560,9 +524,9 @@ class _ShardedSync(_Sync):
     d = axis_size(cfg.axis_name)
     index = lax.axis_index(names)
     layout = self._layout(grads, d)
-    key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
+    key, sub = _parts.split_key(state.key)
     if cfg.error_feedback:
-      grads = jax.tree_util.tree_map(lambda g, r: g + r[0], grads, state.residual)
+      grads = _parts.add_residual(grads, state.residual)
     g_leaves, treedef = jax.tree_util.tree_flatten(grads)
     p_leaves = jax.tree_util.tree_leaves(params)
     n = len(g_leaves)
@@ -587,15 +551,14 @@ class _ShardedSync(_Sync):
     master = jax.tree_util.tree_map(lambda a: a[0], state.master)
     grad_shards = jax.tree_util.tree_unflatten(treedef, shards)
     weights = tuple(1.0 if leaf.split else 1.0 / d for leaf in layout.leaves)
-    token = SHARDED.set((names, weights))
-    try:
-      updates, new_inner = self.inner.update(grad_shards, inner_state, master, **extra_args)
-    finally:
-      SHARDED.reset(token)
+    run = lambda g, s, m: self.inner.update(g, s, m, **extra_args)  # noqa: E731
+    with _sharded(PROBE):
+      _refuse_shard_reductions(jax.make_jaxpr(run)(grad_shards, inner_state, master))
+    with _sharded((names, weights)):
+      updates, new_inner = run(grad_shards, inner_state, master)
     new_master = optax.apply_updates(master, updates)
-    keep = lambda new, old: jax.tree_util.tree_map(  # noqa: E731
-        lambda a, b: jnp.where(finite, a, b), new, old)
-    new_master, new_inner = keep(new_master, master), keep(new_inner, inner_state)
+    new_master = _parts.keep_if_finite(finite, new_master, master)
+    new_inner = _parts.keep_if_finite(finite, new_inner, inner_state)
 
     # 4. All-gather of the quantised differences from the current (replicated) parameters.
     m_leaves = jax.tree_util.tree_leaves(new_master)
@@ -612,15 +575,14 @@ class _ShardedSync(_Sync):
 
     residual = ()
     if cfg.error_feedback:
-      lost_tree = jax.tree_util.tree_unflatten(treedef, lost)
-      residual = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old[0])[None],
-                                        lost_tree, state.residual)
+      residual = _parts.next_residual(finite, jax.tree_util.tree_unflatten(treedef, lost),
+                                      state.residual)
     return jax.tree_util.tree_unflatten(treedef, diffs), ShardedSyncState(
         inner_opt_state=jax.tree_util.tree_map(lambda a: a[None], new_inner),
         master=jax.tree_util.tree_map(lambda a: a[None], new_master),
-        mini_step=jnp.zeros((), jnp.int32), key=jax.random.key_data(key).astype(jnp.uint32),
-        acc_grads=state.acc_grads, residual=residual, gradient_step=state.gradient_step + 1,
-        total_notfinite=state.total_notfinite + jnp.logical_not(finite).astype(jnp.int32))
+        mini_step=_parts.zero(), key=key, acc_grads=state.acc_grads, residual=residual,
+        gradient_step=state.gradient_step + 1,
+        total_notfinite=_parts.count_notfinite(state.total_notfinite, finite), config=cfg)
 
 
 def _f32_zeros(tree: Any) -> Any:
@@ -631,158 +593,42 @@ def _like(updates: Any, grads: Any) -> Any:
   return jax.tree_util.tree_map(lambda u, g: u.astype(g.dtype), updates, grads)
 
 
-# ---- shard_map specs of any pytree holding sync states ------------------------------------------
-
-# The NamedTuple state classes of the library's transformations (SyncState here; others register
-# themselves with register_state). Each declares PER_DEVICE_FIELDS (split over the data axis),
-# NESTED_FIELDS (optimizer states inside, specified recursively) and REPLICATED_FIELDS (the
-# counters and keys, always present: they identify the state when a container such as nnx.State
-# has turned it into a mapping). Any other field is replicated.
-_STATE_TYPES: list[type] = [SyncState, ShardedSyncState]
-
-
-def register_state(cls: type) -> type:
-  """Makes ``state_partition_spec`` (and ``data_parallel``) know a state class; a decorator."""
-  for attr in ("PER_DEVICE_FIELDS", "NESTED_FIELDS", "REPLICATED_FIELDS"):
-    if not hasattr(cls, attr):
-      raise TypeError(f"{cls.__name__} must declare {attr} to be a qcomm state")
-  if cls not in _STATE_TYPES:
-    _STATE_TYPES.append(cls)
-  return cls
+@contextlib.contextmanager
+def _sharded(value: Any):
+  token = SHARDED.set(value)
+  try:
+    yield
+  finally:
+    SHARDED.reset(token)
 
 
-def _state_type(x: Any) -> type | None:
-  """The qcomm state class of ``x``: a state itself, or a mapping with its fields (an
-  ``nnx.State`` of an ``nnx.Optimizer``, a dict restored without a target)."""
-  for cls in _STATE_TYPES:
-    if isinstance(x, cls):
-      return cls
-  if not isinstance(x, collections.abc.Mapping) or isinstance(x, tuple(_STATE_TYPES)):
-    return None
-  keys = set(x.keys())
-  for cls in _STATE_TYPES:
-    if set(cls.REPLICATED_FIELDS) <= keys <= set(cls._fields):
-      return cls
-  return None
+# Primitives that combine elements of an array: on a shard they see part of a parameter.
+_REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin", "dot_general", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "sort", "reduce", "conv_general_dilated"})
 
 
-def _is_sync(x: Any) -> bool:
-  return _state_type(x) is not None
+def _refuse_shard_reductions(closed: Any) -> None:
+  """ValueError if ``inner``'s update (traced on the shards) reduces over the elements of an
+  array: a norm, a trust ratio or a factored moment computed on a shard differs on every device
+  and is silently wrong (``optax.clip_by_global_norm``, LAMB, LARS, Adafactor). Whole-model sums
+  through :func:`qcomm.clip_by_global_norm` are exempt (traced as a constant here)."""
+  def visit(jaxpr: Any) -> None:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in _REDUCTIONS and any(
+          len(getattr(v.aval, "shape", ())) > 0 for v in eqn.invars):
+        raise ValueError(
+            f"inner of a sync with shard_state=True reduces over the elements of a parameter "
+            f"(a {eqn.primitive.name}): it sees this device's shard of every parameter, so a "
+            f"norm, trust ratio or factored moment would be computed per shard, differently on "
+            f"every device. For global-norm clipping use qcomm.clip_by_global_norm(max_norm) "
+            f"(the norm over the whole model), not optax.clip_by_global_norm; run LAMB, LARS and "
+            f"Adafactor with shard_state=False.")
+      for value in eqn.params.values():
+        for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            visit(inner)
 
-
-def holds_sync(tree: Any) -> bool:
-  """True if any node of ``tree`` is a qcomm state (or a mapping of one, as in an ``nnx.State``)."""
-  return any(_is_sync(node) for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_sync))
-
-
-def _is_special(x: Any) -> bool:
-  return _is_sync(x) or (isinstance(x, (optax.MultiStepsState, optax.ApplyIfFiniteState))
-                         and holds_sync(x))
-
-
-def _specs(tree: Any, dev: P) -> Any:
-  rep = lambda t: jax.tree_util.tree_map(lambda _: P(), t)  # noqa: E731
-  split = lambda t: jax.tree_util.tree_map(lambda _: dev, t)  # noqa: E731
-
-  def field(cls, name, value):
-    if name in cls.PER_DEVICE_FIELDS:
-      return split(value)
-    return _specs(value, dev) if name in cls.NESTED_FIELDS else rep(value)
-
-  def one(x):
-    cls = _state_type(x)
-    if cls is not None and isinstance(x, cls):
-      return cls(*(field(cls, name, value) for name, value in zip(cls._fields, x)))
-    if cls is not None:  # the mapping form
-      return type(x)({k: field(cls, k, v) for k, v in x.items()})
-    if isinstance(x, optax.MultiStepsState):
-      raise ValueError(
-          "optax.MultiSteps around qcomm.sync is not supported: MultiSteps adds up the raw "
-          "per-device gradients in its own state (acc_grads), which has no replicated form, and "
-          "runs sync at every micro-step, so it would communicate at every call. Use "
-          "qcomm.sync(inner, accum_steps=k) instead: the same update, communicating every k-th "
-          "call (or optax.MultiSteps inside sync: qcomm.sync(optax.MultiSteps(inner, k))).")
-    if isinstance(x, optax.ApplyIfFiniteState):
-      raise ValueError(
-          "optax.apply_if_finite around qcomm.sync is not supported: it tests the gradients it "
-          "receives, which around sync are each device's own, so the devices would disagree on "
-          "whether to run the allreduce (and with accumulation it would restore an accumulator "
-          "holding the bad gradient). Put it inside, where every device sees the same averaged "
-          "gradient: qcomm.sync(optax.apply_if_finite(inner, max_consecutive_errors), ...).")
-    return P()
-
-  _check_chains(tree)
-  return jax.tree_util.tree_map(one, tree, is_leaf=_is_special)
-
-
-def _field(x: Any, name: str, default: Any = ()) -> Any:
-  """A field of a qcomm state or of its mapping form."""
-  return x.get(name, default) if isinstance(x, collections.abc.Mapping) else getattr(x, name, default)
-
-
-def _accumulates(x: Any) -> bool:
-  """A qcomm state (or mapping of one) that accumulates: its acc_grads hold arrays."""
-  return bool(jax.tree_util.tree_leaves(_field(x, "acc_grads")))
-
-
-def _check_chains(tree: Any) -> None:
-  """ValueError for ``optax.chain(sync(..., accum_steps > 1), <stateful>)``: the calls that do not
-  communicate return zero updates, which a stateful transformation after the sync would take for
-  gradients. A chain's state is a tuple of its parts' states, in order."""
-  def visit(node: Any) -> None:
-    if _is_sync(node):
-      for name in _state_type(node).NESTED_FIELDS:
-        visit(_field(node, name, None))
-      return
-    children = node if isinstance(node, (tuple, list)) and not hasattr(node, "_fields") else None
-    if children is not None:
-      seen_acc = False
-      for child in children:
-        if seen_acc and jax.tree_util.tree_leaves(child):
-          raise ValueError(
-              "a stateful transformation follows a qcomm.sync with accum_steps > 1 in a chain: "
-              "the calls that do not communicate return zero updates, and it would take them for "
-              "gradients (Adam's moments would decay, schedules would advance at every call). "
-              "Move it inside the sync, where it runs once per optimizer step: "
-              "qcomm.sync(optax.chain(..., optimizer), accum_steps=k) instead of "
-              "optax.chain(qcomm.sync(optax.identity(), accum_steps=k), optimizer).")
-        seen_acc = seen_acc or any(_accumulates(n) for n in jax.tree_util.tree_leaves(
-            child, is_leaf=_is_sync) if _is_sync(n))
-    if isinstance(node, (str, bytes)) or _is_special(node):
-      return
-    for child in _children(node):
-      visit(child)
-
-  visit(tree)
-
-
-def _children(node: Any) -> list:
-  """The direct children of a pytree node ([] for a leaf)."""
-  leaves, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
-  if treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is node:
-    return []
-  return leaves
-
-
-def state_partition_spec(tree: Any, axis_name: AxisName = "data") -> Any:
-  """``shard_map`` specs for a pytree holding :class:`SyncState` s, e.g. an optimizer state.
-
-  The per-device parts of every sync state in ``tree`` (the accumulator and the error-feedback
-  residual, arrays ``(D, *param.shape)``) are split over ``axis_name``
-  (``PartitionSpec(axis_name)``: ``(1, *param.shape)`` on each device); every other leaf is
-  replicated (``PartitionSpec()``). ``tree`` may be a bare ``SyncState``, an ``optax.chain`` tuple,
-  an ``inject_hyperparams`` state, a flax ``TrainState``, an ``nnx.State`` from
-  ``nnx.state(optimizer)`` / ``nnx.split(...)`` (the result is then an ``nnx.State`` of
-  ``PartitionSpec`` s, like ``nnx.get_partition_spec``), or any pytree of these, of arrays or of
-  ``jax.ShapeDtypeStruct`` s (``jax.eval_shape(tx.init, params)``). Only the structure of ``tree``
-  is read.
-
-  Use the result for the state in both ``in_specs`` and ``out_specs``; ``tx.init`` may run inside
-  the ``shard_map`` (``jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec)(params)``)
-  or outside it. ValueError for ``optax.MultiSteps(sync(...))``,
-  ``optax.apply_if_finite(sync(...))`` and ``optax.chain(sync(..., accum_steps > 1), <stateful>)``,
-  naming the call to use instead.
-  """
-  check_axis_name("axis_name", axis_name, (Hierarchical,), "qcomm.Hierarchical(inner, outer)")
-  names = axis_names(axis_name)
-  return _specs(tree, P(names[0] if len(names) == 1 else names))
+  visit(closed.jaxpr)

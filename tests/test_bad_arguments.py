@@ -47,7 +47,6 @@ EXEMPT = {
     # Only the structure is read; any pytree (a leaf gets PartitionSpec()) is valid.
     ("state_partition_spec", "tree"): "any pytree",
     **{("DiLoCoState", f): "pytree container" for f in qcomm.DiLoCoState._fields},
-    ("diloco_partition_spec", "tree"): "any pytree",
 }
 
 
@@ -191,19 +190,12 @@ def _diloco_update(**bad) -> Callable[[], Any]:
   return _traced(body)
 
 
-def _diloco_dp(**bad) -> Callable[[], Any]:
-  kwargs = dict(loss_fn=lambda p, b: jnp.sum(p), tx=qcomm.diloco(optax.sgd(0.1), axis_name=AX,
-                                                                 every=2), mesh=_mesh())
-  kwargs.update(bad)
-  return lambda: qcomm.diloco_data_parallel(**kwargs)
-
-
-def _diloco_apply(**bad) -> Callable[[], Any]:
+def _local_params(**bad) -> Callable[[], Any]:
   tx = qcomm.diloco(optax.sgd(0.1), axis_name=AX, every=2)
   p = {"w": X}
-  kwargs = dict(params=p, updates=p, opt_state=tx.init(p))
+  kwargs = dict(opt_state=tx.init(p), params=p)
   kwargs.update(bad)
-  return lambda: qcomm.diloco_apply_updates(**kwargs)
+  return lambda: qcomm.local_params(**kwargs)
 
 
 def _description(**bad) -> Callable[[], Any]:
@@ -350,7 +342,7 @@ def _cases() -> list[Case]:
       c("diloco", "inner", lambda: qcomm.diloco(None, axis_name=AX, every=2)),
       c("diloco", "axis_name", lambda: qcomm.diloco(sgd, axis_name=["d"], every=2)),
       c("diloco", "axis_name", lambda: qcomm.diloco(qcomm.sync(sgd, axis_name=AX), axis_name=AX,
-                                                    every=2)),
+                                                    every=2).init({"w": X})),
       c("diloco", "every", lambda: qcomm.diloco(sgd, axis_name=AX, every=0)),
       c("diloco", "every", lambda: qcomm.diloco(sgd, axis_name=AX, every=2.5)),
       c("diloco", "codec", lambda: qcomm.diloco(sgd, axis_name=AX, every=2, codec=4)),
@@ -366,22 +358,11 @@ def _cases() -> list[Case]:
       c("diloco().update", "grads",
         _diloco_update(grads=lambda v: {"w": v.astype(jnp.int32)})),
       c("diloco().update", "state", _diloco_update(state=lambda v: "state"), TypeError),
-      c("diloco().update", "params", _diloco_update(params=lambda v: {"w": jnp.ones(4)})),
+      c("diloco().update", "params", _diloco_update(params=lambda v: {"w": v * 2.0})),
       c("diloco().update", "params", _diloco_update(params=lambda v: {"a": v, "b": v})),
-      c("diloco_params", "opt_state", lambda: qcomm.diloco_params({"w": X})),
-      c("diloco_apply_updates", "params", _diloco_apply(params={"w": "abc"})),
-      c("diloco_apply_updates", "updates", _diloco_apply(updates={"v": X})),
-      c("diloco_apply_updates", "opt_state", _diloco_apply(opt_state=())),
-      c("diloco_partition_spec", "axis_name", lambda: qcomm.diloco_partition_spec((), None)),
-      c("diloco_partition_spec", "inner_axis_name",
-        lambda: qcomm.diloco_partition_spec((), AX, inner_axis_name=["gpu"])),
-      c("diloco_data_parallel", "loss_fn", _diloco_dp(loss_fn=3)),
-      c("diloco_data_parallel", "tx", _diloco_dp(tx=sgd)),
-      c("diloco_data_parallel", "mesh", _diloco_dp(mesh="mesh")),
-      c("diloco_data_parallel", "mesh",
-        _diloco_dp(mesh=Mesh(np.array(jax.devices("cpu")[:2]), ("other",)))),
-      c("diloco_data_parallel", "has_aux", _diloco_dp(has_aux=1)),
-      c("diloco_data_parallel", "batch_spec", _diloco_dp(batch_spec=(AX,))),
+      c("local_params", "opt_state", lambda: (lambda s: qcomm.local_params((s, s), {"w": X}))(
+          qcomm.diloco(sgd, axis_name=AX, every=2).init({"w": X}))),
+      c("local_params", "params", _local_params(params={"v": X})),
       c("Description", "scalar_bytes", _description(scalar_bytes=-1.0)),
       c("Description", "state_bytes_per_device", _description(state_bytes_per_device=1.5)),
   ]

@@ -11,8 +11,10 @@ What is proved here:
     4 and 2 bits with error feedback, leaves that do not divide among the devices;
   - ``every`` counts the inner sync's optimizer steps when it accumulates;
   - the 2-D composition: ``diloco(sync(adam, axis_name="gpu"), axis_name="node")`` on 2 x 4;
+  - the one runner: ``qcomm.data_parallel`` takes and returns the anchor (replicated, shaped like
+    the model); the replicas' own parameters live in the state;
   - an orbax checkpoint of the state resumes exactly;
-  - the errors that name what to fix.
+  - the errors that name what to fix, and the removed names that name their replacement.
 """
 
 from __future__ import annotations
@@ -75,15 +77,15 @@ def _single(inner, params, batches):
 
 
 def _run(tx, d, params, batches, replicate_batch=False):
-  """diloco_data_parallel over d devices; returns (local params, state)."""
-  dp = qcomm.diloco_data_parallel(_loss, tx, _mesh(d))
-  local, state = dp.init(params)
+  """qcomm.data_parallel over d devices; returns (anchor, state)."""
+  dp = qcomm.data_parallel(_loss, tx, _mesh(d), axis_name=AX)
+  state = dp.init(params)
   for b in batches:
     if replicate_batch:
       b = jax.tree.map(lambda a: jnp.concatenate([a] * d), b)
-    local, state, losses, _ = dp.step(local, state, b)
-  assert losses.shape == (d,)
-  return local, state
+    params, state, loss, _ = dp.step(params, state, b)
+  assert loss.shape == (d,)  # one per replica: no collective across replicas between syncs
+  return params, state
 
 
 def _close(a, b, **kw):
@@ -99,12 +101,12 @@ def test_exact_codec_and_outer_sgd_1_is_plain_inner_training(d, replicate):
   params, batches = _params(), _batches(12, 8)
   tx = qcomm.diloco(inner, axis_name=AX, every=4, codec=qcomm.NoCompression(),
                     outer=optax.sgd(1.0))
-  local, state = _run(tx, d, params, batches, replicate_batch=replicate)
+  anchor, state = _run(tx, d, params, batches, replicate_batch=replicate)
   want = _single(inner, params, batches)
-  _close(qcomm.diloco_params(state), want, rtol=2e-5, atol=2e-6)
+  _close(anchor, want, rtol=2e-5, atol=2e-6)
   assert int(state.outer_step) == 3 and int(state.mini_step) == 0
   for row in range(d):  # after a sync every replica's parameters are the anchor, bit for bit
-    for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(qcomm.diloco_params(state))):
+    for x, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(anchor)):
       np.testing.assert_array_equal(np.asarray(x)[row], np.asarray(a))
 
 
@@ -113,7 +115,7 @@ def test_one_replica_outer_sgd_is_lookahead_slow_weights():
   params, batches = _params(), _batches(15, 8)
   tx = qcomm.diloco(inner, axis_name=AX, every=h, codec=qcomm.NoCompression(),
                     outer=optax.sgd(a))
-  _, state = _run(tx, 1, params, batches)
+  anchor, _ = _run(tx, 1, params, batches)
 
   look = optax.lookahead(inner, sync_period=h, slow_step_size=a)
   lp = optax.LookaheadParams.init_synced(params)
@@ -127,7 +129,7 @@ def test_one_replica_outer_sgd_is_lookahead_slow_weights():
 
   for b in batches:
     lp, ls = step(lp, ls, b)
-  _close(qcomm.diloco_params(state), lp.slow, rtol=1e-5, atol=1e-6)
+  _close(anchor, lp.slow, rtol=1e-5, atol=1e-6)
 
 
 def test_the_pseudo_gradient_is_anchor_minus_local():
@@ -137,23 +139,28 @@ def test_the_pseudo_gradient_is_anchor_minus_local():
   params = {"w": jnp.zeros((4, 4))}
   tx = qcomm.diloco(optax.sgd(1.0), axis_name=AX, every=h, codec=qcomm.NoCompression(),
                     outer=optax.sgd(a))
-  dp = qcomm.diloco_data_parallel(lambda p, b: jnp.sum(p["w"] * b), tx, _mesh(2))
-  local, state = dp.init(params)
+  dp = qcomm.data_parallel(lambda p, b: jnp.sum(p["w"] * b), tx, _mesh(2), axis_name=AX)
+  state = dp.init(params)
   g = jnp.ones((2, 4, 4))
-  for _ in range(h):
-    local, state, _, _ = dp.step(local, state, g)
-  np.testing.assert_allclose(np.asarray(qcomm.diloco_params(state)["w"]), -a * h, rtol=1e-6)
+  for i in range(h):
+    params, state, _, _ = dp.step(params, state, g)
+    if i < h - 1:  # between syncs the anchor stays, the replicas move
+      np.testing.assert_array_equal(np.asarray(params["w"]), 0.0)
+      np.testing.assert_allclose(np.asarray(state.params["w"]), -(i + 1), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(params["w"]), -a * h, rtol=1e-6)
 
 
 # ---- no collective between syncs; describe == HLO --------------------------------------------------
 
+def _compiled(dp, params, state, batch):
+  from jax_qcomm.data_parallel import _SpecKey
+  fn = dp._step_fn(_SpecKey(dp.state_spec(state)), (AX,), 0, False)
+  return fn.lower(params, state, batch, ()).compile().as_text()
+
+
 def _compiled_text(tx, d, params):
-  dp = qcomm.diloco_data_parallel(_loss, tx, _mesh(d))
-  local, state = dp.init(params)
-  spec = dp.state_spec(state)
-  fn = dp._step_fn(qcomm.diloco.__globals__["_SpecKey"](spec), 0, False)
-  batch = _batches(1, 2 * d)[0]
-  return fn.lower(local, state, batch, ()).compile().as_text()
+  dp = qcomm.data_parallel(_loss, tx, _mesh(d), axis_name=AX)
+  return _compiled(dp, params, dp.init(params), _batches(1, 2 * d)[0])
 
 
 @pytest.mark.parametrize("codec", [qcomm.NoCompression(), qcomm.QSGD(4), qcomm.Summable(4)],
@@ -185,27 +192,23 @@ def test_anchors_are_bit_identical_on_every_replica(d, codec, ef):
   tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=2, codec=codec, error_feedback=ef,
                     policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
   mesh = _mesh(d)
-  spec = qcomm.diloco_partition_spec(jax.eval_shape(tx.init, params), AX)
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params), AX)
   axes = frozenset({AX})
 
-  def init(p):
-    return jax.tree.map(lambda a: _compat.make_varying(a[None], axes), p), tx.init(p)
+  def step(anchor, s, batch):  # the explicit form: the gradient at the replica's own parameters
+    g = jax.grad(_loss)(qcomm.local_params(s, anchor), batch)
+    u, s = tx.update(g, s, anchor)
+    anchor = optax.apply_updates(anchor, u)
+    every_copy = jax.tree.map(lambda a: _compat.make_varying(a, axes)[None], anchor)
+    return anchor, s, every_copy
 
-  def step(lp, s, batch):
-    p = jax.tree.map(lambda a: a[0], lp)
-    g = jax.grad(_loss)(p, batch)
-    u, s = tx.update(g, s, p)
-    p = qcomm.diloco_apply_updates(p, u, s)
-    every_copy = jax.tree.map(lambda a: _compat.make_varying(a, axes)[None], s.anchor)
-    return jax.tree.map(lambda a: a[None], p), s, every_copy
-
-  init = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=(P(AX), spec)))
-  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(AX), spec, P(AX)),
-                               out_specs=(P(AX), spec, P(AX))))
-  local, state = init(params)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P(AX)),
+                               out_specs=(P(), spec, P(AX))))
+  anchor, state = params, init(params)
   for i, b in enumerate(_batches(6, 2 * d)):
-    local, state, copies = step(local, state, b)
-    for c, lp in zip(jax.tree.leaves(copies), jax.tree.leaves(local)):
+    anchor, state, copies = step(anchor, state, b)
+    for c, lp in zip(jax.tree.leaves(copies), jax.tree.leaves(state.params)):
       c = np.asarray(c)
       for r in range(1, d):
         np.testing.assert_array_equal(c[r], c[0])
@@ -213,10 +216,10 @@ def test_anchors_are_bit_identical_on_every_replica(d, codec, ef):
         np.testing.assert_array_equal(np.asarray(lp), c)
   assert int(state.outer_step) == 3
   # The replicas trained on different data: between syncs they differ.
-  local, state, _ = step(local, state, _batches(1, 2 * d, seed=9)[0])
-  w = np.asarray(local["w"])
+  anchor, state, _ = step(anchor, state, _batches(1, 2 * d, seed=9)[0])
+  w = np.asarray(state.params["w"])
   assert not np.array_equal(w[0], w[1])
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.anchor))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.outer_opt_state))
   if ef:
     assert state.residual["w"].shape == (d, 37, 29)
     assert float(jnp.max(jnp.abs(state.residual["w"]))) > 0
@@ -230,25 +233,24 @@ def test_diloco_over_nodes_of_sync_over_gpus_on_a_2x4_mesh():
                      accum_steps=2)
   tx = qcomm.diloco(inner, axis_name="node", every=3, codec=qcomm.QSGD(4), error_feedback=True,
                     policy=qcomm.LeafPolicy(min_size=0))
-  dp = qcomm.diloco_data_parallel(_loss, tx, mesh)
+  dp = qcomm.data_parallel(_loss, tx, mesh, axis_name=("node", "gpu"))
   params = _params()
-  local, state = dp.init(params)
+  state = dp.init(params)
   spec = dp.state_spec(state)
   sync_spec = spec.inner_opt_state
   assert sync_spec.acc_grads["w"] == P("node", "gpu")
   assert sync_spec.mini_step == P("node")
+  assert spec.params["w"] == P("node")
   assert state.inner_opt_state.acc_grads["w"].shape == (2, 4, 37, 29)
   batches = _batches(12, 16)
-  losses0 = None
+  anchor = params
   for i, b in enumerate(batches):
-    local, state, losses, _ = dp.step(local, state, b)
-    losses0 = losses if losses0 is None else losses0
-    assert losses.shape == (8,)
+    anchor, state, loss, _ = dp.step(anchor, state, b)
+    assert loss.shape == (2,)  # one per node
     # every 2 calls the inner sync steps; every 3 inner steps (6 calls) the nodes synchronise
     assert int(state.outer_step) == (i + 1) // 6
   assert int(state.inner_opt_state.gradient_step[0]) == 6
-  anchor = qcomm.diloco_params(state)
-  for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(anchor)):
+  for x, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(anchor)):
     np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(a))
     np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(a))
   # It learns: the anchor's loss on the data is below the initial one.
@@ -271,10 +273,10 @@ def test_orbax_checkpoint_resumes_exactly(tmp_path):
   d = 2
   tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=3, codec=qcomm.QSGD(4),
                     error_feedback=True, policy=qcomm.LeafPolicy(min_size=0))
-  dp = qcomm.diloco_data_parallel(_loss, tx, _mesh(d))
-  params, batches = _params(), _batches(10, 2 * d)
-  local, state = dp.init(params)
-  for b in batches[:4]:  # mid-window: local params differ from the anchor
+  dp = qcomm.data_parallel(_loss, tx, _mesh(d), axis_name=AX)
+  local, batches = _params(), _batches(10, 2 * d)  # local: the anchor
+  state = dp.init(local)
+  for b in batches[:4]:  # mid-window: the replicas' parameters differ from the anchor
     local, state, _, _ = dp.step(local, state, b)
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(tmp_path / "ckpt", {"local": local, "state": state})
@@ -294,31 +296,57 @@ def test_orbax_checkpoint_resumes_exactly(tmp_path):
 
 # ---- bf16 models ----------------------------------------------------------------------------------
 
-def test_bf16_params_keep_a_float32_anchor_and_outer_state():
+def test_bf16_params_keep_a_float32_outer_state_and_residual():
   params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _params())
   tx = qcomm.diloco(optax.sgd(0.05), axis_name=AX, every=2, codec=qcomm.QSGD(4),
                     error_feedback=True)
   loss = lambda p, b: _loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), b)  # noqa: E731
-  dp = qcomm.diloco_data_parallel(loss, tx, _mesh(2))
-  local, state = dp.init(params)
+  dp = qcomm.data_parallel(loss, tx, _mesh(2), axis_name=AX)
+  state = dp.init(params)
   for b in _batches(4, 4):
-    local, state, _, _ = dp.step(local, state, b)
-  for tree in (state.anchor, state.outer_opt_state, state.residual):
+    params, state, _, _ = dp.step(params, state, b)
+  for tree in (state.outer_opt_state, state.residual):
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(tree))
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(local))
-  for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(state.anchor)):
-    np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(a.astype(jnp.bfloat16)))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves((params, state.params)))
+  for x, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(a))
 
 
 # ---- errors ---------------------------------------------------------------------------------------
 
-def test_data_parallel_with_replicated_params_is_refused_naming_the_fix():
+def test_removed_names_name_their_replacement():
+  for name, fix in (("diloco_data_parallel", "qcomm.data_parallel"),
+                    ("diloco_params", "params that qcomm.data_parallel"),
+                    ("diloco_apply_updates", "optax.apply_updates"),
+                    ("diloco_partition_spec", "qcomm.state_partition_spec")):
+    with pytest.raises(AttributeError, match=re.escape(fix)):
+      getattr(qcomm, name)
+
+
+def test_varying_params_are_refused_naming_the_anchor():
   tx = qcomm.diloco(optax.sgd(0.1), axis_name=AX, every=2)
-  dp = qcomm.data_parallel(_loss, tx, _mesh(2), axis_name=AX)
   params = _params()
-  state = dp.init(params)
-  with pytest.raises(ValueError, match="diloco_data_parallel"):
-    dp.step(params, state, _batches(1, 4)[0])
+  mesh = _mesh(2)
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params))
+
+  def step(lp, s, b):  # the replica's parameters passed where the anchor belongs
+    p = jax.tree.map(lambda a: a[0], lp)
+    return tx.update(jax.grad(_loss)(p, b), s, p)
+
+  with jax.set_mesh(mesh):
+    state = tx.init(params)
+  local = jax.tree.map(lambda a: jnp.stack([a, a]), params)
+  with pytest.raises(ValueError, match="must be the anchor"):
+    jax.eval_shape(jax.shard_map(step, mesh=mesh, in_specs=(P(AX), spec, P(AX)),
+                                 out_specs=(P(), spec)), local, state, _batches(1, 4)[0])
+
+
+def test_a_data_axis_no_transformation_synchronises_is_refused():
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("node", "gpu"))
+  tx = qcomm.diloco(optax.sgd(0.1), axis_name="node", every=2)
+  dp = qcomm.data_parallel(_loss, tx, mesh, axis_name=("node", "gpu"))
+  with pytest.raises(ValueError, match="no qcomm transformation in tx synchronises"):
+    dp.init(_params())
 
 
 def test_a_state_passed_replicated_is_refused():
@@ -328,29 +356,38 @@ def test_a_state_passed_replicated_is_refused():
   with jax.set_mesh(mesh):
     state = tx.init(params)
 
-  def step(lp, s, b):
-    p = jax.tree.map(lambda a: a[0], lp)
-    return tx.update(jax.grad(_loss)(p, b), s, p)
+  def step(p, s, b):
+    return tx.update(jax.grad(_loss)(qcomm.local_params(s, p), b), s, p)
 
-  local = jax.tree.map(lambda a: jnp.stack([a, a]), params)
-  with pytest.raises(ValueError, match="diloco_partition_spec"):
-    jax.eval_shape(jax.shard_map(step, mesh=mesh, in_specs=(P(AX), P(), P(AX)),
-                                 out_specs=(P(AX), P())), local, state, _batches(1, 4)[0])
+  with pytest.raises(ValueError, match="state_partition_spec"):
+    jax.eval_shape(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AX)),
+                                 out_specs=(P(), P())), params, state, _batches(1, 4)[0])
 
 
 def test_same_axis_inside_and_outside_is_refused():
+  tx = qcomm.diloco(qcomm.sync(optax.sgd(0.1), axis_name="node"), axis_name="node", every=2)
   with pytest.raises(ValueError, match="axis_name"):
-    qcomm.diloco(qcomm.sync(optax.sgd(0.1), axis_name="node"), axis_name="node", every=2)
+    jax.eval_shape(tx.init, _params())
 
 
-def test_inner_sync_needs_inner_axis_name_for_specs():
-  inner = qcomm.sync(optax.sgd(0.1), axis_name="gpu", accum_steps=2)
-  tx = qcomm.diloco(inner, axis_name="node", every=2)
+def test_specs_are_read_from_the_states_inside_any_container():
+  """diloco(sync) inside optax.chain and inject_hyperparams: the spec function needs no axis
+  names (each state carries its own); an axis_name that does not cover them is refused."""
+  inner = qcomm.sync(optax.sgd(0.1), axis_name="gpu", accum_steps=2, shard_state=True)
+  tx = optax.chain(optax.clip(1.0), qcomm.diloco(inner, axis_name="node", every=2))
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("node", "gpu"))
   with jax.set_mesh(mesh):
     shapes = jax.eval_shape(tx.init, _params())
-  with pytest.raises(ValueError, match="inner_axis_name"):
-    qcomm.diloco_partition_spec(shapes, "node")
+  spec = qcomm.state_partition_spec(shapes)
+  assert spec == qcomm.state_partition_spec(shapes, ("node", "gpu"))
+  d = spec[1]
+  assert d.params["w"] == P("node") and d.residual == () and d.outer_opt_state[0].trace == {
+      "w": P(), "v": P(), "b": P()}
+  assert d.inner_opt_state.master["w"] == P("node", "gpu")
+  assert d.inner_opt_state.acc_grads["w"] == P("node", "gpu")
+  assert d.inner_opt_state.mini_step == P("node")
+  with pytest.raises(ValueError, match="must name the axes of every qcomm state"):
+    qcomm.state_partition_spec(shapes, "node")
 
 
 # ---- the LM trainer's DiLoCo mode ------------------------------------------------------------------
@@ -406,10 +443,9 @@ def test_with_a_sync_inside_each_device_sends_its_share_across_nodes():
   inner = qcomm.sync(optax.adam(3e-3), axis_name="gpu", codec=qcomm.NoCompression())
   tx = qcomm.diloco(inner, axis_name="node", every=2, codec=qcomm.NoCompression(),
                     policy=qcomm.LeafPolicy(min_size=0))
-  dp = qcomm.diloco_data_parallel(_loss, tx, mesh)
-  local, state = dp.init(params)
-  fn = dp._step_fn(qcomm.diloco.__globals__["_SpecKey"](dp.state_spec(state)), 0, False)
-  text = fn.lower(local, state, _batches(1, 16)[0], ()).compile().as_text()
+  dp = qcomm.data_parallel(_loss, tx, mesh, axis_name=("node", "gpu"))
+  state = dp.init(params)
+  text = _compiled(dp, params, state, _batches(1, 16)[0])
   across = []  # elements of the all-reduces over the node axis (replica_groups=mesh[..] {'node'})
   for line in text.splitlines():
     m = re.search(r"= f32\[([0-9,]*)\][^=]*? all-reduce\(.*replica_groups=mesh\[[^]]*\] \{'node'\}",
@@ -418,9 +454,9 @@ def test_with_a_sync_inside_each_device_sends_its_share_across_nodes():
       across.append(int(np.prod([int(v) for v in m.group(1).split(",") if v])))
   assert across and sum(across) <= -(-n // 4), (across, n)  # a share, not the whole
   for b in _batches(4, 16):
-    local, state, _, _ = dp.step(local, state, b)
+    params, state, _, _ = dp.step(params, state, b)
   assert int(state.outer_step) == 2
-  for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(qcomm.diloco_params(state))):
+  for x, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(a))
     np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(a))
 
@@ -434,8 +470,9 @@ def test_composed_on_a_2x3_mesh_keeps_every_device_identical():
                      error_feedback=True, policy=qcomm.LeafPolicy(min_size=0))
   tx = qcomm.diloco(inner, axis_name="node", every=2, codec=qcomm.QSGD(4), error_feedback=True,
                     policy=qcomm.LeafPolicy(min_size=0))
-  dp = qcomm.diloco_data_parallel(_loss, tx, mesh)
-  local, state = dp.init(_params())
+  dp = qcomm.data_parallel(_loss, tx, mesh, axis_name=("node", "gpu"))
+  anchor = _params()
+  state = dp.init(anchor)
 
   def copies(tree):  # every device's copy of every leaf, as numpy
     out = [[np.asarray(s.data) for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
@@ -444,8 +481,8 @@ def test_composed_on_a_2x3_mesh_keeps_every_device_identical():
     return out
 
   for i, b in enumerate(_batches(6, 12)):
-    local, state, _, _ = dp.step(local, state, b)
-    for leaf in copies(local):
+    anchor, state, _, _ = dp.step(anchor, state, b)
+    for leaf in copies(state.params):
       by_node = {}
       for shard, dev in zip(leaf, sorted(mesh.devices.flat, key=lambda d: d.id)):
         node = int(np.argwhere(mesh.devices == dev)[0][0])
@@ -453,8 +490,7 @@ def test_composed_on_a_2x3_mesh_keeps_every_device_identical():
       for shards in by_node.values():
         assert all(np.array_equal(shards[0], s) for s in shards[1:]), i
     if (i + 1) % 2 == 0:  # an outer sync: every device holds the anchor
-      anchor = qcomm.diloco_params(state)
-      for x, a in zip(jax.tree.leaves(local), jax.tree.leaves(anchor)):
+      for x, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(anchor)):
         for r in range(2):
           np.testing.assert_array_equal(np.asarray(x)[r], np.asarray(a))
   assert int(state.outer_step) == 3

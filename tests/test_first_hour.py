@@ -63,7 +63,7 @@ def test_nnx_short_path_equals_single_device_exact_training():
   with jax.set_mesh(mesh):
     opt = nnx.Optimizer(model, qcomm.sync(optax.adam(1e-2), codec=qcomm.NoCompression()),
                         wrt=nnx.Param)
-  dp = qcomm.nnx_data_parallel(_loss, mesh, has_aux=True)
+  dp = qcomm.nnx_data_parallel(_loss, mesh, has_aux=True, aux_reduce="concat")
   for i in range(4):
     batch = _data(seed=i)
     (ref_loss, _), grads = nnx.value_and_grad(_loss, has_aux=True)(ref_model, batch)
@@ -99,7 +99,7 @@ def test_nnx_short_path_refuses_what_would_not_train():
   model = MLP(nnx.Rngs(0))
   dp = qcomm.nnx_data_parallel(_loss, mesh, has_aux=True)
   plain = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-  with pytest.raises(ValueError, match=r"tx must contain a qcomm.sync over 'data'"):
+  with pytest.raises(ValueError, match=r"tx must contain a qcomm transformation over 'data'"):
     dp.step(model, plain, _data())
   with pytest.raises(ValueError, match="optimizer must be an nnx.Optimizer"):
     dp.step(model, optax.adam(1e-2), _data())

@@ -40,8 +40,10 @@ LAYERS: list[set[str]] = [
     {"_ffi", "_reference", "_known_answers"},        # the kernels: FFI binding, pure-JAX reference
     {"_selftest"},                                   # the kernels' known-answer test
     {"codecs"},                                      # the Codec interface (the reduction protocol)
-    {"packing", "_varying"},                         # pytrees <-> flat buffers, per-device checks
-    {"shard_layout", "clipping"},                    # per-leaf shards and their rows; global norm
+    {"packing", "_varying", "specs"},                # pytrees <-> flat buffers, per-device checks,
+                                                     # where each part of a qcomm state lives
+    {"shard_layout", "clipping", "_parts"},          # per-leaf shards and their rows; global norm;
+                                                     # keys, error feedback, finite guard, counters
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
     {"data_parallel", "describe", "diloco"},         # the step helpers, describe, outer sync
@@ -50,6 +52,8 @@ LAYERS: list[set[str]] = [
 ]
 #: The tooling subpackage (jax_qcomm/tools): above the library, never imported by it.
 TOOLS = "tools"
+#: Library subpackages: each is one entry of LAYERS, and its modules obey that layer's rule.
+LIBRARY_SUBPACKAGES = {"codecs"}
 #: Compiled extension modules (built by CMake; the binding layer loads them).
 EXTENSIONS = {"_qcomm_cpu", "_qcomm_cuda"}
 #: Packages outside jax_qcomm that the library must never import (tooling, optional extras).
@@ -105,6 +109,13 @@ def _imports(path: pathlib.Path, package: str) -> tuple[set[str], set[str]]:
   return inside, outside
 
 
+def _library_modules() -> dict[str, pathlib.Path]:
+  """The library's modules, those of its subpackages dotted (``codecs.base``)."""
+  return {**_modules(PACKAGE),
+          **{f"{sub}.{k}": v for sub in LIBRARY_SUBPACKAGES
+             for k, v in _modules(f"{PACKAGE}.{sub}").items()}}
+
+
 def _graph(package: str) -> dict[str, set[str]]:
   """module -> the modules of the same package it imports."""
   return {name: _imports(path, package)[0] - {name} for name, path in _modules(package).items()}
@@ -139,12 +150,17 @@ def test_every_module_has_a_place():
   assert not missing, f"modules with no layer (add them to LAYERS and docs/architecture.md): {missing}"
   subpackages = {p.name for p in (ROOT / PACKAGE).iterdir()
                  if p.is_dir() and (p / "__init__.py").exists()}
-  assert subpackages == {TOOLS}, f"subpackages other than {TOOLS}: {subpackages - {TOOLS}}"
+  expected = {TOOLS} | LIBRARY_SUBPACKAGES
+  assert subpackages == expected, f"subpackages other than {expected}: {subpackages - expected}"
 
 
 def test_no_module_imports_upward():
   layer = {m: i for i, names in enumerate(LAYERS) for m in names}
   graph = _graph(PACKAGE)
+  for sub in LIBRARY_SUBPACKAGES:  # a subpackage's modules: the layer of the subpackage
+    for name, path in _modules(f"{PACKAGE}.{sub}").items():
+      graph[f"{sub}.{name}"] = _imports(path, PACKAGE)[0] - {sub}
+      layer[f"{sub}.{name}"] = layer[sub]
   bad = []
   for module, deps in graph.items():
     deps = deps - EXTENSIONS
@@ -165,7 +181,8 @@ def test_tools_import_only_the_library_and_each_other():
     assert inside <= set().union(*LAYERS) | {TOOLS} | EXTENSIONS, (name, inside)
 
 
-@pytest.mark.parametrize("package", [PACKAGE, f"{PACKAGE}.{TOOLS}", "benchmarks"])
+@pytest.mark.parametrize("package", [PACKAGE, f"{PACKAGE}.{TOOLS}", "benchmarks"]
+                         + [f"{PACKAGE}.{sub}" for sub in sorted(LIBRARY_SUBPACKAGES)])
 def test_no_import_cycles(package):
   cycle = _cycle(_graph(package))
   assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
@@ -173,7 +190,7 @@ def test_no_import_cycles(package):
 
 def test_library_imports_no_tooling_and_no_jax_internals():
   bad = []
-  modules = {**_modules(PACKAGE),
+  modules = {**_library_modules(),
              **{f"{TOOLS}.{k}": v for k, v in _modules(f"{PACKAGE}.{TOOLS}").items()}}
   for name, path in modules.items():
     outside = _imports(path, PACKAGE)[1]

@@ -531,8 +531,11 @@ def test_describe_counts_bytes_from_the_codecs():
   text = str(d)
   assert "QSGD 4b/128 maxmin" in text and "exact fp32" in text and "conv" in text
   assert f"{d.payload_bytes:,}" in text
-  with pytest.raises(ValueError, match="qcomm.sync"):
-    qcomm.describe(optax.chain(tx, optax.scale(1.0)), params)
+  # Found inside a combinator, through the state it makes.
+  chained = qcomm.describe(optax.chain(optax.clip(1.0), tx, optax.scale(1.0)), params, devices=4)
+  assert chained.sent_bytes_per_sync == d.sent_bytes_per_sync
+  with pytest.raises(ValueError, match="exactly one qcomm.sync or qcomm.diloco"):
+    qcomm.describe(optax.sgd(0.1), params)
 
 
 def test_hierarchical_axis_state_from_tx_init():

@@ -13,7 +13,7 @@ The global batch is training/lm.py's (``batch_size`` windows per micro-step, the
 over all devices, so each replica sees 1/K of it: the tokens equal the exact data-parallel run's.
 ``config.bits`` / ``bucket_size`` / ``scheme`` / ``error_feedback`` / ``min_size`` /
 ``compress_1d`` / ``exclude`` choose the *outer* codec and leaf policy. The anchor is evaluated
-(``qcomm.diloco_params``) every ``eval_every_steps`` inner steps and at the end.
+(the params the runner returns) every ``eval_every_steps`` inner steps and at the end.
 
 The last line printed is one JSON object (``val_loss`` in nats per byte, ``bytes_per_param_step``:
 bytes each replica sends per parameter per inner optimizer step, from ``qcomm.describe``). With
@@ -79,8 +79,8 @@ def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: f
   def loss_fn(p, windows):
     return jnp.mean(lm.window_loss(graphdef, p, windows))
 
-  dp = qcomm.diloco_data_parallel(loss_fn, tx, mesh)
-  local, state = dp.init(params)
+  dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=("node", lm.AXIS))
+  anchor, state = params, dp.init(params)
   eval_step = lm.make_eval_step(graphdef, mesh)
   val = jax.device_put(lm.val_windows(corpus.val, config.num_val_windows, config.seq_len),
                        NamedSharding(mesh, P(lm.AXIS)))
@@ -90,24 +90,23 @@ def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: f
   def evaluate(p) -> float:
     return float(eval_step(jax.device_put(p, NamedSharding(mesh, P())), val)) / val_bytes
 
-  curve = [[0, evaluate(dp.params(state))]]
+  curve = [[0, evaluate(anchor)]]
   t_loop = time.perf_counter()
   for step in range(config.num_steps):
     for micro in range(k):
       windows = lm.train_windows(corpus.train, config.seed, step * k + micro, config.batch_size,
                                  config.seq_len)
-      local, state, losses, _ = dp.step(local, state, jax.device_put(windows, batch_sharding))
+      anchor, state, loss, _ = dp.step(anchor, state, jax.device_put(windows, batch_sharding))
     done = step + 1
     if (config.eval_every_steps and done % config.eval_every_steps == 0) or \
         done == config.num_steps:
-      curve.append([done, evaluate(dp.params(state))])
-      loss = float(np.mean(np.asarray(losses)))
+      curve.append([done, evaluate(anchor)])
+      loss = float(np.mean(np.asarray(loss)))
       if not math.isfinite(curve[-1][1]):
         raise FloatingPointError(f"training diverged at inner step {done}")
       if not quiet:
         print(f"[eval] step {done}: val_loss={curve[-1][1]:.4f} train_loss={loss:.4f}", flush=True)
   train_s = time.perf_counter() - t_loop
-  anchor = dp.params(state)
   n = sum(x.size for x in jax.tree_util.tree_leaves(anchor))
   desc = qcomm.describe(tx, params, devices=replicas)
   return {

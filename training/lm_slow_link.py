@@ -99,17 +99,14 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
     tx = lm.create_optimizer(config, qcomm.Hierarchical(lm.AXIS, NODE))
     dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS))
     state = dp.init(params)
-    local = params
-    anchor = lambda local, state: local  # noqa: E731
     # What crosses a node's slow link per step: the codec's allreduce of the gradient between the
     # nodes (each device sends that of its 1/data shard).
     desc = qcomm.describe(lm.create_optimizer(config, NODE), params, devices=mesh.shape[NODE])
     sync_every = 1
   else:
     tx = lm_diloco.create_tx(config, every, outer_lr, outer_momentum)
-    dp = qcomm.diloco_data_parallel(loss_fn, tx, mesh)
-    local, state = dp.init(params)
-    anchor = lambda local, state: dp.params(state)  # noqa: E731
+    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS))
+    state = dp.init(params)
     desc = qcomm.describe(tx, params, devices=mesh.shape[NODE])
     sync_every = every
 
@@ -121,6 +118,7 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
   def evaluate(p) -> float:
     return float(eval_step(p, val)) / val_bytes
 
+  local = params  # diloco: the anchor
   curve, train_s, target_s = [[0, evaluate(params), 0.0]], 0.0, None
   step, first_step_s, t_first = 0, 0.0, time.perf_counter()
   for step in range(1, config.num_steps + 1):
@@ -135,7 +133,7 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
     if step % eval_every == 0 or step == config.num_steps:
       jax.block_until_ready((local, state))
       train_s += time.perf_counter() - t0
-      val_loss = evaluate(anchor(local, state))
+      val_loss = evaluate(local)
       curve.append([step, val_loss, train_s])
       if not math.isfinite(val_loss):
         raise FloatingPointError(f"training diverged at step {step}")

@@ -1,0 +1,140 @@
+"""The parts that every qcomm transformation (``sync``, its sharded mode, ``diloco``) shares.
+
+One definition each, so that the transformations agree:
+
+* the rounding key: seeded from an integer (Python or numpy), kept as ``uint32[2]`` key data in
+  the state, split once per communication;
+* error feedback: the residual added before the codec, and kept as it was after a non-finite
+  communication (one bad step never poisons later ones);
+* the finite guard: one decision from the averaged values, which every replica holds
+  bit-identical, so no collective is needed to agree on it;
+* the counters (``int32`` scalars) and the per-device leaves (``(1, ...)`` inside the step, typed
+  as varying over the axis; ``(D, ...)`` outside it);
+* the default codec of the ``bits`` shorthand and the number of devices along an axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from jax_qcomm import _compat, _varying
+from jax_qcomm._checks import check_instance
+from jax_qcomm.axes import AxisName, axis_names, axis_size
+from jax_qcomm.codecs import Codec, codec_for_bits
+
+
+# ---- counters, keys ---------------------------------------------------------------------------
+
+def zero() -> jax.Array:
+  """A fresh int32 counter."""
+  return jnp.zeros((), jnp.int32)
+
+
+def check_seed(seed: Any) -> int:
+  """``seed`` as a Python int (Python or numpy integers; not bools)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    raise ValueError(f"seed must be an integer, got {seed!r}")
+  return int(seed)
+
+
+def seed_key(seed: int) -> jax.Array:
+  """The state's rounding key data for ``seed`` (``uint32[2]``)."""
+  return jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32)
+
+
+def split_key(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(the state's next key data, a key for this communication)."""
+  key, sub = jax.random.split(jax.random.wrap_key_data(key_data))
+  return jax.random.key_data(key).astype(jnp.uint32), sub
+
+
+# ---- error feedback and the finite guard --------------------------------------------------------
+
+def all_finite(tree: Any) -> jax.Array:
+  """True if no leaf of ``tree`` holds a NaN or an infinity (a bool scalar)."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  if not leaves:
+    return jnp.bool_(True)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def count_notfinite(total: jax.Array, finite: jax.Array) -> jax.Array:
+  return total + jnp.logical_not(finite).astype(jnp.int32)
+
+
+def add_residual(values: Any, residual: Any) -> Any:
+  """``values`` plus this device's error-feedback residual (``(1, ...)`` leaves)."""
+  return jax.tree_util.tree_map(lambda x, r: x + r[0], values, residual)
+
+
+def next_residual(finite: jax.Array, lost: Any, residual: Any) -> Any:
+  """The residual after a communication: what the codec lost, or the old one if it was not
+  finite."""
+  return jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old[0])[None],
+                                lost, residual)
+
+
+def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``finite``, else ``old`` (leaf by leaf, in ``old``'s dtypes)."""
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b).astype(jnp.result_type(b)),
+                                new, old)
+
+
+# ---- per-device leaves ------------------------------------------------------------------------
+
+def per_device(tree: Any, names: Sequence, d: int, bound: bool) -> Any:
+  """Every leaf with a leading device axis: ``(1, ...)`` typed as varying over ``names`` when
+  ``bound`` (inside the step), else broadcast to ``(d, ...)`` (the global array of all devices'
+  parts, split by :func:`qcomm.state_partition_spec`)."""
+  tracked = bound and _varying.tracked(names)
+  axes = frozenset(names)
+
+  def one(a):
+    a = jnp.asarray(a)
+    if not bound:
+      return jnp.broadcast_to(a[None], (d,) + a.shape)
+    return _compat.make_varying(a[None], axes) if tracked else a[None]
+
+  return jax.tree_util.tree_map(one, tree)
+
+
+def num_devices(axis_name: AxisName = "data") -> tuple[int, bool]:
+  """(D, bound): the number of devices along ``axis_name`` and whether the axis is bound here.
+
+  Inside ``shard_map`` / ``pmap`` over the axis: its size, True. Elsewhere (False): the size of the
+  axis in the current mesh (``jax.set_mesh(mesh)``; ``jax.sharding.get_abstract_mesh()``) if it
+  has that axis, else ``jax.device_count()`` (all devices of all processes).
+  """
+  try:
+    return axis_size(axis_name), True
+  except ValueError:
+    pass
+  names = axis_names(axis_name)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and all(n in mesh.axis_names for n in names):
+    return math.prod(mesh.shape[n] for n in names), False
+  return jax.device_count(), False
+
+
+# ---- the default codec ------------------------------------------------------------------------
+
+def resolve_codec(codec: Any, bits: Any, bucket_size: Any, error_feedback: bool) -> Codec:
+  """The codec from ``codec=`` or the ``bits`` / ``bucket_size`` shorthand (default: 4 bits,
+  ``qcomm.Auto(4)``)."""
+  if codec is not None:
+    if bits is not None or bucket_size is not None:
+      raise ValueError(f"pass either codec= or the bits= / bucket_size= shorthand, not both; "
+                       f"got codec={codec!r}, bits={bits!r}, bucket_size={bucket_size!r}")
+    return check_instance("codec", codec, Codec, "a jax_qcomm codec (qcomm.QSGD(4), "
+                          "qcomm.Summable(4), qcomm.Cast(jnp.bfloat16), qcomm.NoCompression(), "
+                          "or any qcomm.Codec)")
+  # Error feedback compensates a deterministic compressor; with stochastic rounding at 1 bit the
+  # residual (up to a whole bucket range) feeds the next range and training diverged.
+  return codec_for_bits(4 if bits is None else bits, bucket_size,
+                        rounding="nearest" if error_feedback else "stochastic")

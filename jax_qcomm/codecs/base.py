@@ -1,0 +1,461 @@
+"""The codec protocol: :class:`Codec` and the helpers its implementations share.
+
+Every codec maps an array of any shape to one flat ``uint8`` payload (``encode``), back to an
+array (``decode``), and sums several payloads in float32 (``decode_sum``, the middle of a
+compressed allreduce). Payload layouts are specified in docs/wire-format.md. :class:`Codec` is the
+interface, written down: what the collectives, the packing, the cost model and ``describe`` read
+from a codec, and the four methods a new codec implements.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_qcomm import _exchange, wire
+from jax_qcomm import transport as _transport
+from jax_qcomm.axes import AxisName, axis_size, device_key
+from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int, check_key,
+                               check_real, check_shape)
+
+Shape = Sequence[int]
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+IMPLS = ("auto", "ffi", "jax")
+
+
+def is_float_dtype(dtype: Any) -> bool:
+  """float32, bfloat16 or float16: the dtypes codecs and collectives accept."""
+  return any(jnp.dtype(dtype) == d for d in FLOAT_DTYPES)
+
+
+def _check_float(x: jax.Array, name: str = "x") -> None:
+  if not is_float_dtype(x.dtype):
+    raise ValueError(f"{name} must be a float32, bfloat16 or float16 array, got dtype {x.dtype}")
+
+
+def _check_out_dtype(dtype: Any) -> jnp.dtype:
+  return check_float_dtype("dtype", dtype)
+
+
+def _check_payload(payload: jax.Array, expected: int, lead: tuple[int, ...] = ()) -> None:
+  check_array("payload" if not lead else "payloads", payload)
+  if payload.dtype != jnp.uint8:
+    raise ValueError(f"payload must be a uint8 array, got dtype {payload.dtype}")
+  if tuple(payload.shape) != lead + (expected,):
+    raise ValueError(f"payload must have shape {lead + (expected,)} for this shape and codec, "
+                     f"got {tuple(payload.shape)}")
+
+
+def seed_words(key: jax.Array) -> jax.Array:
+  """Two uint32 words drawn from a JAX PRNG key (typed or raw): the codec's rounding seed."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"key must be a single PRNG key, got a key array of shape {key.shape}")
+  elif not (key.dtype == jnp.uint32 and key.ndim == 1):
+    raise ValueError("key must be a JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)), "
+                     f"got an array of dtype {key.dtype} and shape {key.shape}")
+  return jax.random.bits(key, (2,), jnp.uint32)
+
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
+
+
+def _check_traffic(n: Any, devices: Any, collective: Any) -> tuple[int, int, str]:
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+  return check_int("n", n, 0), check_int("devices", devices), collective
+
+
+def _pad_to(x: jax.Array, size: int) -> jax.Array:
+  """float32[n] -> float32[size], zeros appended (size >= n)."""
+  pad = size - x.shape[0]
+  return jnp.pad(x, (0, pad)) if pad else x
+
+
+def concat_leaves(parts: Sequence[jax.Array], codec: "Codec") -> jax.Array:
+  """Flat float32 leaves -> the one buffer that carries them: each padded to a whole number of
+  ``codec.pad_multiple`` elements with ``codec.pad_fill`` (the leaf's own last value for QSGD's
+  maxmin, 0 otherwise: the last bucket's scales stay the leaf's), then concatenated."""
+  m = codec.pad_multiple
+  padded = []
+  for x in parts:
+    pad = -x.shape[0] % m
+    if pad:
+      x = jnp.concatenate([x, jnp.broadcast_to(codec.pad_fill(x), (pad,)).astype(x.dtype)])
+    padded.append(x)
+  return padded[0] if len(padded) == 1 else jnp.concatenate(padded)
+
+
+def split_leaves(flat: jax.Array, sizes: Sequence[int], multiple: int) -> list[jax.Array]:
+  """The inverse of :func:`concat_leaves`: flat[N] -> one array of sizes[i] per leaf, padding
+  dropped."""
+  out, offset = [], 0
+  for n in sizes:
+    out.append(flat[offset:offset + n])
+    offset += wire.leaves_span([n], multiple)
+  return out
+
+
+def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat
+                  ) -> tuple[list[jax.Array], list[jax.Array]]:
+  """``reduce_flat(buffer) -> (out, residual)`` on :func:`concat_leaves` of ``parts``, both split
+  per leaf again: how a reduction of a packed buffer serves the leaves it carries."""
+  sizes = [p.shape[0] for p in parts]
+  out, lost = reduce_flat(concat_leaves(parts, codec))
+  return (split_leaves(out, sizes, codec.pad_multiple),
+          split_leaves(lost, sizes, codec.pad_multiple))
+
+
+def _ring(devices: int, nbytes: float) -> float:
+  """Bytes each device sends in a ring all-reduce of a buffer of ``nbytes``: 2 (D-1)/D of it."""
+  return 2.0 * (devices - 1) / devices * nbytes
+
+
+def _sum_in_order(vals: jax.Array) -> jax.Array:
+  """vals[0] + vals[1] + ... in float32, unrolled: XLA CPU's reduce over a short axis is slow."""
+  out = vals[0]
+  for j in range(1, vals.shape[0]):
+    out = out + vals[j]
+  return out
+
+
+#: Float32 elements per communication buffer where neither the caller nor the codec says otherwise
+#: (64 MiB of float32): :meth:`Codec.comm_buffer_size`.
+DEFAULT_COMM_BUCKET = 1 << 24
+class Codec(abc.ABC):
+  """A codec: how values cross the wire, as array functions and as a reduction across devices.
+
+  A codec is an immutable, hashable value (a frozen dataclass): the collectives group leaves by
+  codec and ``jit`` sees it as a static part of the traced program. Every other module talks to a
+  codec through the members below, and none looks at a codec's type: a new codec is one subclass.
+
+  **Members, by what a subclass does with them** (the class body follows this order):
+
+  * **(a) must write** (abstract; a frozen dataclass with these four is a codec):
+    :meth:`payload_size`, :meth:`wire_bits`, :meth:`wire_encode`, :meth:`wire_decode_sum`.
+  * **(b) optional overrides**: the stated attributes where the defaults (lossy, no key, no
+    padding, ``uint8`` words, the class name) do not hold -- :attr:`exact`, :attr:`wire_dtype`,
+    :attr:`needs_key`, :attr:`pad_multiple`, :meth:`pad_fill`, :attr:`name`; a fused middle step
+    -- :meth:`wire_decode_sum_reencode` (QSGD's kernels); its own collectives, where the SRA is
+    not how it should reduce -- :meth:`padded_size`, :meth:`allreduce_flat`,
+    :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
+    :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`.
+  * **(c) derived** (never overridden): :attr:`lossy`, :meth:`wire_size`, :meth:`sent_bytes`, the
+    array API (:meth:`encode`, :meth:`decode`, :meth:`decode_sum`, :meth:`decode_sum_reencode`,
+    :meth:`roundtrip`) and its row and byte helpers.
+
+  **What it states**
+
+  * :attr:`exact` -- ``decode(encode(x)) == x`` bit for bit (:attr:`lossy` is its negation:
+    error feedback and codec-time accounting apply only to lossy codecs).
+  * :attr:`needs_key` -- :meth:`encode` needs a JAX PRNG key (stochastic rounding).
+  * :attr:`pad_multiple` -- the quantisation bucket: a buffer is padded to a multiple of this many
+    elements (per leaf in a packed communication buffer) so that no group of values sharing scales
+    straddles two leaves. :meth:`pad_fill` is the value padding uses.
+  * :attr:`wire_dtype` -- the word type the payload travels as inside the collectives.
+  * :attr:`name` -- a short human-readable name.
+
+  **Sizes**: :meth:`payload_size` (bytes of the payload of ``n`` elements), :meth:`wire_size`
+  (the same in words of :attr:`wire_dtype`) and :meth:`wire_bits` (bits per element).
+
+  **Array API** (public, any shape, ``uint8`` payloads in the documented wire format):
+  :meth:`encode`, :meth:`decode`, :meth:`decode_sum`, :meth:`decode_sum_reencode`,
+  :meth:`roundtrip`. Built here from the wire API; subclasses need not touch them.
+
+  **Wire API** (flat float32 in, rows of :attr:`wire_dtype` words out):
+
+  * ``wire_encode(x: float32[n], key) -> wire[wire_size(n)]``
+  * ``wire_decode_sum(wires: wire[k, W], n) -> float32[n]``: the in-order float32 sum of the k
+    decodes (``k = 1`` decodes);
+  * ``wire_decode_sum_reencode(wires, n, key, scale) -> wire[W]``:
+    ``wire_encode(wire_decode_sum(wires, n) * float32(scale), key)`` (no multiplication where
+    ``scale == 1``); a codec may fuse it into one kernel with the same bytes (QSGD does).
+
+  **The reduction protocol** (what :func:`jax_qcomm.allreduce`, :func:`jax_qcomm.reduce_scatter`,
+  :func:`jax_qcomm.all_gather`, :func:`jax_qcomm.sync`, :func:`jax_qcomm.describe` and the cost
+  model call; inside ``shard_map`` / ``pmap``, ``axis_name`` a bound name or tuple of names, D its
+  size, x this device's flat float32 values):
+
+  * ``allreduce_flat(x: float32[n], axis_name, key, op, exchange) -> (out: float32[n], residual:
+    float32[n])``: the mean (``op="mean"``) or sum over the D devices, the same bits on every
+    device, and ``residual``, what this device's own quantisation lost (x minus what it
+    contributed; zeros for exact codecs), for error feedback.
+  * ``allreduce_leaves(parts: [float32[n_i]], axis_name, key, op, exchange) -> (outs, residuals)``:
+    the same for the leaves a communication buffer carries (lists of float32[n_i]): the result of
+    ``allreduce_flat`` on :func:`concat_leaves` of them (each leaf padded to whole buckets),
+    split again. The default builds that buffer; a codec may read and write the leaves in place
+    of the packed copy instead, with the same bytes on the wire (:class:`Summable` on CPU does).
+  * ``reduce_scatter_flat(x: float32[D*m], axis_name, key, op, exchange) -> (block: float32[m],
+    residual: float32[D*m])``: block i of the reduction lands on the device with axis index i.
+    ``exchange`` is the schedule of an all-to-all (``jax_qcomm._exchange``); codecs that use none
+    ignore it.
+  * ``all_gather_flat(x: float[m], axis_name, key) -> float[D, m]``: every device's values,
+    decoded, the same bits everywhere (the sender's own row included); x may be any float dtype
+    (an exact codec gathers it as it is; lossy ones encode float32 and return float32).
+  * ``traffic(n, devices, collective="allreduce") -> ((xla_collective, bytes), ...)``: the bytes
+    each device sends for each XLA collective of one such call on a buffer of ``n`` elements, in
+    the ring convention of nccl-tests (all-reduce ``2 (D-1)/D`` of its buffer, all-gather and
+    all-to-all ``(D-1)/D`` of the gathered size, reduce-scatter ``(D-1)`` times its output).
+    ``collective`` is ``"allreduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
+    :meth:`sent_bytes` is their sum: the one byte count of the library.
+  * ``comm_buffer_size(devices, collective="allreduce") -> int``: the most elements a
+    communication buffer of this codec carries in ``collective`` where the caller leaves
+    ``comm_bucket_size=None``; leaves of one codec are packed up to it (:data:`DEFAULT_COMM_BUCKET`
+    here).
+
+  The defaults implement the scatter-reduce-allgather (SRA) from the wire API: each device's
+  buffer is padded to whole buckets per device chunk and cut into D chunks, chunk j encoded and
+  sent to device j (an all-to-all), the owner decodes and sums the D payloads it received,
+  re-encodes the scaled sum once and every device all-gathers and decodes all chunks: each value is
+  quantised twice. :class:`NoCompression` overrides them with XLA's float32 ``psum`` /
+  ``psum_scatter`` / ``all_gather``; :class:`Summable` with one ``pmax`` of the scales and one
+  ``psum`` of summable words. A codec with another way of reducing overrides the three methods and
+  :meth:`traffic` together.
+  """
+
+  # ================================================================================================
+  # (a) MUST WRITE: sizes and the wire API (abstract)
+  # ================================================================================================
+  # -- sizes ---------------------------------------------------------------------------------------
+  @abc.abstractmethod
+  def payload_size(self, n: int) -> int:
+    """Bytes of the payload of an array of n elements (what :meth:`encode` returns)."""
+
+  @abc.abstractmethod
+  def wire_bits(self, devices: int = 1) -> float:
+    """Bits on the wire per element, for whole buckets, when ``devices`` payloads are reduced
+    (1: the standalone payload); only codecs whose fields widen with the sum depend on it."""
+
+  # -- wire API ------------------------------------------------------------------------------------
+  @abc.abstractmethod
+  def wire_encode(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+    """float32[n] -> wire_dtype[wire_size(n)]: the payload of x."""
+
+  @abc.abstractmethod
+  def wire_decode_sum(self, wires: jax.Array, n: int) -> jax.Array:
+    """wire_dtype[k, wire_size(n)] -> float32[n]: the in-order float32 sum of the k decodes."""
+
+  # ================================================================================================
+  # (b) OPTIONAL OVERRIDES: the defaults hold for a lossy, keyless, unpadded codec of uint8 words
+  # ================================================================================================
+  # -- stated attributes ---------------------------------------------------------------------------
+  #: True if decode(encode(x)) == x bit for bit.
+  exact: bool = False
+  #: Word type of the payload inside the collectives; its size divides every payload size.
+  wire_dtype: Any = np.uint8
+
+  @property
+  def needs_key(self) -> bool:
+    """True if :meth:`encode` needs a PRNG key (stochastic rounding)."""
+    return False
+
+  @property
+  def pad_multiple(self) -> int:
+    """Buffers are padded to a multiple of this many elements (the quantisation bucket)."""
+    return 1
+
+  @property
+  def name(self) -> str:
+    """A short human-readable name ('QSGD 4b/128 maxmin', 'Cast bfloat16', 'exact fp32')."""
+    return type(self).__name__
+
+  def pad_fill(self, x: jax.Array) -> jax.Array:
+    """The float32 scalar that pads float32[n] ``x`` without changing its last group's scales."""
+    del x
+    return jnp.float32(0)
+
+  # -- a fused middle step (default: the three steps apart) ----------------------------------------
+  def wire_decode_sum_reencode(self, wires: jax.Array, n: int, key: jax.Array | None,
+                               scale: float = 1.0) -> jax.Array:
+    """wire[k, W] -> wire[W]: ``wire_encode(wire_decode_sum(wires, n) * float32(scale), key)``."""
+    reduced = self.wire_decode_sum(wires, n)
+    if scale != 1.0:
+      reduced = reduced * jnp.float32(scale)
+    return self.wire_encode(reduced, key)
+
+  # -- the reduction protocol (default: scatter-reduce-allgather) ----------------------------------
+  # A codec that reduces another way overrides the *_flat / *_leaves methods and traffic together.
+  def padded_size(self, n: int, devices: int) -> int:
+    """Elements a flat buffer of ``n`` takes in :meth:`allreduce_flat` over ``devices``: here a
+    multiple of ``devices * pad_multiple``, so that every device's chunk is whole buckets."""
+    m = devices * self.pad_multiple
+    return -(-n // m) * m
+
+  def allreduce_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
+                     op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """float32[n] -> (mean or sum over the axis, this device's residual); see the class doc."""
+    n = x.shape[0]
+    d = axis_size(axis_name)
+    x = _pad_to(x, self.padded_size(n, d))
+    c = x.shape[0] // d
+    chunks = x.reshape(d, c)
+    payloads = self._encode_rows(chunks, device_key(key, axis_name, 0))
+    residual = (chunks - self._decode_rows(payloads, c)).reshape(-1)
+    received = _exchange.exchange(payloads, axis_name, exchange)  # row s: my chunk from device s
+    scale = 1.0 / d if op == "mean" else 1.0
+    mine = self.wire_decode_sum_reencode(received, c, device_key(key, axis_name, 1), scale)
+    gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, W], the same everywhere
+    return self._decode_rows(gathered, c).reshape(-1)[:n], residual[:n]
+
+  def allreduce_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
+                       key: jax.Array | None, op: str = "mean", exchange: str = "auto"
+                       ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """[float32[n_i]] -> ([mean or sum], [residual]): :meth:`allreduce_flat` of the packed
+    buffer (:func:`concat_leaves`), split per leaf."""
+    return reduce_packed(
+        parts, self, lambda flat: self.allreduce_flat(flat, axis_name, key, op, exchange))
+
+  def reduce_scatter_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
+                          op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """float32[D*m] -> (this device's block float32[m], residual float32[D*m]): the SRA's first
+    half; each value is quantised once on its way to its owner."""
+    d = axis_size(axis_name)
+    rows = x.reshape(d, -1)
+    m = rows.shape[1]
+    payloads = self._encode_rows(rows, device_key(key, axis_name, 0))
+    residual = (rows - self._decode_rows(payloads, m)).reshape(-1)
+    block = self.wire_decode_sum(_exchange.exchange(payloads, axis_name, exchange), m)
+    if op == "mean":
+      block = block * jnp.float32(1.0 / d)
+    return block, residual
+
+  def all_gather_flat(self, x: jax.Array, axis_name: AxisName,
+                      key: jax.Array | None) -> jax.Array:
+    """float[m] -> float32[D, m]: every device's payload, decoded (the SRA's second half)."""
+    payload = self.wire_encode(x.astype(jnp.float32), device_key(key, axis_name, 0))
+    gathered = lax.all_gather(payload, axis_name, to="invarying")
+    return self._decode_rows(gathered, x.shape[0])
+
+  def traffic(self, n: int, devices: int,
+              collective: str = "allreduce") -> tuple[tuple[str, float], ...]:
+    """Bytes each device sends per XLA collective for one reduction of a buffer of ``n`` elements
+    over ``devices`` (ring convention; see the class doc). SRA: an all-to-all of D chunk payloads
+    and an all-gather of D reduced ones; reduce_scatter: the all-to-all, of blocks of n / D;
+    all_gather: an all-gather of D payloads of n each."""
+    n, d, collective = _check_traffic(n, devices, collective)
+    f = (d - 1) / d
+    if collective == "all_gather":
+      return (("all-gather", f * d * self.payload_size(n)),)
+    if collective == "reduce_scatter":
+      return (("all-to-all", f * d * self.payload_size(-(-n // d))),)
+    chunk = self.payload_size(self.padded_size(n, d) // d)
+    return (("all-to-all", f * d * chunk), ("all-gather", f * d * chunk))
+
+  def comm_buffer_size(self, devices: int, collective: str = "allreduce") -> int:
+    """The most float32 elements one communication buffer of this codec carries in ``collective``
+    (``"allreduce"``, or ``"reduce_scatter"`` for the rows of sharded state) over ``devices``
+    where the caller passes ``comm_bucket_size=None`` (the default of :func:`jax_qcomm.allreduce`,
+    :func:`jax_qcomm.sync` and :func:`jax_qcomm.diloco`): :data:`DEFAULT_COMM_BUCKET`. Each buffer
+    is one reduction, so fewer buffers mean fewer collectives; a bound keeps packed copies small."""
+    return DEFAULT_COMM_BUCKET
+
+  def resolve(self, devices: int, collective: str = "allreduce",
+              transport: _transport.Transport | None = None) -> Codec:
+    """The codec that carries out ``collective`` over ``devices`` devices on ``transport``
+    (default: :func:`jax_qcomm.transport.current` for ``devices``): this codec itself;
+    :class:`Auto` names the candidate it runs. What :func:`jax_qcomm.describe` shows."""
+    _check_traffic(0, devices, collective)
+    if transport is not None and not isinstance(transport, _transport.Transport):
+      raise ValueError(f"transport must be a jax_qcomm.transport.Transport or None, "
+                       f"got {transport!r}")
+    return self
+
+  # ================================================================================================
+  # (c) DERIVED: built from (a) and (b); never overridden
+  # ================================================================================================
+  @property
+  def lossy(self) -> bool:
+    """True if the codec discards information (error feedback then has a residual to keep)."""
+    return not self.exact
+
+  def wire_size(self, n: int) -> int:
+    """Words of :attr:`wire_dtype` in the payload of n elements."""
+    return self.payload_size(n) // np.dtype(self.wire_dtype).itemsize
+
+  def sent_bytes(self, n: int, devices: int, collective: str = "allreduce") -> float:
+    """Bytes each device sends for one reduction of ``n`` elements over ``devices`` devices: the
+    sum of :meth:`traffic`, equal to what the compiled program's collectives send."""
+    return float(sum(b for _, b in self.traffic(n, devices, collective)))
+
+  # -- array API -----------------------------------------------------------------------------------
+  def encode(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """Encodes x (any shape; float32/bfloat16/float16) to uint8[payload_size(x.size)]."""
+    x = as_array("x", x)
+    _check_float(x)
+    check_key("key", key)
+    return self._to_bytes(self.wire_encode(x.reshape(-1).astype(jnp.float32), key))
+
+  def decode(self, payload: jax.Array, shape: Shape, dtype: Any = jnp.float32) -> jax.Array:
+    """Decodes a payload made by ``encode`` of an array of ``shape``; returns ``dtype``."""
+    shape = check_shape("shape", shape)
+    dtype = _check_out_dtype(dtype)
+    n = math.prod(shape)
+    _check_payload(payload, self.payload_size(n))
+    return self.wire_decode_sum(self._from_bytes(payload[None]), n).reshape(shape).astype(dtype)
+
+  def decode_sum(self, payloads: jax.Array, shape: Shape, dtype: Any = jnp.float32) -> jax.Array:
+    """Sum of the decodes of payloads[k, P] (float32 accumulation, in order 0..k-1)."""
+    shape = check_shape("shape", shape)
+    dtype = _check_out_dtype(dtype)
+    n = math.prod(shape)
+    self._check_payloads(payloads, n)
+    return self.wire_decode_sum(self._from_bytes(payloads), n).reshape(shape).astype(dtype)
+
+  def decode_sum_reencode(self, payloads: jax.Array, shape: Shape, key: jax.Array | None = None,
+                          scale: float = 1.0) -> jax.Array:
+    """``encode(decode_sum(payloads, shape) * float32(scale), key)``: the middle of the compressed
+    allreduce, where the owner of a chunk sums the k payloads it received and re-encodes the
+    (scaled) sum. The bytes are those of the three steps done apart (the multiplication is skipped
+    where ``scale == 1``, as the collectives do); a codec may fuse them (QSGD's FFI kernels do).
+    """
+    shape = check_shape("shape", shape)
+    check_key("key", key)
+    scale = check_real("scale", scale)
+    n = math.prod(shape)
+    self._check_payloads(payloads, n)
+    wire = self.wire_decode_sum_reencode(self._from_bytes(payloads), n, key, scale)
+    return self._to_bytes(wire)
+
+  def roundtrip(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """decode(encode(x, key)): what the receiver sees, in x's shape and dtype."""
+    x = as_array("x", x)
+    return self.decode(self.encode(x, key), x.shape, x.dtype)
+
+  # -- helpers of the reductions and the array API -------------------------------------------------
+  def _encode_rows(self, rows: jax.Array, key: jax.Array | None) -> jax.Array:
+    """float32[k, c] -> wire[k, W], a key per row."""
+    if key is None:
+      return jax.vmap(lambda r: self.wire_encode(r, None))(rows)
+    return jax.vmap(self.wire_encode)(rows, jax.random.split(key, rows.shape[0]))
+
+  def _decode_rows(self, wires: jax.Array, c: int) -> jax.Array:
+    """wire[k, W] -> float32[k, c], each row decoded on its own."""
+    return jax.vmap(lambda w: self.wire_decode_sum(w[None], c))(wires)
+
+  def _to_bytes(self, wire: jax.Array) -> jax.Array:
+    """wire[..., W] -> uint8[..., W * itemsize] (the same bytes, little-endian)."""
+    if wire.dtype == jnp.uint8:
+      return wire
+    return lax.bitcast_convert_type(wire, jnp.uint8).reshape(wire.shape[:-1] + (-1,))
+
+  def _from_bytes(self, payloads: jax.Array) -> jax.Array:
+    """uint8[..., P] -> wire[..., P / itemsize]."""
+    size = np.dtype(self.wire_dtype).itemsize
+    if size == 1:
+      return payloads
+    words = payloads.reshape(payloads.shape[:-1] + (payloads.shape[-1] // size, size))
+    return lax.bitcast_convert_type(words, self.wire_dtype)
+
+  def _check_payloads(self, payloads: jax.Array, n: int) -> None:
+    check_array("payloads", payloads)
+    if payloads.ndim != 2 or payloads.shape[0] < 1:
+      raise ValueError(f"payloads must have shape [k >= 1, {self.payload_size(n)}], "
+                       f"got {payloads.shape}")
+    _check_payload(payloads, self.payload_size(n), lead=(payloads.shape[0],))

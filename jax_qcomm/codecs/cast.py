@@ -1,0 +1,110 @@
+"""The unquantised codecs: :class:`Cast` (16-bit floats on the wire, float32 accumulation) and
+:class:`NoCompression` (float32, reduced by XLA's own collectives)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_qcomm._checks import check_int
+from jax_qcomm.axes import axis_size
+from jax_qcomm.codecs.base import Codec, _check_traffic, _ring, _sum_in_order
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast(Codec):
+  """bfloat16 or float16 on the wire (round to nearest even), float32 accumulation.
+
+  The narrow values travel as raw uint8 bytes so that XLA cannot promote the collective to float32
+  (it does so for a bf16 all-reduce on CPU).
+  """
+
+  dtype: Any = jnp.bfloat16
+
+  def __post_init__(self):
+    try:
+      dtype = jnp.dtype(self.dtype)
+    except Exception:  # "foo", an object: not a dtype at all
+      dtype = None
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      raise ValueError(f"dtype must be bfloat16 or float16, got "
+                       f"{dtype if dtype is not None else repr(self.dtype)}")
+    object.__setattr__(self, "dtype", dtype)
+
+  def payload_size(self, n: int) -> int:
+    return 2 * check_int("n", n, 0)
+
+  def wire_bits(self, devices: int = 1) -> float:
+    check_int("devices", devices)
+    return 16.0
+
+  # Words of uint16 in the collectives: the same bytes as the uint8 payload, but XLA CPU converts
+  # float32 -> bf16 -> uint16 about 4x faster than into a uint8 view (a relayout of every value
+  # into two bytes).
+  wire_dtype = np.uint16
+
+  @property
+  def name(self) -> str:
+    return f"Cast {jnp.dtype(self.dtype).name}"
+
+  def wire_encode(self, x, key):
+    return lax.bitcast_convert_type(x.astype(self.dtype), jnp.uint16)
+
+  def wire_decode_sum(self, wires, n):
+    return _sum_in_order(lax.bitcast_convert_type(wires, self.dtype).astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCompression(Codec):
+  """Exact float32. Reduces with XLA's own ``psum`` / ``psum_scatter`` / ``all_gather`` of the
+  float32 values (no padding, no residual); encode/decode are the float32 bytes."""
+
+  exact = True
+
+  @property
+  def name(self) -> str:
+    return "exact fp32"
+
+  def payload_size(self, n: int) -> int:
+    return 4 * check_int("n", n, 0)
+
+  def wire_bits(self, devices: int = 1) -> float:
+    check_int("devices", devices)
+    return 32.0
+
+  def wire_encode(self, x, key):
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+  def wire_decode_sum(self, payloads, n):
+    k = payloads.shape[0]
+    return _sum_in_order(lax.bitcast_convert_type(payloads.reshape(k, n, 4), jnp.float32))
+
+  # -- the reduction protocol: XLA's float32 collectives --------------------------------------------
+  def padded_size(self, n: int, devices: int) -> int:
+    return n
+
+  def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    out = lax.pmean(x, axis_name) if op == "mean" else lax.psum(x, axis_name)
+    return out, jnp.zeros_like(x)
+
+  def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    block = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+    if op == "mean":
+      block = block / axis_size(axis_name)
+    return block, jnp.zeros_like(x)
+
+  def all_gather_flat(self, x, axis_name, key):
+    return lax.all_gather(x, axis_name, to="invarying")
+
+  def traffic(self, n, devices, collective="allreduce"):
+    n, d, collective = _check_traffic(n, devices, collective)
+    if collective == "allreduce":
+      return (("all-reduce", _ring(d, 4 * n)),)
+    if collective == "reduce_scatter":
+      return (("reduce-scatter", (d - 1) * 4 * (-(-n // d))),)
+    return (("all-gather", (d - 1) * 4 * n),)

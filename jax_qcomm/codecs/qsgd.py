@@ -1,0 +1,124 @@
+"""QSGD: per-bucket quantisation to 1..8 bits (C++/CUDA FFI kernels and a pure-JAX reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_qcomm import _ffi, _reference, wire
+from jax_qcomm._checks import check_int, check_int_in
+from jax_qcomm.codecs.bucketed import _Bucketed
+
+
+@dataclasses.dataclass(frozen=True)
+class QSGD(_Bucketed):
+  """QSGD: quantisation of each bucket of ``bucket_size`` values to ``bits`` bits.
+
+  Each bucket is scaled by the power of two that brings its largest magnitude to [1, 2) (exact),
+  quantised there, and stores its step in those units with the exponent (docs/wire-format.md), so
+  every magnitude is handled alike. With ``L = 2**bits - 1`` (maxmin) or ``2**(bits-1) - 1``
+  (norm) levels and ``step`` the bucket's stored step:
+
+  * Valid range: any finite float32, from the smallest normal (2**-126 ~ 1.2e-38) to the largest
+    finite (3.4e38), mixed freely within a bucket; every decoded value is then finite.
+  * Error bound, per element: ``|decoded - x| <= step`` (stochastic; ``E[decoded] = x`` but for
+    values that clamp to the top level, within 2**-11 of the bucket's largest ``|x|``) or
+    ``<= step / 2`` (nearest), up to float32 rounding (2**-20 of the bucket's largest ``|x|``)
+    and the flush below 2**-126 (next point), where ``step <= (max - min) / L`` (maxmin) or
+    ``step <= min(||bucket||_2, 3.4e38) / L`` (norm), each times ``1 + 2**-14`` (the step has
+    16 significant bits, rounded up). For ``"norm"`` this is
+    QSGD's bound: ``||decoded - x||^2 <= n * step^2 ~ n / L^2 * ||x||^2`` per bucket of ``n``
+    values, and ``E||decoded - x||^2 <= min(n / L^2, sqrt(n) / L) * ||x||^2`` when stochastic.
+  * Below the smallest normal, all implementations flush denormals as XLA's CPU runtime does
+    (FTZ/DAZ): a subnormal input reads as 0 (a bucket of subnormals and zeros decodes to zeros) and
+    a decoded value below 2**-126 in magnitude is 0, so the bound above holds up to an absolute
+    2**-126. Values more than 2**126 times smaller than their bucket's largest count as 0.
+  * A bucket holding NaN or +-Inf decodes to NaN throughout (never to finite values).
+
+  The C++ kernels (each ISA), the CUDA kernels and the pure-JAX reference give the same payload
+  bytes and the same decoded float32 values for the same key.
+
+  Args:
+    bits: 1..8 bits per value (``"norm"`` needs at least 2: one is the sign).
+    bucket_size: values sharing one set of scales; a positive multiple of 8.
+    scheme: ``"maxmin"`` (CGX: levels spread between the bucket's min and max) or ``"norm"`` (QSGD
+      paper: sign + level in units of the bucket's L2 norm).
+    rounding: ``"stochastic"`` (unbiased; needs a key) or ``"nearest"``.
+    impl: ``"auto"`` (FFI kernel where one is built for the platform, else pure JAX), ``"ffi"``
+      or ``"jax"``.
+  """
+
+  bits: int = 4
+  bucket_size: int = 128
+  scheme: str = "maxmin"
+  rounding: str = "stochastic"
+  impl: str = "auto"
+
+  def __post_init__(self):
+    check_int_in("bits", self.bits, 1, 8)
+    self._check_bucket_size()
+    if self.scheme not in wire.SCHEMES:
+      raise ValueError(f"scheme must be one of {wire.SCHEMES}, got {self.scheme!r}")
+    if self.scheme == "norm" and self.bits < 2:
+      raise ValueError("bits must be >= 2 for scheme='norm' (one bit is the sign), got 1")
+    self._check_rounding_and_impl("kernels")
+
+  @property
+  def _fmt(self) -> dict:
+    return dict(bits=self.bits, bucket_size=self.bucket_size, scheme=self.scheme)
+
+  @property
+  def name(self) -> str:
+    rounding = "" if self.rounding == "stochastic" else f" {self.rounding}"
+    return f"QSGD {self.bits}b/{self.bucket_size} {self.scheme}{rounding}"
+
+  def pad_fill(self, x: jax.Array) -> jax.Array:
+    # maxmin: repeating the last value keeps the bucket's min and max; norm: 0 keeps its norm.
+    if self.scheme == "maxmin" and x.shape[0] > 0:
+      return x[-1]
+    return jnp.float32(0)
+
+  def payload_size(self, n: int) -> int:
+    return wire.qsgd_payload_bytes(check_int("n", n, 0), **self._fmt)
+
+  def wire_bits(self, devices: int = 1) -> float:
+    check_int("devices", devices)
+    return 32.0 / wire.qsgd_compression_ratio(**self._fmt)
+
+  def _kernel_platforms(self) -> tuple[str, ...]:
+    return (("cpu",) if _ffi.has_cpu_kernels() else ()) + (("cuda",) if _ffi.has_cuda_kernels() else ())
+
+  def wire_encode(self, x, key):
+    n = x.shape[0]
+    seed = self._seed(key)
+    if n == 0:
+      return jnp.zeros((0,), jnp.uint8)
+    kw = dict(rounding=self.rounding, **self._fmt)
+    return self._select(lambda a, s: _ffi.qsgd_encode(a, s, **kw),
+                        lambda a, s: _reference.encode(a, s, **kw), x, seed)
+
+  def wire_decode_sum(self, payloads, n):
+    if n == 0:
+      return jnp.zeros((0,), jnp.float32)
+    kw = self._fmt
+    return self._select(lambda p: _ffi.qsgd_decode_sum(p, n, **kw),
+                        lambda p: _reference.decode_sum(p, n, **kw), payloads)
+
+  def wire_decode_sum_reencode(self, payloads, n, key, scale=1.0):
+    # One kernel on the FFI platforms (CPU, CUDA); the pure-JAX reference composes the three steps.
+    # Same bytes either way (tests/test_codec.py).
+    seed = self._seed(key)
+    if n == 0:
+      return jnp.zeros((0,), jnp.uint8)
+    kw = dict(rounding=self.rounding, **self._fmt)
+
+    def reference(p, s):
+      reduced = _reference.decode_sum(p, n, **self._fmt)
+      if scale != 1.0:
+        reduced = reduced * jnp.float32(scale)
+      return _reference.encode(reduced, s, **kw)
+
+    return self._select(
+        lambda p, s: _ffi.qsgd_decode_sum_reencode(p, s, n, scale, **kw), reference, payloads, seed)
