@@ -278,7 +278,7 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
     if CODECS[name][1] != "sra":
       continue
     codec = make_codec(name, bucket, impl)
-    c = codec.padded_size(n, d) // d  # chunk length per device, as the allreduce pads
+    c = codec.buffer_length(n, d) // d  # chunk length per device, as the allreduce pads
     key = jax.random.key(1)
     chunks = jax.device_put(jax.random.normal(jax.random.key(2), (d, c), jnp.float32), dev)
     enc_rows = jax.jit(lambda xs, k: jax.vmap(codec.encode)(xs, jax.random.split(k, xs.shape[0])))
@@ -336,9 +336,9 @@ def _summable_breakdown(n: int, mesh, name: str, *, bucket: int, impl: str, repe
   stages = {
       "scale": (jax.jit(codec.bucket_scale), (x,)),
       "encode": (jax.jit(lambda a, m, k: codec.wire_encode_summable(a, m, k, d)), (x, shared, key)),
-      "decode": (jax.jit(lambda w, m: codec.wire_decode_summed(w, m, d, d, n, 1.0 / d)),
+      "decode": (jax.jit(lambda w, m: codec.decode_summed_words(w, m, d, d, n, 1.0 / d)),
                  (words, shared)),
-      "decode_own": (jax.jit(lambda w, m: codec.wire_decode_summed(w, m, d, 1, n)), (words, shared)),
+      "decode_own": (jax.jit(lambda w, m: codec.decode_summed_words(w, m, d, 1, n)), (words, shared)),
   }
   row = dict(codec=name, exchange=None, size=n, devices=d, summable=True, words=int(words.shape[0]))
   for stage, (fn, args) in stages.items():

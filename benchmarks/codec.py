@@ -26,7 +26,7 @@ decode_sum_reencode) / time is reported as a fraction of that copy bandwidth, th
 
 ``--codec summable`` times :class:`jax_qcomm.Summable` as its allreduce runs it, for D = 4 devices:
 ``encode`` is the bucket scales plus the fields (``bucket_scale`` and ``wire_encode_summable``:
-two passes over x), ``decode`` one decode of summed words (``wire_decode_summed``, count D: what
+two passes over x), ``decode`` one decode of summed words (``decode_summed_words``, count D: what
 follows the psum; the sum itself is the all-reduce's), and there is no ``decode_sum``.
 """
 
@@ -147,7 +147,7 @@ def bench_summable(n: int, *, bits: int, bucket: int, rounding: str, impls: Sequ
         args = (x, jax.random.key(0))
         moved = 2 * 4 * n + 4 * int(words.shape[0])  # x read twice, the words written
       else:
-        fn = jax.jit(lambda w, s, c=c: c.wire_decode_summed(w, s, d, d, n))
+        fn = jax.jit(lambda w, s, c=c: c.decode_summed_words(w, s, d, d, n))
         args = (words, shared)
         moved = 4 * int(words.shape[0]) + 4 * n
       t = _common.median_time(fn, *args, repeats=repeats, warmup=warmup)

@@ -274,7 +274,7 @@ def codec_probe(mesh, buffers: Sequence[int], codec, *, repeats: int, warmup: in
   every device working at once (no communication): encode D chunks, decode-and-sum D payloads,
   re-encode the reduced chunk, decode D payloads."""
   d = mesh.devices.size
-  sizes = [codec.padded_size(n, d) for n in buffers]
+  sizes = [codec.buffer_length(n, d) for n in buffers]
 
   def work(*xs):
     outs = []

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_qcomm import _ffi, _reference
+from jax_qcomm._checks import check_bool
 from jax_qcomm._known_answers import KNOWN_ANSWERS
 
 N = 2 * 1024 + 77  # 16 whole buckets of 128 and a partial one
@@ -207,19 +208,21 @@ class SelfTestReport:
   __repr__ = __str__
 
 
-def self_test() -> SelfTestReport:
+def self_test(verbose: bool = True) -> SelfTestReport:
   """Runs the kernels' known-answer test now, on the first device of every local platform with
-  compiled kernels, and returns the report (``print`` it; ``.passed``). The same test runs on its
-  own, once per process and platform, before ``impl="auto"`` first uses a platform's kernels.
+  compiled kernels, prints the report (unless ``verbose=False``) and returns it (``.passed``). The
+  same test runs on its own, once per process and platform, before ``impl="auto"`` first uses a
+  platform's kernels.
 
-  Example::
+  Example (``python -c "import jax_qcomm as q; q.self_test()"``)::
 
-    >>> print(qcomm.self_test())   # doctest: +SKIP
+    >>> report = qcomm.self_test()   # doctest: +SKIP
     jax_qcomm self-test: compiled kernels against the pure-JAX reference's bytes (...)
       cpu   PASS     ffi (C++, avx2): 22 cases (...) give the reference's bytes on cpu:0 (910 ms)
       cuda  not run  jax (pure-JAX reference): no compiled kernels in this install
     result: PASS
   """
+  verbose = check_bool("verbose", verbose)
   out = []
   for platform in ("cpu", "cuda"):
     kernels = {"cpu": _ffi.has_cpu_kernels(), "cuda": _ffi.has_cuda_kernels()}[platform]
@@ -239,7 +242,10 @@ def self_test() -> SelfTestReport:
               + f") give the reference's bytes on {devices[0]} ({ms:.0f} ms)" if ok
               else f"MISMATCH with the reference: {failed}")
     out.append(PlatformResult(platform, impl, ok, detail, n, ms))
-  return SelfTestReport(tuple(out))
+  report = SelfTestReport(tuple(out))
+  if verbose:
+    print(report)
+  return report
 
 
 def implementation() -> dict[str, str]:

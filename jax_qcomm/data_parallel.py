@@ -1,14 +1,17 @@
-"""``qcomm.data_parallel``: the whole data-parallel train step for a loss function.
+"""``qcomm.data_parallel``: the one runner, the whole train step for every qcomm transformation.
 
     dp = qcomm.data_parallel(loss_fn, qcomm.sync(optax.adam(1e-3), bits=4), mesh)
     opt_state = dp.init(params)
     params, opt_state, loss, aux = dp.step(params, opt_state, batch)
 
-It does what the explicit form (docs/usage.md) spells out: ``jax.shard_map`` over the mesh with the
-batch split over the data axis, the gradient taken with respect to a varying copy of the parameters
-(so that each device holds its own gradient), ``tx.update`` (a :func:`qcomm.sync`), the optimizer
-state's specs from :func:`qcomm.state_partition_spec`, per-device random keys, and the reduction of
-the loss and of auxiliary outputs across devices.
+``tx`` may hold a :func:`qcomm.sync` (replicated or sharded), a :func:`qcomm.diloco` around an
+optax optimizer, or a diloco around a sync over another mesh axis (``axis_name`` then names both
+data axes); the calling convention is the same, and for diloco ``params`` are the anchor. It does
+what the explicit form (docs/usage.md) spells out: ``jax.shard_map`` over the mesh with the batch
+split over the data axes, the gradient taken with respect to a varying copy of the parameters (so
+that each device holds its own gradient; for diloco, of the replica's own parameters), ``tx.update``,
+the optimizer state's specs from :func:`qcomm.state_partition_spec`, per-device random keys, and
+the reduction of the loss and of auxiliary outputs across devices.
 """
 
 from __future__ import annotations
@@ -285,11 +288,15 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     loss_fn: ``loss_fn(params, batch, *extra) -> loss`` (a scalar: the mean over this device's
       share of the batch), or ``-> (loss, aux)`` with ``has_aux``. If the step is given a ``key``,
       loss_fn is called with ``key=`` a key of its own on every device (for dropout).
-    tx: the optimizer, normally ``qcomm.sync(...)`` (alone or inside ``optax.chain``) with the same
-      ``axis_name``; it receives each device's own gradient.
+    tx: the optimizer, holding a qcomm transformation (alone or inside any optax combinator):
+      ``qcomm.sync(...)`` (any ``accum_steps``, ``shard_state``) over ``axis_name``,
+      ``qcomm.diloco(optax_optimizer, axis_name=...)``, or ``qcomm.diloco(qcomm.sync(...,
+      axis_name=fast), axis_name=slow)`` with ``axis_name=(slow, fast)``; it receives each device's
+      own gradient. ValueError if no qcomm transformation synchronises one of the data axes.
     mesh: a mesh with the data axis (``Mesh(np.array(jax.devices()), ("data",))`` or
       ``jax.make_mesh``).
-    axis_name: the data axis of ``mesh`` (a name or a tuple of names).
+    axis_name: the data axes of ``mesh`` (a name or a tuple of names): the batch is split over
+      them, and the transformations of ``tx`` must synchronise over exactly these.
     has_aux: loss_fn returns ``(loss, aux)``.
     aux_reduce: how the per-device ``aux`` leaves come back: ``"mean"`` (``lax.pmean``: BatchNorm
       statistics, mean metrics; a leaf that varies over none of the data axes, because loss_fn
@@ -305,11 +312,16 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   Returns:
     A :class:`DataParallel`: ``opt_state = dp.init(params)``, then
     ``params, opt_state, loss, aux = dp.step(params, opt_state, batch, *extra, key=key)``.
-    ``params`` are replicated and come back replicated; ``batch`` is the global batch, its leading
-    axis split over the devices; ``extra`` arguments (e.g. BatchNorm statistics) are replicated and
-    not differentiated; ``key`` is folded with the device index before reaching ``loss_fn``, so use
-    a new one every step. ``loss`` is the mean of the devices' losses; ``aux`` is ``None`` without
-    ``has_aux``.
+    ``params`` are replicated and come back replicated (for diloco: the anchor, moved only on
+    synchronising calls; the replicas' own parameters live in the state); ``batch`` is the global
+    batch, its leading axis split over the devices (ValueError if they cannot split it evenly);
+    ``extra`` arguments (e.g. BatchNorm statistics) are replicated and not differentiated; ``key``
+    is folded with the device index before reaching ``loss_fn``, so use a new one every step.
+    ``loss`` is the mean of the devices' losses (for diloco one per replica, shape ``(K,)``: the
+    mean over each replica's devices, with no collective across replicas); ``aux`` is ``None``
+    without ``has_aux``. Updates are applied only on calls where every qcomm transformation
+    communicated, so a transformation chained after an accumulating sync that does not map zero
+    to zero (``optax.add_decayed_weights``) acts once per optimizer step.
 
     ``dp.step`` may also be called inside the caller's own ``jax.jit``, to fuse it with bookkeeping
     such as a step counter into one program (one dispatch per call, rather than the step's plus one

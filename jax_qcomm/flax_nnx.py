@@ -11,11 +11,14 @@ to compressed data parallelism over the devices of a mesh::
     dp = qcomm.nnx_data_parallel(loss_fn, mesh)
     loss = dp.step(model, optimizer, batch)         # updates model and optimizer in place
 
-The step splits the batch over the data axis, differentiates a copy of the model whose parameters
-vary per device (so that :func:`qcomm.sync` receives each device's own gradient), updates the
-optimizer with the model itself (the update of the copy, which would train nothing, cannot be
-written), averages what the forward pass changed per device (BatchNorm statistics) and returns the
-devices' mean loss. This module imports flax; ``import jax_qcomm`` does not load it.
+It runs every transformation :func:`qcomm.data_parallel` runs (sync, sharded, diloco, diloco
+around a sync), through the same step (``data_parallel.local_step``): the parameters (the
+optimizer's ``wrt``) and the plain optax state (``nnx.as_pure(optimizer.opt_state)``) are taken
+from model and optimizer, the gradient is taken with respect to parameters that vary per device
+(each device's own gradient; for diloco, at the replica's own parameters, while the model holds
+the anchor), and parameters, state and ``optimizer.step`` are written back. What the forward pass
+changed per device (BatchNorm statistics) is averaged; the loss is the devices' mean. This module
+imports flax; ``import jax_qcomm`` does not load it.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: Axi
       of the batch), or ``-> (loss, aux)`` with ``has_aux``; called with ``rngs=`` (an
       ``nnx.Rngs`` with a per-device ``dropout`` stream) when the step gets a ``key``.
     mesh: a mesh with the data axis.
-    axis_name: the data axis of ``mesh`` (the ``axis_name`` of the optimizer's ``qcomm.sync``).
+    axis_name: the data axes of ``mesh`` (as in :func:`qcomm.data_parallel`).
     has_aux: loss_fn returns ``(loss, aux)``.
     aux_reduce: ``"mean"`` (default), ``"sum"``, ``"stack"`` or ``"concat"`` (per-example outputs
       such as logits, for the global batch), as in :func:`qcomm.data_parallel`.
@@ -158,9 +161,10 @@ def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: Axi
 
   Returns:
     An :class:`NNXDataParallel`; ``loss = dp.step(model, optimizer, batch, *extra, key=key)``
-    updates ``model`` and ``optimizer`` in place. The optimizer must be
-    ``nnx.Optimizer(model, qcomm.sync(...), wrt=nnx.Param)`` (ValueError otherwise); create it
-    under ``jax.set_mesh(mesh)`` or on all devices (its per-device parts are split over the axis).
+    updates ``model`` and ``optimizer`` in place. The optimizer must hold a qcomm transformation,
+    ``nnx.Optimizer(model, qcomm.sync(...), wrt=nnx.Param)`` or ``qcomm.diloco(...)`` (ValueError
+    otherwise); create it under ``jax.set_mesh(mesh)`` (its per-device parts are split over the
+    axes).
   """
   return NNXDataParallel(loss_fn=loss_fn, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                          aux_reduce=aux_reduce, batch_spec=batch_spec)

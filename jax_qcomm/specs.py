@@ -209,6 +209,10 @@ def check_chains(tree: Any) -> None:
       for name in cls.NESTED_FIELDS + cls.PER_DEVICE_NESTED_FIELDS:
         visit(_field(node, name, None))
       return
+    if isinstance(node, collections.abc.Mapping) and _int_keyed(node.get("opt_state")):
+      # nnx.state(optimizer): the optimizer's chain turned into a mapping {0: ..., 1: ...}.
+      opt = node["opt_state"]
+      node = dict(node, opt_state=tuple(opt[i] for i in range(len(opt))))
     children = node if isinstance(node, (tuple, list)) and not hasattr(node, "_fields") else None
     if children is not None:
       seen = False
@@ -228,6 +232,11 @@ def check_chains(tree: Any) -> None:
       visit(child)
 
   visit(tree)
+
+
+def _int_keyed(x: Any) -> bool:
+  return (isinstance(x, collections.abc.Mapping) and len(x) > 0
+          and set(x.keys()) == set(range(len(x))))
 
 
 def _children(node: Any) -> list:

@@ -41,7 +41,7 @@ for bits, op in ((4, "mean"), (8, "sum"), (2, "mean")):
   keys = [jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, 0), g), 0) for g in range(d)]
   enc = jax.jit(lambda v, m, k: c.wire_encode_summable(v, m, k, d))
   words = np.stack([np.asarray(enc(jnp.asarray(v), shared, k)) for v, k in zip(xs, keys)]).sum(0, dtype=np.uint32)
-  want = np.asarray(jax.jit(lambda w, m: c.wire_decode_summed(w, m, d, d, n, 1.0 / d if op == "mean" else 1.0))(words, shared))
+  want = np.asarray(jax.jit(lambda w, m: c.decode_summed_words(w, m, d, d, n, 1.0 / d if op == "mean" else 1.0))(words, shared))
   same = all(np.array_equal(r, want) for r in rows)
   ok &= same
   print(f"process {pid}: bits {bits} {op}: equal to host model: {same}; all-reduce ops in HLO: "

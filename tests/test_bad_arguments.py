@@ -360,6 +360,7 @@ def _cases() -> list[Case]:
       c("diloco().update", "state", _diloco_update(state=lambda v: "state"), TypeError),
       c("diloco().update", "params", _diloco_update(params=lambda v: {"w": v * 2.0})),
       c("diloco().update", "params", _diloco_update(params=lambda v: {"a": v, "b": v})),
+      c("self_test", "verbose", lambda: qcomm.self_test(verbose="yes")),
       c("local_params", "opt_state", lambda: (lambda s: qcomm.local_params((s, s), {"w": X}))(
           qcomm.diloco(sgd, axis_name=AX, every=2).init({"w": X}))),
       c("local_params", "params", _local_params(params={"v": X})),

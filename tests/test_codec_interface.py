@@ -112,7 +112,7 @@ def _sra_oracle(codec: qcomm.Codec, x: np.ndarray) -> np.ndarray:
   """The mean allreduce of x[D, n] as the scatter-reduce-allgather computes it, from the codec's
   array API on the host (chunks padded with zeros to whole ``D * pad_multiple``)."""
   d, n = x.shape
-  n_pad = codec.padded_size(n, d)
+  n_pad = codec.buffer_length(n, d)
   c = n_pad // d
   xp = np.pad(x, ((0, 0), (0, n_pad - n)))
   out = []
@@ -151,7 +151,7 @@ def test_allreduce_runs_the_sra_with_a_codec_defined_here(codec):
   np.testing.assert_allclose(out[0], _sra_oracle(codec, x), rtol=1e-6, atol=1e-7)
   assert np.abs(out[0] - x.mean(0)).max() < 0.1 * np.abs(x).max()
   # The cost model counts its bytes from the codec's own payload_size and the allreduce's padding.
-  c = codec.padded_size(n, D) // D
+  c = codec.buffer_length(n, D) // D
   assert codec.sent_bytes(n, D) == pytest.approx(2 * (D - 1) / D * D * codec.payload_size(c))
   assert efficiency.allreduce_bytes(n, D, codec) == codec.sent_bytes(n, D)
 

@@ -26,7 +26,7 @@ def test_sra_qsgd_bytes_with_scales_and_padding():
   # n = 1000 over D = 4, bucket 128: padded to 1024 (a multiple of 4 * 128); chunk 256 = 2 buckets,
   # each bucket 8 scale bytes (maxmin: min, step) + 128 * 4 / 8 = 64 code bytes.
   q4 = qcomm.QSGD(4)
-  assert q4.padded_size(1000, 4) == 1024
+  assert q4.buffer_length(1000, 4) == 1024
   assert q4.traffic(1000, 4) == (("all-to-all", 3 / 4 * 4 * 2 * 72), ("all-gather", 3 / 4 * 4 * 2 * 72))
   assert eff.allreduce_bytes(1000, 4, 4) == pytest.approx(2 * 3 / 4 * 576)
   # 2 bits, bucket 64, norm scheme: 4 scale bytes + 16 code bytes per bucket; 8 devices.

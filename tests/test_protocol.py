@@ -65,7 +65,7 @@ class TopK(qcomm.Codec):
     return out
 
   # -- its own reduction: one all-gather of the sparse payloads ------------------------------------
-  def padded_size(self, n, devices):
+  def buffer_length(self, n, devices):
     return n
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):

@@ -75,7 +75,7 @@ def _encode_fn(bits, bucket, rounding, impl, devices):
 @functools.cache
 def _decode_fn(bits, bucket, impl, devices, count, n, scale):
   c = _codec(bits, bucket, "stochastic", impl)
-  return jax.jit(lambda w, shared: c.wire_decode_summed(w, shared, devices, count, n, scale))
+  return jax.jit(lambda w, shared: c.decode_summed_words(w, shared, devices, count, n, scale))
 
 
 def host_model(xs: np.ndarray, bits, bucket, rounding, impl, keys, scale=1.0, narrow=False):
@@ -485,7 +485,7 @@ for i, (bits, bucket, rounding, d) in enumerate(eval(sys.argv[2])):
   shared = c.bucket_scale(x)
   w = c.wire_encode_summable(x, shared, jax.random.key(i), d)
   out[f"w{i}"] = np.asarray(w)
-  out[f"d{i}"] = np.asarray(c.wire_decode_summed(w * jnp.uint32(d), shared, d, d, x.shape[0], 0.5))
+  out[f"d{i}"] = np.asarray(c.decode_summed_words(w * jnp.uint32(d), shared, d, d, x.shape[0], 0.5))
 np.savez(sys.argv[3], **out)
 """
 
@@ -511,7 +511,7 @@ def test_forced_isa_gives_the_same_words(isa, tmp_path):
     shared = c.bucket_scale(jnp.asarray(x))
     w = c.wire_encode_summable(jnp.asarray(x), shared, jax.random.key(i), d)
     np.testing.assert_array_equal(got[f"w{i}"], np.asarray(w), err_msg=f"{isa} words {i}")
-    dec = c.wire_decode_summed(w * jnp.uint32(d), shared, d, d, x.shape[0], 0.5)
+    dec = c.decode_summed_words(w * jnp.uint32(d), shared, d, d, x.shape[0], 0.5)
     np.testing.assert_array_equal(got[f"d{i}"], np.asarray(dec), err_msg=f"{isa} decode {i}")
 
 
@@ -533,7 +533,7 @@ def test_bad_codec_arguments(kwargs, match):
 def test_bad_summable_arguments_elsewhere():
   c = qcomm.Summable()
   with pytest.raises(ValueError, match="count must be an integer in 1..devices"):
-    c.wire_decode_summed(jnp.zeros((22,), jnp.uint32), jnp.zeros((1,), jnp.int32), 2, 3, 128)
+    c.decode_summed_words(jnp.zeros((22,), jnp.uint32), jnp.zeros((1,), jnp.int32), 2, 3, 128)
   with pytest.raises(ValueError, match="key is required"):
     c.encode(jnp.ones(8))
   with pytest.raises(ValueError, match="devices must be an integer in 1..306783378"):

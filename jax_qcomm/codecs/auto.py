@@ -124,8 +124,8 @@ class Auto(_Bucketed):
     return self._candidates[0].wire_decode_sum_reencode(wires, n, key, scale)
 
   # The reduction protocol: the candidate resolved for the axis.
-  def padded_size(self, n, devices):
-    return self.resolve(devices).padded_size(n, devices)
+  def buffer_length(self, n, devices):
+    return self.resolve(devices).buffer_length(n, devices)
 
   def comm_buffer_size(self, devices, collective="allreduce"):
     return self.resolve(devices, collective).comm_buffer_size(devices, collective)

@@ -144,7 +144,7 @@ class Codec(abc.ABC):
     padding, ``uint8`` words, the class name) do not hold -- :attr:`exact`, :attr:`wire_dtype`,
     :attr:`needs_key`, :attr:`pad_multiple`, :meth:`pad_fill`, :attr:`name`; a fused middle step
     -- :meth:`wire_decode_sum_reencode` (QSGD's kernels); its own collectives, where the SRA is
-    not how it should reduce -- :meth:`padded_size`, :meth:`allreduce_flat`,
+    not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
     :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
     :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`.
   * **(c) derived** (never overridden): :attr:`lossy`, :meth:`wire_size`, :meth:`sent_bytes`, the
@@ -282,7 +282,7 @@ class Codec(abc.ABC):
 
   # -- the reduction protocol (default: scatter-reduce-allgather) ----------------------------------
   # A codec that reduces another way overrides the *_flat / *_leaves methods and traffic together.
-  def padded_size(self, n: int, devices: int) -> int:
+  def buffer_length(self, n: int, devices: int) -> int:
     """Elements a flat buffer of ``n`` takes in :meth:`allreduce_flat` over ``devices``: here a
     multiple of ``devices * pad_multiple``, so that every device's chunk is whole buckets."""
     m = devices * self.pad_multiple
@@ -293,7 +293,7 @@ class Codec(abc.ABC):
     """float32[n] -> (mean or sum over the axis, this device's residual); see the class doc."""
     n = x.shape[0]
     d = axis_size(axis_name)
-    x = _pad_to(x, self.padded_size(n, d))
+    x = _pad_to(x, self.buffer_length(n, d))
     c = x.shape[0] // d
     chunks = x.reshape(d, c)
     payloads = self._encode_rows(chunks, device_key(key, axis_name, 0))
@@ -345,7 +345,7 @@ class Codec(abc.ABC):
       return (("all-gather", f * d * self.payload_size(n)),)
     if collective == "reduce_scatter":
       return (("all-to-all", f * d * self.payload_size(-(-n // d))),)
-    chunk = self.payload_size(self.padded_size(n, d) // d)
+    chunk = self.payload_size(self.buffer_length(n, d) // d)
     return (("all-to-all", f * d * chunk), ("all-gather", f * d * chunk))
 
   def comm_buffer_size(self, devices: int, collective: str = "allreduce") -> int:

@@ -85,7 +85,7 @@ class NoCompression(Codec):
     return _sum_in_order(lax.bitcast_convert_type(payloads.reshape(k, n, 4), jnp.float32))
 
   # -- the reduction protocol: XLA's float32 collectives --------------------------------------------
-  def padded_size(self, n: int, devices: int) -> int:
+  def buffer_length(self, n: int, devices: int) -> int:
     return n
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):

@@ -107,7 +107,7 @@ class Summable(_SummedFields):
     return 4 * DEFAULT_COMM_BUCKET if collective == "allreduce" else DEFAULT_COMM_BUCKET
 
   # -- the reduction protocol: one pmax of the scales, one psum of the words -------------------------
-  def padded_size(self, n: int, devices: int) -> int:
+  def buffer_length(self, n: int, devices: int) -> int:
     return -(-n // self.bucket_size) * self.bucket_size  # whole buckets; no chunks per device
 
   # -- the summed fields (see _SummedFields) ----------------------------------------------------------
@@ -140,7 +140,7 @@ class Summable(_SummedFields):
     return self.wire_encode_summable(x, self._widen(shared), key, devices)
 
   def _unfields(self, words, shared, devices, count, n, scale=1.0):
-    return self.wire_decode_summed(words, self._widen(shared), devices, count, n, scale)
+    return self.decode_summed_words(words, self._widen(shared), devices, count, n, scale)
 
   def _words(self, n, devices):
     return wire.summable_words(n, self.bits, devices)
@@ -186,7 +186,7 @@ class Summable(_SummedFields):
     return self._select(lambda a, m, s: _ffi.summable_encode(a, m, s, **kw),
                         lambda a, m, s: _reference.summable_encode(a, m, s, **kw), x, shared, seed)
 
-  def wire_decode_summed(self, words, shared, devices, count, n, scale=1.0):
+  def decode_summed_words(self, words, shared, devices, count, n, scale=1.0):
     devices = self.check_devices(devices)
     count = check_int_in("count", count, 1, devices, hi_text=f"devices={devices}")
     if n == 0:
@@ -211,6 +211,6 @@ class Summable(_SummedFields):
       p = payloads[j]
       shared = lax.bitcast_convert_type(p[:4 * nb].reshape(nb, 4), jnp.int32)
       words = lax.bitcast_convert_type(p[4 * nb:].reshape(-1, 4), jnp.uint32)
-      v = self.wire_decode_summed(words, shared, 1, 1, n)
+      v = self.decode_summed_words(words, shared, 1, 1, n)
       out = v if out is None else out + v
     return out

@@ -197,9 +197,9 @@ class Wire16(_SummedFields):
     return _sum_in_order(vals)
 
   # -- the reduction protocol: one pmax of the scales, one psum of the words ------------------------
-  def padded_size(self, n: int, devices: int) -> int:
+  def buffer_length(self, n: int, devices: int) -> int:
     if not _fixed16_here():
-      return _BF16.padded_size(n, devices)
+      return _BF16.buffer_length(n, devices)
     return self._buckets(n) * self.bucket_size
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
