@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
 from jax_qcomm.tools import efficiency
-from jax_qcomm.sync import codec_for_bits
+from jax_qcomm.codecs import codec_for_bits
 
 from benchmarks import _common
 

@@ -27,20 +27,18 @@ import contextlib
 import dataclasses
 from typing import Any, NamedTuple, Sequence
 
-import numpy as np
 import optax
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from jax_qcomm import _compat, _parts, _varying, collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
                                check_int, check_int_or_none)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
-from jax_qcomm.codecs import QSGD, Codec, NoCompression, codec_for_bits  # noqa: F401
-from jax_qcomm.specs import register_state, state_partition_spec  # noqa: F401
+from jax_qcomm.codecs import QSGD, Codec, NoCompression
+from jax_qcomm.specs import register_state
 from jax_qcomm.shard_layout import PROBE, SHARDED, Layout
 
 

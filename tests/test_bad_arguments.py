@@ -125,6 +125,7 @@ if hasattr(qcomm, "Summable"):
   CODEC_INSTANCES["Summable"] = qcomm.Summable(4)
 CODEC_INSTANCES["Wire16"] = qcomm.Wire16()
 CODEC_INSTANCES["Auto"] = qcomm.Auto(4)
+CODEC_INSTANCES["TopK"] = qcomm.TopK(0.02, 2)
 
 
 def _summable_cases() -> list[Case]:
@@ -360,6 +361,11 @@ def _cases() -> list[Case]:
       c("diloco().update", "state", _diloco_update(state=lambda v: "state"), TypeError),
       c("diloco().update", "params", _diloco_update(params=lambda v: {"w": v * 2.0})),
       c("diloco().update", "params", _diloco_update(params=lambda v: {"a": v, "b": v})),
+      c("TopK", "fraction", lambda: qcomm.TopK(fraction=0.0)),
+      c("TopK", "fraction", lambda: qcomm.TopK(fraction=1.5)),
+      c("TopK", "bits", lambda: qcomm.TopK(bits=3)),
+      c("TopK", "chunk", lambda: qcomm.TopK(chunk=100)),
+      c("TopK", "chunk", lambda: qcomm.TopK(chunk=1 << 17)),
       c("self_test", "verbose", lambda: qcomm.self_test(verbose="yes")),
       c("local_params", "opt_state", lambda: (lambda s: qcomm.local_params((s, s), {"w": X}))(
           qcomm.diloco(sgd, axis_name=AX, every=2).init({"w": X}))),

@@ -163,8 +163,9 @@ def _compiled_text(tx, d, params):
   return _compiled(dp, params, dp.init(params), _batches(1, 2 * d)[0])
 
 
-@pytest.mark.parametrize("codec", [qcomm.NoCompression(), qcomm.QSGD(4), qcomm.Summable(4)],
-                         ids=["exact", "qsgd4", "summable4"])
+@pytest.mark.parametrize("codec", [qcomm.NoCompression(), qcomm.QSGD(4), qcomm.Summable(4),
+                                   qcomm.TopK(0.1, 2, chunk=64)],
+                         ids=["exact", "qsgd4", "summable4", "topk"])
 @pytest.mark.parametrize("d", [2, 3])
 def test_describe_equals_the_compiled_hlo_and_collectives_are_conditional(codec, d):
   params = _params()
@@ -185,8 +186,9 @@ def test_describe_equals_the_compiled_hlo_and_collectives_are_conditional(codec,
 
 @pytest.mark.parametrize("d", [3, 6])
 @pytest.mark.parametrize("codec,ef", [(qcomm.QSGD(4), False),
-                                      (qcomm.QSGD(2, rounding="nearest"), True)],
-                         ids=["qsgd4", "qsgd2_ef"])
+                                      (qcomm.QSGD(2, rounding="nearest"), True),
+                                      (qcomm.TopK(0.1, 2, chunk=64), True)],
+                         ids=["qsgd4", "qsgd2_ef", "topk_ef"])
 def test_anchors_are_bit_identical_on_every_replica(d, codec, ef):
   params = _params()
   tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=2, codec=codec, error_feedback=ef,
