@@ -90,7 +90,7 @@ def train(bits: int, accum_steps: int, epochs: int, batch_size: int, lr: float, 
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
     return loss, logits
 
-  dp = qcomm.nnx_data_parallel(loss_fn, mesh, has_aux=True, aux_reduce="concat")                            # qcomm (4)
+  dp = qcomm.nnx_data_parallel(loss_fn, mesh, has_aux=True, aux_reduce="concat")   # qcomm (4)
 
   def train_step(model, optimizer, metrics, batch, key):
     loss, logits = dp.step(model, optimizer, batch, key=key)                          # qcomm (5)

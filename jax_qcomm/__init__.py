@@ -11,12 +11,12 @@ own: ``from jax_qcomm.tools import efficiency, distributed`` (this module never 
 from jax_qcomm import _ffi
 from jax_qcomm._selftest import implementation, self_test
 from jax_qcomm import transport
-from jax_qcomm.codecs import QSGD, Auto, Cast, Codec, NoCompression, Summable, TopK, Wire16
+from jax_qcomm.codecs import (QSGD, Auto, Cast, Codec, NoCompression, Summable, TopK, Wire16,
+                              codec_for_bits)
 from jax_qcomm.axes import Hierarchical
 from jax_qcomm.collectives import all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
 from jax_qcomm.accumulation import accumulate_gradients
-from jax_qcomm.codecs import codec_for_bits
 from jax_qcomm.sync import ShardedSyncState, SyncState, sync
 from jax_qcomm.specs import local_params, state_partition_spec
 from jax_qcomm.clipping import clip_by_global_norm

@@ -138,7 +138,7 @@ class Description:
              f", optimizer state {self.state_bytes_per_device:,} B per device")
     runs = ("" if self.default_runs in (None, self.default_codec) else
             f" (here: {self.default_runs.name})")
-    out = [f"qcomm.sync over {self.axis_name!r}: {self.devices} devices, default codec "
+    out = [f"synchronised over {self.axis_name!r}: {self.devices} devices, default codec "
            f"{self.default_codec.name}{runs}, accum_steps={self.accum_steps}{state}",
            line(head), rule, *map(line, rows), rule, line(total),
            f"per device: {self.sent_bytes_per_sync:,.0f} B per sync, "
