@@ -52,6 +52,8 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
   config.exclude = ""                # comma-separated regexes of parameter paths sent exact
   config.shard_state = False         # sync(shard_state=True): 1/D of the optimizer state per device
   config.gather_bits = 8             # with shard_state: bits of the weight differences (QSGD)
+  config.topk = 0.0                  # training/lm_diloco: > 0 sends qcomm.TopK(topk, bits) between
+                                     # the replicas (bits 1, 2, 4 or 8) instead of QSGD
 
   # Loop, logging, checkpoints.
   config.eval_every_steps = 100      # optimizer steps between val-loss points (0: only the end)

@@ -53,6 +53,9 @@ CELLS: dict[str, tuple[dict, dict]] = {
     # 1.5x the inner steps (3000; the schedule stretched), for the time-to-loss runs.
     "fp32_h50_avg_3000": ({"bits": 32, "num_steps": 3000},
                           {"every": 50, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    # TopK(0.02, 2 bits) with error feedback (SparseLoCo's recipe) at the tuned outer optimizer.
+    **{f"topk2_ef_h{h}_tuned": ({"bits": 2, "topk": 0.02, "error_feedback": True},
+                               {"every": h, "outer_lr": TUNED}) for h in (50, 100)},
     # A second seed (parameters, data order, rounding).
     **{f"{name}_h{h}_tuned_seed1": ({**cfg, "seed": 1}, {"every": h, "outer_lr": TUNED})
        for h in (50, 100) for name, cfg in (("fp32", {"bits": 32}), ("q4", {"bits": 4}))},
@@ -96,6 +99,8 @@ BEGIN, END = "<!-- diloco-table -->", "<!-- /diloco-table -->"
 
 
 def _codec(r: dict) -> str:
+  if r.get("topk"):
+    return f"TopK {r['topk']:g} x {r['bits']} bits" + (" + EF" if r["error_feedback"] else "")
   name = {32: "fp32", 16: "16-bit"}.get(r["bits"], f"QSGD {r['bits']} bits")
   bucket = r.get("bucket_size", 128)
   return name + (f" /{bucket}" if r["bits"] <= 8 and bucket != 128 else "") + (

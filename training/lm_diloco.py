@@ -12,7 +12,8 @@ restarted) and evaluation are training/lm.py's. The mesh is ``(node=K, data=num_
 The global batch is training/lm.py's (``batch_size`` windows per micro-step, the same windows), split
 over all devices, so each replica sees 1/K of it: the tokens equal the exact data-parallel run's.
 ``config.bits`` / ``bucket_size`` / ``scheme`` / ``error_feedback`` / ``min_size`` /
-``compress_1d`` / ``exclude`` choose the *outer* codec and leaf policy. The anchor is evaluated
+``compress_1d`` / ``exclude`` choose the *outer* codec and leaf policy; ``config.topk`` > 0 makes
+it ``qcomm.TopK(topk, bits)``. The anchor is evaluated
 (the params the runner returns) every ``eval_every_steps`` inner steps and at the end.
 
 The last line printed is one JSON object (``val_loss`` in nats per byte, ``bytes_per_param_step``:
@@ -51,8 +52,11 @@ def create_tx(config, every: int, outer_lr: float, outer_momentum: float):
                   weight_decay=config.weight_decay, mask=lm._matrix_mask))
   inner = qcomm.sync(inner, axis_name=lm.AXIS, codec=qcomm.NoCompression(),
                      accum_steps=config.accum_steps)
-  codec = qcomm.codec_for_bits(config.bits, config.bucket_size, config.scheme,
-                               rounding="nearest" if config.error_feedback else "stochastic")
+  if config.topk:
+    codec = qcomm.TopK(config.topk, bits=config.bits)
+  else:
+    codec = qcomm.codec_for_bits(config.bits, config.bucket_size, config.scheme,
+                                 rounding="nearest" if config.error_feedback else "stochastic")
   policy = qcomm.LeafPolicy(min_size=config.min_size, compress_1d=config.compress_1d,
                             exclude=exclude_patterns(config))
   outer = optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=bool(outer_momentum))
@@ -110,7 +114,8 @@ def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: f
   n = sum(x.size for x in jax.tree_util.tree_leaves(anchor))
   desc = qcomm.describe(tx, params, devices=replicas)
   return {
-      "method": "diloco", "bits": config.bits, "bucket_size": config.bucket_size,
+      "method": "diloco", "bits": config.bits, "topk": config.topk,
+      "bucket_size": config.bucket_size,
       "error_feedback": config.error_feedback,
       "every": every, "replicas": replicas, "outer_lr": outer_lr,
       "outer_momentum": outer_momentum, "seed": config.seed, "steps": config.num_steps,
