@@ -88,6 +88,8 @@ class SyncState(NamedTuple):
       Unlike ``MultiStepsState.acc_grads`` it is a sum, not a running mean.
     residual: float32 error-feedback residual of this device, likewise (``()`` unless
       error_feedback).
+
+  config: the settings (:class:`SyncConfig`), a static pytree node with no arrays.
   """
 
   inner_opt_state: Any
@@ -427,6 +429,7 @@ class ShardedSyncState(NamedTuple):
       step; 0-d leaves whole), which the weight differences are taken from.
     acc_grads, residual: as in :class:`SyncState` (full-size, this device's own).
   Replicated: mini_step, key, gradient_step, total_notfinite, as in :class:`SyncState`.
+  config: the settings (:class:`SyncConfig`), a static pytree node with no arrays.
   """
 
   inner_opt_state: Any
