@@ -215,10 +215,7 @@ class _DiLoCo:
     packing.check_float_leaves(grads, "grads")
     self._check(grads, state, params)
     cfg = state.config
-    tracked = _varying.tracked(self.names)
-    axes = frozenset(self.names)
-    rows = lambda t: jax.tree_util.tree_map(  # noqa: E731
-        lambda a: _compat.make_varying(a[None], axes) if tracked else a[None], t)
+    rows = lambda t: _parts.per_device(t, self.names, 1, True)  # noqa: E731
     local = local_params(state, params)  # the anchor itself right after a synchronisation
     inner_state = jax.tree_util.tree_map(lambda a: a[0], state.inner_opt_state)
     updates, inner_state = self.inner.update(grads, inner_state, local, **extra_args)

@@ -81,11 +81,6 @@ def find_states(tree: Any) -> list:
   return [n for n in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(n)]
 
 
-def holds_sync(tree: Any) -> bool:
-  """True if any node of ``tree`` is a qcomm state (or a mapping of one, as in an ``nnx.State``)."""
-  return bool(find_states(tree))
-
-
 def _field(x: Any, name: str, default: Any = ()) -> Any:
   """A field of a qcomm state or of its mapping form."""
   return x.get(name, default) if isinstance(x, collections.abc.Mapping) else getattr(x, name, default)
@@ -93,7 +88,7 @@ def _field(x: Any, name: str, default: Any = ()) -> Any:
 
 def _is_special(x: Any) -> bool:
   return is_state(x) or (isinstance(x, (optax.MultiStepsState, optax.ApplyIfFiniteState))
-                         and holds_sync(x))
+                         and bool(find_states(x)))
 
 
 def _axes_of(x: Any, axis_name: Any) -> tuple:
