@@ -268,6 +268,9 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   gpu = meta["backend"] == "gpu"
   sizes = args.sizes or list(DEFAULT_GPU_SIZES if gpu else DEFAULT_SIZES)
   ops = SUMMABLE_OPS if args.codec == "summable" else GPU_OPS if gpu else OPS
+  if args.codec == "summable" and gpu and "ffi" in args.impls:
+    print("note: Summable has no CUDA kernel; timing impl='jax' only", file=sys.stderr)
+    args.impls = [i for i in args.impls if i != "ffi"] or ["jax"]
   meta["config"] = dict(codec=args.codec, sizes=sizes, ops=list(ops), bits=args.bits,
                         bucket_size=args.bucket,
                         scheme=args.scheme, rounding=args.rounding, impls=args.impls,

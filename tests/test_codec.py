@@ -1203,3 +1203,12 @@ def test_cpu_module_is_the_requested_build():
     assert os.path.samefile(module.__file__, path), (module.__file__, path)
   assert module.sanitizers == os.environ.get("QCOMM_REQUIRE_SANITIZERS", "")
   assert sys.modules["jax_qcomm._qcomm_cpu"] is module
+
+
+def test_ffi_impl_on_a_backend_without_kernels_names_the_fix(monkeypatch):
+  """impl="ffi" where the default backend has no compiled kernel (Summable on a GPU) is a clear
+  ValueError naming impl='auto', not a lowering error."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  codec = qcomm.Summable(4, 128, impl="ffi")
+  with pytest.raises(ValueError, match=r"Summable\(impl='ffi'\) has compiled kernels for \['cpu'\] only.*impl='auto'"):
+    codec.bucket_scale(jnp.ones((256,), jnp.float32))

@@ -43,6 +43,12 @@ class _Bucketed(Codec):
       return jax_fn(*args)
     branches = {p: ffi_fn for p in platforms}
     if self.impl == "ffi":
+      backend = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+      if backend not in platforms:
+        raise ValueError(
+            f"{type(self).__name__}(impl='ffi') has compiled kernels for {list(platforms)} only, "
+            f"and the default backend is {backend!r}: use impl='auto' (the kernels where they "
+            f"exist, the pure-JAX reference elsewhere) or impl='jax'")
       return lax.platform_dependent(*args, **branches)
     return lax.platform_dependent(*args, default=jax_fn, **branches)
 
