@@ -42,6 +42,8 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import statistics
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -112,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "25.6M float32) through qcomm.allreduce with the default LeafPolicy: what "
                            "sync(codec=...) sends; rows also give the relative error against the "
                            "exact mean")
+  parser.add_argument("--sync", action="store_true",
+                      help="with --tree: also time qcomm.sync(optax.sgd(0.1), codec=...)'s update "
+                           "and apply of the same gradients (what a user calls), in the same run")
   parser.add_argument("--comm-bucket", type=_common.parse_size, default=None, metavar="N",
                       help="with --tree: most float32 elements per communication buffer (default: "
                            "each codec's own comm_buffer_size)")
@@ -451,10 +456,17 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
 
 
 def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: int, warmup: int,
-               link_gbps: float | None, comm_bucket: int | None = None) -> list[dict[str, Any]]:
+               link_gbps: float | None, comm_bucket: int | None = None,
+               sync: bool = False) -> list[dict[str, Any]]:
   """Times qcomm.allreduce of ResNet50's parameter pytree (one normal array per device and leaf)
   per codec, with the default LeafPolicy as sync uses it; the bytes are describe's count and the
-  error is ||result - exact mean|| / ||exact mean|| over the whole tree."""
+  error is ||result - exact mean|| / ||exact mean|| over the whole tree.
+
+  With ``sync``, each row also times what a user calls with the same gradients: the update of
+  ``qcomm.sync(optax.sgd(0.1), codec=codec)`` and ``optax.apply_updates`` inside one jitted
+  ``shard_map`` (params replicated, the state as :func:`qcomm.state_partition_spec` places it,
+  the state threaded from call to call), in interleaved rounds with the bare allreduce:
+  ``sync_median_s`` and ``sync_over_allreduce`` (the median of the per-round ratios)."""
   from benchmarks import sharded  # noqa: PLC0415  (flax: only the tree payload needs it)
   from jax_qcomm.tools import efficiency  # noqa: PLC0415
 
@@ -500,12 +512,56 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
     sent = efficiency.tree_allreduce_bytes(shapes, d, codec, comm_bucket_size=comm)["bytes"] \
         if d > 1 else 0.0
     _common.log(f"  resnet50 {name:<16} {1e3 * t.median:10.2f} ms  rel. error {err:.3g}")
-    rows.append(dict(codec=name, description=CODECS[name][0], runs=codec.resolve(d).name,
+    extra = {} if not sync else _time_sync(mesh, tree, codec, compiled, repeats=repeats,
+                                           warmup=warmup, comm=comm)
+    if extra:
+      _common.log(f"  resnet50 {name:<16} sync {1e3 * extra['sync_median_s']:10.2f} ms "
+                  f"({extra['sync_over_allreduce']:.3f}x the allreduce, same rounds)")
+    rows.append(dict(**extra, codec=name, description=CODECS[name][0], runs=codec.resolve(d).name,
                      size=n, devices=d, processes=jax.process_count(), tree="resnet50",
                      comm_bucket_size=(codec.comm_buffer_size(d) if comm is None else comm),
                      wire_bytes_per_device=sent, rel_error=err, **t.as_dict(),
                      link_floor_s=None if link_gbps is None else sent * 8 / (link_gbps * 1e9)))
   return rows
+
+
+def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
+               comm: int | None) -> dict[str, Any]:
+  """The update and apply of ``qcomm.sync(optax.sgd(0.1), codec=codec)`` on ``grads`` (per
+  device), against ``allreduce`` (compiled, the same gradients) in interleaved rounds."""
+  import optax  # noqa: PLC0415
+
+  tx = qcomm.sync(optax.sgd(0.1), codec=codec, comm_bucket_size=comm)
+  params = jax.tree_util.tree_map(
+      lambda g: jax.device_put(jnp.zeros(g.shape[1:], g.dtype), NamedSharding(mesh, P())), grads)
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params))
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))(params)
+
+  def per_device(g, s, p):
+    g = jax.tree_util.tree_map(lambda a: a[0], g)
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), spec, P()),
+                               out_specs=(P(), spec)), donate_argnums=(1, 2))
+  for _ in range(warmup):
+    params, state = jax.block_until_ready(step(grads, state, params))
+  sync_times, ar_times = [], []
+  with _common.gc_paused():
+    for _ in range(repeats):  # one call of each per round: a change of load hits both alike
+      t0 = time.perf_counter()
+      params, state = jax.block_until_ready(step(grads, state, params))
+      t1 = time.perf_counter()
+      jax.block_until_ready(allreduce(grads))
+      t2 = time.perf_counter()
+      sync_times.append(t1 - t0)
+      ar_times.append(t2 - t1)
+  # Across processes: round i takes the slowest process's time of round i.
+  sync_times = list(_common.collective_timing(_common.Timing(tuple(sync_times))).times)
+  ar_times = list(_common.collective_timing(_common.Timing(tuple(ar_times))).times)
+  ratios = [a / b for a, b in zip(sync_times, ar_times)]
+  return dict(sync_median_s=statistics.median(sync_times), sync_times_s=sync_times,
+              sync_allreduce_times_s=ar_times, sync_over_allreduce=statistics.median(ratios))
 
 
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
@@ -526,7 +582,8 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   rows, breakdown = [], []
   if args.tree:
     rows = bench_tree(mesh, args.codecs, bucket=args.bucket, impl=args.impl, repeats=args.repeats,
-                      warmup=args.warmup, link_gbps=args.link_gbps, comm_bucket=args.comm_bucket)
+                      warmup=args.warmup, link_gbps=args.link_gbps, comm_bucket=args.comm_bucket,
+                      sync=args.sync)
     if jax.process_index() == 0:
       print(format_tree(rows, meta))
       path = _common.write_json(args.out, dict(metadata=meta, rows=rows, breakdown=[]))

@@ -47,8 +47,10 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
   config.scheme = "maxmin"
   config.accum_steps = 2
   config.error_feedback = False
-  config.min_size = 1024             # the library's default leaf policy: small and 1-D leaves exact
-  config.compress_1d = False
+  # The leaf policy; unset (None): the codec's default (small and 1-D leaves exact, except with
+  # a sparse codec such as TopK, which sends every leaf).
+  config.min_size = ml_collections.config_dict.placeholder(int)
+  config.compress_1d = ml_collections.config_dict.placeholder(bool)
   config.exclude = ""                # comma-separated regexes of parameter paths sent exact
   config.shard_state = False         # sync(shard_state=True): 1/D of the optimizer state per device
   config.gather_bits = 8             # with shard_state: bits of the weight differences (QSGD)

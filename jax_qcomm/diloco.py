@@ -42,6 +42,17 @@ from jax_qcomm.specs import find_states, local_params, register_state
 
 #: DiLoCo's outer optimizer (Douillard et al.), the default of :func:`diloco`.
 DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9
+#: The default outer optimizer's (lr, Nesterov momentum) for a sparse codec with error feedback.
+SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM = 1.0, 0.5
+
+
+def default_outer(codec: Codec, error_feedback: bool) -> optax.GradientTransformation:
+  """The outer optimizer :func:`diloco` uses when given none: Nesterov SGD (lr 0.7, momentum 0.9,
+  DiLoCo's), or (lr 1.0, momentum 0.5) for a sparse codec (:attr:`Codec.sparse`) with error
+  feedback, whose residual already carries part of what the momentum would (docs/accuracy.md)."""
+  if codec.sparse and error_feedback:
+    return optax.sgd(SPARSE_OUTER_LR, momentum=SPARSE_OUTER_MOMENTUM, nesterov=True)
+  return optax.sgd(DEFAULT_OUTER_LR, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,12 +141,16 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
     codec: the pseudo-gradient's codec (any :class:`qcomm.Codec`); default ``qcomm.Auto(4)``, as
       :func:`qcomm.sync`'s. ``qcomm.NoCompression()`` is DiLoCo's fp32.
     outer: the outer optimizer, applied to the mean pseudo-gradient as a gradient; default
-      ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's). Its state is float32 and
-      replicated. ``optax.sgd(1.0)`` makes the anchor the replicas' mean.
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's), except for a sparse codec
+      (:attr:`Codec.sparse`, e.g. ``qcomm.TopK``) with ``error_feedback=True``: then
+      ``optax.sgd(1.0, momentum=0.5, nesterov=True)``, since the residual already carries part
+      of what the momentum would (with momentum 0.9 on top, the held-back mass arrives late and
+      amplified: docs/accuracy.md). Its state is float32 and replicated. ``optax.sgd(1.0)``
+      makes the anchor the replicas' mean.
     error_feedback: keep, per replica, what its quantisation of the pseudo-gradient lost and add it
       to the next one (float32; only for lossy codecs).
     policy: which leaves travel exact (:class:`qcomm.LeafPolicy`; default ``LeafPolicy()``: small
-      and 1-D leaves exact).
+      and 1-D leaves exact, except with a sparse codec, which sends every leaf).
     comm_bucket_size: most elements per flat communication buffer (None: the codec's own
       :meth:`~qcomm.Codec.comm_buffer_size`).
     seed: seeds the rounding key (a Python or numpy integer).
@@ -156,7 +171,7 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
   error_feedback = check_bool("error_feedback", error_feedback)
   codec = _parts.resolve_codec(codec, None, None, error_feedback)
   if outer is None:
-    outer = optax.sgd(DEFAULT_OUTER_LR, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
+    outer = default_outer(codec, error_feedback)
   elif not (hasattr(outer, "init") and hasattr(outer, "update")):
     raise ValueError(f"outer must be an optax.GradientTransformation, got {outer!r}")
   policy = packing.LeafPolicy() if policy is None else check_instance(

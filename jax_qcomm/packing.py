@@ -42,24 +42,28 @@ class LeafPolicy:
 
   Args:
     min_size: leaves with fewer elements travel exact (their compression saves little and costs a
-      lot of accuracy per byte).
-    compress_1d: if False (default), 1-D leaves (biases, norm scales) travel exact.
+      lot of accuracy per byte). Default (None): 1024, or 0 for a sparse codec
+      (:attr:`Codec.sparse`: its error feedback loses nothing of a small leaf).
+    compress_1d: if False, 1-D leaves (biases, norm scales) travel exact. Default (None): False,
+      or True for a sparse codec.
     exclude: regular expressions; a leaf whose path ('params/Dense_0/bias') matches any of them
       (``re.search``) travels exact.
     overrides: mapping of path regex -> codec; the first match wins over the default codec (and over
       the size and 1-D rules).
   """
 
-  min_size: int = 1024
-  compress_1d: bool = False
+  min_size: int | None = None
+  compress_1d: bool | None = None
   exclude: tuple[str, ...] = ()
   overrides: tuple[tuple[str, Codec], ...] = ()
 
-  def __init__(self, min_size: int = 1024, compress_1d: bool = False,
+  def __init__(self, min_size: int | None = None, compress_1d: bool | None = None,
                exclude: str | Sequence[str] = (),
                overrides: Mapping[str, Codec] | Sequence[tuple[str, Codec]] = ()):
-    min_size = check_int("min_size", min_size, minimum=0)
-    compress_1d = check_bool("compress_1d", compress_1d)
+    if min_size is not None:
+      min_size = check_int("min_size", min_size, minimum=0)
+    if compress_1d is not None:
+      compress_1d = check_bool("compress_1d", compress_1d)
     if isinstance(exclude, str):
       exclude = (exclude,)
     if isinstance(exclude, (bytes, Mapping)) or not hasattr(exclude, "__iter__"):
@@ -96,7 +100,9 @@ class LeafPolicy:
         return codec
     if any(re.search(p, path) for p in self.exclude):
       return NoCompression()
-    if leaf.size < self.min_size or (leaf.ndim <= 1 and not self.compress_1d):
+    min_size = (0 if default.sparse else 1024) if self.min_size is None else self.min_size
+    compress_1d = default.sparse if self.compress_1d is None else self.compress_1d
+    if leaf.size < min_size or (leaf.ndim <= 1 and not compress_1d):
       return NoCompression()
     return default
 

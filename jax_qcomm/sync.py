@@ -160,8 +160,7 @@ def _resolve_policy(policy: Any, min_size: Any, exclude: Any) -> packing.LeafPol
       raise ValueError(f"pass either policy= or the min_size= / exclude= shorthand, not both; "
                        f"got policy={policy!r}, min_size={min_size!r}, exclude={exclude!r}")
     return check_instance("policy", policy, packing.LeafPolicy, "a qcomm.LeafPolicy")
-  return packing.LeafPolicy(min_size=1024 if min_size is None else min_size,
-                            exclude=() if exclude is None else exclude)
+  return packing.LeafPolicy(min_size=min_size, exclude=() if exclude is None else exclude)
 
 
 def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,

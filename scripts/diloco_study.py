@@ -56,6 +56,11 @@ CELLS: dict[str, tuple[dict, dict]] = {
     # TopK(0.02, 2 bits) with error feedback (SparseLoCo's recipe) at the tuned outer optimizer.
     **{f"topk2_ef_h{h}_tuned": ({"bits": 2, "topk": 0.02, "error_feedback": True},
                                {"every": h, "outer_lr": TUNED}) for h in (50, 100)},
+    # The same with every leaf through TopK (the sparse codec's default policy) and the default
+    # outer optimizer for a sparse codec with error feedback (Nesterov lr 1.0, momentum 0.5).
+    **{f"topk2_ef_h{h}_default": ({"bits": 2, "topk": 0.02, "error_feedback": True},
+                                  {"every": h, "outer_lr": 1.0, "outer_momentum": 0.5})
+       for h in (50, 100)},
     # A second seed (parameters, data order, rounding).
     **{f"{name}_h{h}_tuned_seed1": ({**cfg, "seed": 1}, {"every": h, "outer_lr": TUNED})
        for h in (50, 100) for name, cfg in (("fp32", {"bits": 32}), ("q4", {"bits": 4}))},

@@ -9,6 +9,8 @@ Tasks:
     AdamW inner optimizer, 600 inner steps, a global batch of 128 images per step split over the
     K replicas (the same images whatever K), on 8 host CPU devices. Metric: held-out
     cross-entropy of the anchor at the end. Runs in this process, a few seconds a cell.
+  * ``mlp-topk``: the same MLP with ``qcomm.TopK(0.02, bits=2)`` and error feedback as the outer
+    codec (fp32 elsewhere): how a sparse codec's residual interacts with the outer momentum.
   * ``lm``: the byte-level LM of docs/accuracy.md (``python -m training.lm_diloco``, fp32 outer
     codec, 2000 inner steps), one process per cell.
 
@@ -52,7 +54,8 @@ def adjusted(outer: str) -> float:
 
 # ---- the MLP task ---------------------------------------------------------------------------------
 
-def run_mlp(k: int, h: int, outer: str, seed: int = 0, steps: int = 600) -> dict:
+def run_mlp(k: int, h: int, outer: str, seed: int = 0, steps: int = 600,
+            topk: bool = False) -> dict:
   import numpy as np
   import jax
   if jax.config.jax_num_cpu_devices != 8:  # before the backend starts (the first cell)
@@ -85,7 +88,8 @@ def run_mlp(k: int, h: int, outer: str, seed: int = 0, steps: int = 600) -> dict
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(k, 8 // k), ("node", "gpu"))
   inner = qcomm.sync(optax.adamw(3e-3, weight_decay=1e-4), axis_name="gpu",
                      codec=qcomm.NoCompression())
-  tx = qcomm.diloco(inner, axis_name="node", every=h, codec=qcomm.NoCompression(),
+  codec = qcomm.TopK(0.02, bits=2) if topk else qcomm.NoCompression()
+  tx = qcomm.diloco(inner, axis_name="node", every=h, codec=codec, error_feedback=topk,
                     outer=optax.sgd(lr, momentum=m or None, nesterov=bool(m)))
   dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=("node", "gpu"))
   params = init(jax.random.key(seed))
@@ -96,7 +100,7 @@ def run_mlp(k: int, h: int, outer: str, seed: int = 0, steps: int = 600) -> dict
     idx = rng.integers(0, len(xtr), 128)
     params, state, _, _ = dp.step(params, state, (xtr[idx], ytr[idx]))
   val = float(loss_fn(params, (xte, yte)))
-  return {"task": "mlp", "replicas": k, "every": h, "outer": outer, "outer_lr": lr,
+  return {"task": "mlp-topk" if topk else "mlp", "replicas": k, "every": h, "outer": outer, "outer_lr": lr,
           "outer_momentum": m, "adjusted_lr": adjusted(outer), "seed": seed, "steps": steps,
           "val_loss": val, "train_s": time.perf_counter() - t0}
 
@@ -164,7 +168,7 @@ def table(task: str) -> str:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("what", choices=("run", "table"))
-  parser.add_argument("--task", choices=("mlp", "lm"), default="mlp")
+  parser.add_argument("--task", choices=("mlp", "mlp-topk", "lm"), default="mlp")
   parser.add_argument("--cells", default="all")
   args = parser.parse_args()
   if args.what == "table":
@@ -181,7 +185,8 @@ def main() -> None:
     if name in finished:
       continue
     k, h, outer = CELLS[name]
-    row = run_mlp(k, h, outer) if args.task == "mlp" else run_lm(k, h, outer)
+    row = (run_lm(k, h, outer) if args.task == "lm" else
+           run_mlp(k, h, outer, topk=args.task == "mlp-topk"))
     row["cell"] = name
     with open(results_path(args.task), "a") as f:
       f.write(json.dumps(row) + "\n")

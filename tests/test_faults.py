@@ -514,10 +514,15 @@ def test_initialize_rejects_bad_new_arguments_by_name(monkeypatch, tmp_path):
        "mtls_cert_file and mtls_key_file must be given together"),
       (dict(mtls_cert_file=str(pem), mtls_key_file=str(pem)), "mtls_ca_file must be given"),
       (dict(mtls_peer_uri_prefix="spiffe://example.org"), "mtls_peer_uri_prefix must be a URI prefix"),
+      (dict(malloc="jemalloc"), "malloc must be one of ('reuse', 'glibc')"),
   ]
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=re.escape(message)):
       distributed.initialize(**kwargs)
+  monkeypatch.setenv(distributed.ENV_MALLOC, "tcmalloc")
+  with pytest.raises(ValueError, match="QCOMM_MALLOC must be one of"):
+    distributed.initialize()
+  monkeypatch.delenv(distributed.ENV_MALLOC)
   monkeypatch.setenv(distributed.ENV_RECOVERABLE, "maybe")
   with pytest.raises(ValueError, match="QCOMM_RECOVERABLE must be one of"):
     distributed.initialize()
@@ -545,8 +550,9 @@ def test_launcher_sets_malloc_to_reuse_pages(tmp_path, monkeypatch, mode):
     monkeypatch.delenv(name, raising=False)
   monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
   script = tmp_path / "show.py"
+  monkeypatch.delenv("QCOMM_MALLOC", raising=False)
   script.write_text("import os\nfor k in ('MALLOC_ARENA_MAX', 'MALLOC_MMAP_THRESHOLD_', "
-                    "'MALLOC_TRIM_THRESHOLD_'):\n  print(k, os.environ.get(k, 'unset'))\n")
+                    "'MALLOC_TRIM_THRESHOLD_', 'QCOMM_MALLOC'):\n  print(k, os.environ.get(k, 'unset'))\n")
   parsed = launch.build_parser().parse_args(["-n", "1"] + ([] if mode is None else
                                                            ["--malloc", mode]))
   out = tmp_path / "out.txt"
@@ -555,6 +561,7 @@ def test_launcher_sets_malloc_to_reuse_pages(tmp_path, monkeypatch, mode):
   text = out.read_text()
   want = ({"MALLOC_ARENA_MAX": "unset", "MALLOC_MMAP_THRESHOLD_": "unset"} if mode == "glibc"
           else {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "4294967296"})
+  want["QCOMM_MALLOC"] = mode or "reuse"  # what initialize() applies itself (tools.malloc)
   for name, value in {**want, "MALLOC_TRIM_THRESHOLD_": "123"}.items():
     assert f"[0] {name} {value}" in text, text
   with pytest.raises(ValueError, match="malloc must be one of"):
@@ -577,3 +584,42 @@ def test_private_names_for_gloo_on_an_interface_are_where_compat_expects():
   """Fails loudly when a jax release moves one of the private names jax_qcomm._compat uses to bind
   gloo to a network interface (no public jax API does it); update _compat then."""
   assert _compat.gloo_private_api_problems() == []
+
+
+_REUSE_PROBE = """
+import ctypes, resource, sys
+from jax_qcomm.tools import malloc
+if sys.argv[1] == "reuse":
+  print(malloc.reuse_pages())
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+counts = []
+for _ in range(5):  # 100 MB malloc'ed, written and freed, as XLA:CPU does with its buffers
+  f = faults(); p = libc.malloc(100_000_000); ctypes.memset(p, 1, 100_000_000); libc.free(p)
+  counts.append(faults() - f)
+print("faults", counts[-1])
+"""
+
+
+@pytest.mark.parametrize("mode", ["reuse", "glibc"])
+def test_reuse_pages_makes_large_buffers_reuse_their_pages(mode):
+  """tools.malloc.reuse_pages (what initialize() applies by default): a 100 MB buffer allocated
+  again after it was freed takes its pages from the heap (no page faults); under glibc's defaults
+  it is a fresh mmap, 24k faults of 4 KiB. A MALLOC_* variable in the environment wins."""
+  import platform
+  import subprocess
+  import sys
+  if platform.libc_ver()[0] != "glibc":
+    pytest.skip("glibc only")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+  env["MALLOC_ARENA_MAX"] = "2"
+  out = subprocess.run([sys.executable, "-c", _REUSE_PROBE, mode], env=env, capture_output=True,
+                       text=True, timeout=120, check=True).stdout
+  faults = int(out.split("faults")[1])
+  if mode == "reuse":
+    assert "'M_MMAP_THRESHOLD': 'set'" in out and "'M_ARENA_MAX': 'env'" in out, out
+    assert faults < 1000, out
+  else:
+    assert faults > 20000, out

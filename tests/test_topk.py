@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
+from jax_qcomm.diloco import default_outer
 
 
 def test_ten_times_fewer_bytes_than_qsgd4_per_synchronisation():
@@ -102,3 +103,43 @@ def test_diloco_with_topk_and_error_feedback_tracks_fp32_diloco():
   assert final["topk"] < 1.5 * final["fp32"], final
   with pytest.raises(ValueError, match="no reduce-scatter"):
     qcomm.TopK().traffic(64, 2, "reduce_scatter")
+
+
+def test_a_short_last_chunk_has_its_own_k():
+  codec = qcomm.TopK(0.02, 2)  # whole chunks: k = 88 of 4096
+  assert codec.payload_size(10) == 4 + 2 * 8 + 8 * 2 // 8  # padded to 16 values, 8 sent
+  assert codec.payload_size(4096 + 300) == 202 + 4 + 2 * 8 + 2
+  x = jax.random.normal(jax.random.key(2), (4096 + 300,))
+  y = np.asarray(codec.roundtrip(x))
+  tail, out = np.asarray(x)[4096:], y[4096:]
+  assert set(np.flatnonzero(out)) <= set(np.argsort(-np.abs(tail))[:8])
+  assert np.count_nonzero(y[:4096]) <= 88 and np.count_nonzero(out) >= 1
+
+
+def test_sparse_codecs_send_every_leaf_and_lighter_outer_momentum_with_error_feedback():
+  """A sparse codec's defaults: small and 1-D leaves go through it (error feedback loses nothing
+  of them), and diloco with error feedback uses Nesterov (1.0, 0.5) outside; an explicit policy
+  still wins."""
+  params = {"w1": jnp.zeros((64, 256)), "b1": jnp.zeros((256,)), "w2": jnp.zeros((256, 10)),
+            "b2": jnp.zeros((10,))}
+  sent = {}
+  for name, codec in (("topk", qcomm.TopK(0.02, 2)), ("q4", qcomm.QSGD(4))):
+    tx = qcomm.diloco(optax.adam(1e-3), axis_name="node", every=50, codec=codec,
+                      error_feedback=True)
+    d = qcomm.describe(tx, params, devices=2)
+    sent[name] = d.sent_bytes_per_sync
+    if name == "topk":
+      assert "exact" not in str(d).split("-" * 20)[1], str(d)  # no leaf row is exact
+  assert sent["q4"] / sent["topk"] >= 10, sent
+  explicit = qcomm.LeafPolicy(min_size=1024, compress_1d=False)
+  assert isinstance(explicit.codec_for("b1", params["b1"], qcomm.TopK()), qcomm.NoCompression)
+  assert explicit.codec_for("w1", params["w1"], qcomm.TopK()) == qcomm.TopK()
+
+  def first_step(codec, ef):  # the default outer's first update of a pseudo-gradient of ones
+    outer = default_outer(codec, ef)
+    g = jnp.ones((3,))
+    return float(outer.update(g, outer.init(g))[0][0])
+
+  assert first_step(qcomm.TopK(), True) == pytest.approx(-1.0 * 1.5)  # lr 1.0, (1 + 0.5)
+  assert first_step(qcomm.TopK(), False) == pytest.approx(-0.7 * 1.9)  # DiLoCo's
+  assert first_step(qcomm.QSGD(4), True) == pytest.approx(-0.7 * 1.9)

@@ -248,6 +248,11 @@ class Codec(abc.ABC):
   # -- stated attributes ---------------------------------------------------------------------------
   #: True if decode(encode(x)) == x bit for bit.
   exact: bool = False
+  #: True if a payload carries a small share of the values and error feedback the rest (TopK).
+  #: Two defaults follow from it: :class:`qcomm.LeafPolicy` sends small and 1-D leaves through
+  #: the codec too (error feedback loses nothing of them), and :func:`qcomm.diloco` with error
+  #: feedback uses a lighter outer momentum (the residual already carries part of it).
+  sparse: bool = False
   #: Word type of the payload inside the collectives; its size divides every payload size.
   wire_dtype: Any = np.uint8
 

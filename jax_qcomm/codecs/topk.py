@@ -28,7 +28,15 @@ class TopK(Codec):
   Payload of a chunk: ``float32`` scale, ``k`` ``uint16`` positions, ``k * bits / 8`` bytes of
   codes (``bits`` 1: the sign; otherwise ``2**bits`` levels evenly from ``-scale`` to ``scale``).
   At ``fraction=0.02, bits=2`` that is 202 bytes per 4096 values, 11x fewer than ``QSGD(4)``.
-  A chunk holding a NaN or an infinity decodes to NaN everywhere (never made finite).
+  A buffer (the leaves packed, each padded to a multiple of 8 values) is cut into chunks; the
+  last one may be shorter and has its own ``k`` (at least 8 values), so a small leaf costs a few
+  dozen bytes, not a whole chunk. A chunk holding a NaN or an infinity decodes to NaN everywhere
+  (never made finite).
+
+  TopK is sparse (:attr:`Codec.sparse`): what a synchronisation does not send waits in error
+  feedback, so by default every leaf goes through it, small and 1-D ones too
+  (:class:`qcomm.LeafPolicy`), and :func:`qcomm.diloco` with ``error_feedback=True`` uses the
+  outer ``optax.sgd(1.0, momentum=0.5, nesterov=True)`` unless given another.
 
   The reduction is an all-gather of every device's payload, summed in device order by every device
   (the same bits everywhere; each value quantised once): ``(D - 1)`` payloads sent per device,
@@ -39,12 +47,13 @@ class TopK(Codec):
     fraction: the share of each chunk that is sent, in (0, 1].
     bits: bits per value sent, one of 1, 2, 4, 8.
     chunk: values per chunk (the scale's and the positions' span), a positive multiple of 8 up to
-      65536; leaves are padded to whole chunks.
+      65536.
   """
 
   fraction: float = 0.02
   bits: int = 2
   chunk: int = 4096
+  sparse = True  # error feedback carries what is not sent (Codec.sparse)
 
   def __post_init__(self):
     fraction = check_real("fraction", self.fraction)
@@ -60,25 +69,41 @@ class TopK(Codec):
     object.__setattr__(self, "chunk", chunk)
 
   # -- sizes ----------------------------------------------------------------------------------------
+  def k_of(self, c: int) -> int:
+    """Values sent of a chunk of ``c`` values: ``fraction * c`` rounded up to a multiple of 8."""
+    return min(c, -(-math.ceil(self.fraction * c) // 8) * 8)
+
   @property
   def k(self) -> int:
-    """Values sent per chunk."""
-    return min(self.chunk, -(-math.ceil(self.fraction * self.chunk) // 8) * 8)
+    """Values sent per whole chunk."""
+    return self.k_of(self.chunk)
+
+  def chunk_bytes_of(self, c: int) -> int:
+    """Payload bytes of a chunk of ``c`` values: scale, positions, codes."""
+    k = self.k_of(c)
+    return 4 + 2 * k + k * self.bits // 8
 
   @property
   def chunk_bytes(self) -> int:
-    return 4 + 2 * self.k + self.k * self.bits // 8
+    return self.chunk_bytes_of(self.chunk)
 
   @property
   def pad_multiple(self) -> int:
-    return self.chunk
+    return 8
 
   @property
   def name(self) -> str:
     return f"TopK {self.fraction:g} x {self.bits}b/{self.chunk}"
 
+  def _chunks(self, n: int) -> tuple[int, int]:
+    """(whole chunks, values in the last partial chunk) of a buffer of ``n`` values, padded to a
+    multiple of 8."""
+    n = -(-n // 8) * 8
+    return n // self.chunk, n % self.chunk
+
   def payload_size(self, n: int) -> int:
-    return -(-check_int("n", n, 0) // self.chunk) * self.chunk_bytes
+    whole, tail = self._chunks(check_int("n", n, 0))
+    return whole * self.chunk_bytes + (self.chunk_bytes_of(tail) if tail else 0)
 
   def wire_bits(self, devices: int = 1) -> float:
     check_int("devices", devices)
@@ -87,10 +112,17 @@ class TopK(Codec):
   # -- wire API -------------------------------------------------------------------------------------
   def wire_encode(self, x, key):
     del key
-    n = x.shape[0]
-    rows = _pad_to(x, self.payload_size(n) // self.chunk_bytes * self.chunk).reshape(
-        -1, self.chunk)
-    _, idx = lax.top_k(jnp.abs(rows), self.k)
+    whole, tail = self._chunks(x.shape[0])
+    x = _pad_to(x, whole * self.chunk + tail)
+    parts = [self._encode_chunks(x[:whole * self.chunk].reshape(whole, self.chunk))] if whole else []
+    if tail:
+      parts.append(self._encode_chunks(x[whole * self.chunk:].reshape(1, tail)))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+  def _encode_chunks(self, rows):
+    """float32[R, c] -> the R chunks' payloads, flat."""
+    k = self.k_of(rows.shape[1])
+    _, idx = lax.top_k(jnp.abs(rows), k)
     vals = jnp.take_along_axis(rows, idx, axis=1)
     finite = jnp.all(jnp.isfinite(rows), axis=1)
     scale = jnp.where(finite, jnp.max(jnp.abs(vals), axis=1), jnp.nan)
@@ -110,11 +142,21 @@ class TopK(Codec):
     return jnp.concatenate(parts, axis=1).reshape(-1)
 
   def _decode_one(self, wire, n):
-    rows = wire.reshape(-1, self.chunk_bytes)
+    whole, tail = self._chunks(n)
+    head = whole * self.chunk_bytes
+    parts = [self._decode_chunks(wire[:head], self.chunk)] if whole else []
+    if tail:
+      parts.append(self._decode_chunks(wire[head:], tail))
+    return (jnp.concatenate(parts) if len(parts) > 1 else parts[0])[:n]
+
+  def _decode_chunks(self, wire, c):
+    """The payloads of chunks of ``c`` values -> float32[R * c]."""
+    k = self.k_of(c)
+    rows = wire.reshape(-1, self.chunk_bytes_of(c))
     scale = lax.bitcast_convert_type(rows[:, :4], jnp.float32)
-    idx = lax.bitcast_convert_type(rows[:, 4:4 + 2 * self.k].reshape(rows.shape[0], self.k, 2),
+    idx = lax.bitcast_convert_type(rows[:, 4:4 + 2 * k].reshape(rows.shape[0], k, 2),
                                    jnp.uint16).astype(jnp.int32)
-    packed = rows[:, 4 + 2 * self.k:]
+    packed = rows[:, 4 + 2 * k:]
     per = 8 // self.bits
     shifts = (jnp.arange(per, dtype=jnp.uint8) * self.bits)
     codes = ((packed[:, :, None] >> shifts) & ((1 << self.bits) - 1)).reshape(rows.shape[0], -1)
@@ -124,10 +166,10 @@ class TopK(Codec):
     else:
       vals = (codes.astype(jnp.float32) * jnp.float32(2 / top) - 1) * scale[:, None]
     # A non-finite scale (a NaN or an infinity in the chunk) spreads to the whole chunk.
-    dense = jnp.zeros((rows.shape[0], self.chunk), jnp.float32) + jnp.where(
+    dense = jnp.zeros((rows.shape[0], c), jnp.float32) + jnp.where(
         jnp.isfinite(scale), 0.0, jnp.nan)[:, None]
     dense = dense.at[jnp.arange(rows.shape[0])[:, None], idx].add(vals)
-    return dense.reshape(-1)[:n]
+    return dense.reshape(-1)
 
   def wire_decode_sum(self, wires, n):
     return _sum_in_order(jnp.stack([self._decode_one(wires[j], n)
@@ -136,7 +178,7 @@ class TopK(Codec):
   # -- the reduction: an all-gather of the payloads ---------------------------------------------------
   def buffer_length(self, n: int, devices: int) -> int:
     check_int("devices", devices)
-    return -(-check_int("n", n, 0) // self.chunk) * self.chunk
+    return -(-check_int("n", n, 0) // 8) * 8
 
   def allreduce_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
                      op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:

@@ -22,6 +22,8 @@ Environment variables (set by :mod:`jax_qcomm.tools.launch`):
   ``QCOMM_INITIALIZATION_TIMEOUT``: the fault timeouts in seconds (:class:`Timeouts`);
 * ``QCOMM_RECOVERABLE``         ``1``/``0`` (also true/false, yes/no, on/off): jax's recoverability
   mode, on by default.
+* ``QCOMM_MALLOC``              ``reuse`` (default) or ``glibc``: whether :func:`initialize` sets
+  glibc's malloc so that large CPU buffers reuse their pages (:mod:`jax_qcomm.tools.malloc`).
 
 Without a coordinator (no argument, no ``QCOMM_COORDINATOR``), :func:`initialize` defers to jax's
 cluster detection: SLURM (``srun``), Open MPI (``mpirun``), Kubernetes, mpi4py.
@@ -58,6 +60,7 @@ from jax.sharding import Mesh
 
 from jax_qcomm import _compat
 from jax_qcomm._checks import check_bool, check_choice, check_int
+from jax_qcomm.tools import malloc as malloc_tools
 
 ENV_COORDINATOR = "QCOMM_COORDINATOR"
 ENV_NUM_PROCESSES = "QCOMM_NUM_PROCESSES"
@@ -69,6 +72,7 @@ ENV_COLLECTIVE_TIMEOUT = "QCOMM_COLLECTIVE_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "QCOMM_SHUTDOWN_TIMEOUT"
 ENV_INITIALIZATION_TIMEOUT = "QCOMM_INITIALIZATION_TIMEOUT"
 ENV_RECOVERABLE = "QCOMM_RECOVERABLE"
+ENV_MALLOC = "QCOMM_MALLOC"
 
 #: XLA's timeout of one CPU collective across processes (gloo): default 30 minutes.
 XLA_CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
@@ -315,7 +319,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                recoverable: bool | None = None, cluster_detection_method: str | None = None,
                coordinator_bind_address: str | None = None, mtls_cert_file: str | None = None,
                mtls_key_file: str | None = None, mtls_ca_file: str | None = None,
-               mtls_peer_uri_prefix: str | None = None) -> Timeouts:
+               mtls_peer_uri_prefix: str | None = None, malloc: str | None = None) -> Timeouts:
   """Joins this process to a multi-process CPU run: gloo collectives over ``jax.distributed``.
 
   Must be called before anything initialises a JAX backend (any computation, ``jax.devices()``,
@@ -366,6 +370,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       connections stay plain TCP: docs/distributed.md). None: jax's ``jax_mtls_*`` settings.
     mtls_peer_uri_prefix: accept a peer iff a URI SAN of its certificate starts with this prefix
       (ending in ``/``), instead of checking the coordinator's host name against its certificate.
+    malloc: ``"reuse"`` (default, else ``QCOMM_MALLOC``) sets glibc's malloc so that XLA's large
+      CPU buffers reuse their pages instead of being mapped afresh every step
+      (:func:`jax_qcomm.tools.malloc.reuse_pages`: one arena, mmap and trim thresholds of 2 GiB;
+      a parameter whose ``MALLOC_*`` variable the environment sets is left to it); ``"glibc"``
+      keeps glibc's defaults.
 
   Returns:
     The :class:`Timeouts` in force.
@@ -383,6 +392,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   recoverable = True if recoverable is None else bool(recoverable)
   check_bool("fail_fast", fail_fast)
   check_bool("preemption_service", preemption_service)
+  if malloc is None:
+    malloc = os.environ.get(ENV_MALLOC) or "reuse"
+    if malloc not in malloc_tools.MODES:
+      raise ValueError(f"{what}: {ENV_MALLOC} must be one of {malloc_tools.MODES}, got {malloc!r}")
+  check_choice("malloc", malloc, malloc_tools.MODES)
   if coordinator_address is not None:
     _check_address("coordinator_address", coordinator_address)
   if num_processes is not None:
@@ -442,6 +456,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     raise RuntimeError(f"{what}: {e}") from e
   if missing:  # chosen by jax's cluster detection
     _, process_id, num_processes = _compat.distributed_state()
+  if malloc == "reuse":
+    malloc_tools.reuse_pages()
   # No backend exists yet (jax.distributed.initialize refuses otherwise): the settings below are
   # read when the first one is created.
   os.environ["XLA_FLAGS"] = timeouts.xla_flags(os.environ.get("XLA_FLAGS", ""))

@@ -312,6 +312,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
   if malloc == "reuse":
     for name, value in MALLOC_REUSE_ENV.items():
       base_env.setdefault(name, value)
+  base_env.setdefault(distributed.ENV_MALLOC, malloc)  # what initialize() applies itself
   base_env.update({distributed.ENV_COORDINATOR: f"{host}:{port}",
                    ENV_LAUNCH_COMMAND: launch_command or shlex.join(["python", *command]),
                    distributed.ENV_NUM_PROCESSES: str(num_processes),
