@@ -37,6 +37,7 @@ import jax_qcomm
 from jax_qcomm import _ffi
 from jax_qcomm.tools import distributed
 from jax_qcomm.tools import launch
+from jax_qcomm.tools import malloc as malloc_tools
 from jax_qcomm.tools.launch import ENV_LAUNCH_COMMAND
 from training.timing import Timing, gc_paused, median_time  # noqa: F401  (re-exported)
 
@@ -84,12 +85,20 @@ def malloc_metadata() -> dict[str, Any]:
     source = "re-exec" if os.environ.get(_REEXEC_MARKER) == "1" else "environment"
   env = {k: v for k, v in sorted(os.environ.items())
          if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}
-  return dict(mode=mode, source=source, env=env)
+  # What jax_qcomm.tools.distributed.initialize set with mallopt (tools.malloc), whatever the
+  # environment: "set" per parameter it applied.
+  mallopt = dict(malloc_tools.applied)
+  if mode == "raw" and mallopt and all(v == "set" for v in mallopt.values()):
+    mode, source = "mallopt", "initialize"
+  return dict(mode=mode, source=source, env=env, mallopt=mallopt)
 
 
 def malloc_note(meta: dict[str, Any]) -> str:
   """One line saying what the malloc mode of :func:`malloc_metadata` means for the numbers."""
   settings = " ".join(f"{k}={v}" for k, v in meta["env"].items())
+  if meta["mode"] == "mallopt":
+    return ("malloc: reuse set by jax_qcomm.tools.distributed.initialize with mallopt (one arena, "
+            "mmap and trim thresholds of 2 GiB; no MALLOC_* variables)")
   if meta["mode"] == "raw":
     return ("malloc: raw glibc defaults (--raw-malloc): outputs above the mmap threshold (<= 32 MB) "
             "page-fault on every call, which can dominate large sizes")

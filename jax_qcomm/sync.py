@@ -543,8 +543,7 @@ class _ShardedSync(_Sync):
         lost[i] = layout.unrows(seg, i)
 
     # 2. Whole-model finiteness, the same decision on every device: one scalar psum.
-    bad = sum((jnp.sum(~jnp.isfinite(x)) for x in shards), jnp.int32(0))
-    finite = lax.psum(bad, names) == 0
+    finite = jnp.isfinite(lax.psum(_parts.nonfinite_mark(shards), names))
 
     # 3. inner on the shards, against the fp32 master.
     inner_state = jax.tree_util.tree_map(lambda a: a[0], state.inner_opt_state)

@@ -115,8 +115,11 @@ def test_tree_mode_counts_describes_bytes_and_the_error(tmp_path):
   from jax_qcomm.tools import efficiency
   from benchmarks import sharded
   data, _ = _run(tmp_path / "t.json", "--devices", "2", "--tree", "resnet50", "--codecs", "fp32",
-                 "auto4", "--repeats", "1", "--warmup", "1", timeout=600)
+                 "auto4", "--repeats", "1", "--warmup", "1", "--sync", timeout=600)
   rows = {r["codec"]: r for r in data["rows"]}
+  for r in rows.values():  # --sync: sync's update timed beside the allreduce, round by round
+    assert len(r["sync_times_s"]) == len(r["sync_allreduce_times_s"]) == 1
+    assert _positive_finite(r["sync_median_s"]) and _positive_finite(r["sync_over_allreduce"])
   assert rows["fp32"]["rel_error"] == 0 and rows["auto4"]["runs"] == "QSGD 4b/128 maxmin"
   assert 0.05 < rows["auto4"]["rel_error"] < 0.5
   shapes = sharded.payload("resnet50")

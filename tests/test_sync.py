@@ -560,3 +560,18 @@ def test_hierarchical_axis_state_from_tx_init():
   want = -0.1 * (np.asarray(g1["w"]) + np.asarray(g2["w"])).mean(0) / 2
   np.testing.assert_allclose(np.asarray(u["w"]), want, atol=1e-6)
   assert int(state.gradient_step) == 1
+
+
+def test_the_finite_test_sees_every_nan_and_infinity_and_no_overflow():
+  """_parts.all_finite (sync's and diloco's finite guard): the float sum of x * 0 is NaN exactly
+  when some element is a NaN or an infinity, in any dtype, and finite values as large as float32
+  allows do not overflow it."""
+  from jax_qcomm import _parts
+  big = jnp.full((1000,), 3.0e38, jnp.float32)
+  assert bool(_parts.all_finite({"a": big, "b": -big}))
+  assert bool(_parts.all_finite({}))
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    x = jnp.ones((4099,), dtype)
+    assert bool(_parts.all_finite([x, x[:3]]))
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+      assert not bool(jax.jit(_parts.all_finite)([x, x.at[4098].set(bad)])), (dtype, bad)

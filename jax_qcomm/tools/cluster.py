@@ -201,6 +201,9 @@ def add_cluster_options(parser: argparse.ArgumentParser, nodes: int = 4) -> None
                            f"(default: {DEFAULT_TIMEOUT:g})")
   parser.add_argument("--no-link-check", action="store_true",
                       help="skip the TCP transfers that measure the shaped links before the program")
+  parser.add_argument("--malloc", choices=launch.MALLOC_MODES, default="reuse",
+                      help="the launcher's malloc mode for the node processes (default: reuse; "
+                           "glibc: no MALLOC_* variables, as under a launcher of the user's own)")
 
 
 def _check_prefix(prefix: str) -> str:
@@ -580,7 +583,7 @@ class Session:
         ["-c", _NODE_STUB, self.ip, cluster.tag, cpus, exe, *argv], args.nodes,
         local_devices=args.local_devices, port=args.port, host=cluster.addresses[0],
         interface=NS_INTERFACE, timeout=args.timeout, env=env,
-        launch_command=launch_command or label)
+        launch_command=launch_command or label, malloc=getattr(args, "malloc", "reuse"))
     record.update(wall_s=time.monotonic() - start, exit_status=status,
                   load_average_after=list(os.getloadavg()))
     self.meta.setdefault("runs", []).append(record)

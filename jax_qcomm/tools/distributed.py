@@ -431,6 +431,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   else:
     detection = cluster_detection_method  # None: jax tries every environment it knows
 
+  if malloc == "reuse":
+    # Before jax.distributed starts its threads: a thread that allocates before the arena limit
+    # is set gets an arena of its own, and XLA's threads would later share it.
+    malloc_tools.reuse_pages()
   # Read by jax.distributed.initialize below: without the preemption service, SIGTERM ends JAX;
   # with recoverability, the coordination service does not abort the survivors of a lost process.
   jax.config.update("jax_enable_preemption_service", bool(preemption_service))
@@ -456,8 +460,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     raise RuntimeError(f"{what}: {e}") from e
   if missing:  # chosen by jax's cluster detection
     _, process_id, num_processes = _compat.distributed_state()
-  if malloc == "reuse":
-    malloc_tools.reuse_pages()
   # No backend exists yet (jax.distributed.initialize refuses otherwise): the settings below are
   # read when the first one is created.
   os.environ["XLA_FLAGS"] = timeouts.xla_flags(os.environ.get("XLA_FLAGS", ""))

@@ -31,6 +31,8 @@ REUSE = {
     "M_TRIM_THRESHOLD": (-1, 2**31 - 1, "MALLOC_TRIM_THRESHOLD_"),
 }
 MODES = ("reuse", "glibc")
+#: What :func:`reuse_pages` did in this process (empty until it runs).
+applied: dict[str, str] = {}
 
 
 def reuse_pages() -> dict[str, str]:
@@ -46,4 +48,5 @@ def reuse_pages() -> dict[str, str]:
       done[name] = "env"
     else:
       done[name] = "set" if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) else "refused"
+  applied.update(done)
   return done
