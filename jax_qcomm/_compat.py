@@ -60,9 +60,9 @@ def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def cond(pred: jax.Array, branches: Sequence[Callable[[], Any]]) -> Any:
-  """``lax.cond(pred, branches[0], branches[1])`` whose branches may differ in vma: every output
-  is marked varying over the union of the axes either branch's output varies over."""
+def _same_vma(branches: Sequence[Callable[[], Any]]) -> list[Callable[[Any], Any]]:
+  """The branches, each marking every output varying over the union of the axes any branch's
+  output varies over (lax.cond / lax.switch need the same types from every branch)."""
   jaxprs = [jax.make_jaxpr(b)() for b in branches]
   want = [frozenset().union(*(vma_of(j.out_avals[i]) for j in jaxprs))
           for i in range(len(jaxprs[0].out_avals))]
@@ -73,7 +73,21 @@ def cond(pred: jax.Array, branches: Sequence[Callable[[], Any]]) -> Any:
       return jax.tree_util.tree_unflatten(treedef, [make_varying(x, w) for x, w in zip(leaves, want)])
     return run
 
-  return lax.cond(pred, wrap(branches[0]), wrap(branches[1]), None)
+  return [wrap(b) for b in branches]
+
+
+def cond(pred: jax.Array, branches: Sequence[Callable[[], Any]]) -> Any:
+  """``lax.cond(pred, branches[0], branches[1])`` whose branches may differ in vma: every output
+  is marked varying over the union of the axes either branch's output varies over."""
+  true_fn, false_fn = _same_vma(branches)
+  return lax.cond(pred, true_fn, false_fn, None)
+
+
+def switch(index: jax.Array, branches: Sequence[Callable[[], Any]]) -> Any:
+  """``lax.switch(index, branches)`` whose branches may differ in vma (as :func:`cond`)."""
+  if len(branches) == 1:
+    return branches[0]()
+  return lax.switch(index, _same_vma(branches), None)
 
 
 # ---- gloo bound to a network interface (private jax names, isolated here) -------------------------

@@ -203,9 +203,16 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
       _share(sent, group.leaves, [layout.leaves[i].size for i in group.leaves], total)
     extra = NoCompression().sent_bytes(1, devices)
   else:
-    for group in packing.plan(shapes, codecs, cfg.comm_bucket_size, devices):
-      sizes = [packing.padded_size(shapes[i].size, group.codec) for i in group.leaves]
-      _share(sent, group.leaves, sizes, group.codec.sent_bytes(sum(sizes), devices))
+    # diloco with fragments: each fragment is its own allreduce (packed apart from the others).
+    fragments = getattr(cfg, "fragments", 1)
+    parts = (packing.fragment_groups([s.size for s in shapes], fragments) if fragments > 1
+             else [list(range(len(shapes)))])
+    for part in parts:
+      for group in packing.plan([shapes[i] for i in part], [codecs[i] for i in part],
+                                cfg.comm_bucket_size, devices):
+        members = [part[j] for j in group.leaves]
+        sizes = [packing.padded_size(shapes[i].size, group.codec) for i in members]
+        _share(sent, members, sizes, group.codec.sent_bytes(sum(sizes), devices))
   leaves = []
   collective = "reduce_scatter" if getattr(cfg, "shard_state", False) else "allreduce"
   for (path, _), shape, codec, nbytes in zip(with_path, shapes, codecs, sent):

@@ -25,6 +25,7 @@ sharded: its ``accum_steps`` is honoured (``every`` counts its optimizer steps).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import optax
@@ -70,11 +71,19 @@ class DiLoCoConfig:
   seed: int = 0
   inner_accum_steps: int = 1
   inner_axis_name: Any = None
+  fragments: int = 1
 
   @property
   def accum_steps(self) -> int:
-    """Calls per communication: ``every`` inner optimizer steps of ``inner_accum_steps`` calls."""
+    """Calls per round, in which every parameter is synchronised once: ``every`` inner optimizer
+    steps of ``inner_accum_steps`` calls."""
     return self.every * self.inner_accum_steps
+
+  @property
+  def sync_calls(self) -> int:
+    """Calls between two synchronisations: a round, or with fragments a round / ``fragments``
+    (each synchronisation then carries one fragment)."""
+    return self.accum_steps // self.fragments
 
   def __hash__(self):  # static pytree data must hash; a policy's overrides may hold unhashables
     return hash((type(self).__name__, repr(self.axis_name), self.every))
@@ -98,7 +107,8 @@ class DiLoCoState(NamedTuple):
   Replicated (``PartitionSpec()``):
     outer_opt_state: the outer optimizer's state (float32, the parameters' structure).
     mini_step: calls since the last synchronisation (int32; 0 right after one).
-    outer_step: synchronisations so far (int32).
+    outer_step: synchronisations so far (int32); with fragments, the next one carries fragment
+      ``outer_step % fragments``.
     key: rounding key data (uint32[2]), advanced at every synchronisation.
     total_notfinite: synchronisations whose mean pseudo-gradient held a NaN or an infinity; they
       leave the anchor, the outer state and the residual as they were.
@@ -124,8 +134,8 @@ class DiLoCoState(NamedTuple):
 def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: int,
            codec: Codec | None = None, outer: optax.GradientTransformation | None = None,
            error_feedback: bool = False, policy: packing.LeafPolicy | None = None,
-           comm_bucket_size: int | None = None,
-           seed: int = 0) -> optax.GradientTransformationExtraArgs:
+           comm_bucket_size: int | None = None, seed: int = 0,
+           fragments: int = 1) -> optax.GradientTransformationExtraArgs:
   """Local steps of ``inner``, and every ``every`` steps a compressed outer step across replicas.
 
   Args:
@@ -154,6 +164,13 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
     comm_bucket_size: most elements per flat communication buffer (None: the codec's own
       :meth:`~qcomm.Codec.comm_buffer_size`).
     seed: seeds the rounding key (a Python or numpy integer).
+    fragments: P >= 1, dividing ``every``. With P > 1 the parameters are cut into P fragments
+      (consecutive leaves in the tree's order, about equal in size) and every ``every / P`` inner
+      steps one fragment is synchronised, in turn (Streaming DiLoCo): each parameter still
+      synchronises every ``every`` steps, the bytes per call are the same, and each
+      synchronisation sends about 1/P of them, so the peak traffic drops P-fold. Each fragment
+      has its own outer optimizer state; between its synchronisations a replica's other
+      fragments keep their local values.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` builds a :class:`DiLoCoState`
@@ -168,6 +185,10 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
     raise ValueError(f"inner must be an optax.GradientTransformation, got {inner!r}")
   check_axis_name("axis_name", axis_name)
   every = check_int("every", every)
+  fragments = check_int("fragments", fragments)
+  if every % fragments:
+    raise ValueError(f"fragments must divide every (one fragment every every / fragments inner "
+                     f"steps), got fragments={fragments}, every={every}")
   error_feedback = check_bool("error_feedback", error_feedback)
   codec = _parts.resolve_codec(codec, None, None, error_feedback)
   if outer is None:
@@ -179,9 +200,16 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
   config = DiLoCoConfig(axis_name=axis_name, codec=codec, policy=policy, every=every,
                         error_feedback=error_feedback and codec.lossy,
                         comm_bucket_size=check_int_or_none("comm_bucket_size", comm_bucket_size),
-                        seed=_parts.check_seed(seed))
+                        seed=_parts.check_seed(seed), fragments=fragments)
   d = _DiLoCo(optax.with_extra_args_support(inner), outer, config)
   return optax.GradientTransformationExtraArgs(d.init, d.update)
+
+
+def _paths_and_leaves(tree: Any) -> tuple[list[str], list[Any]]:
+  """The leaves of ``tree`` and their paths ('params/Dense_0/kernel'), the keys under which a
+  fragment's leaves travel (so that the leaf policy sees the same paths)."""
+  with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [packing.path_str(p) for p, _ in with_path], [x for _, x in with_path]
 
 
 class _DiLoCo:
@@ -218,9 +246,15 @@ class _DiLoCo:
     cfg = self._with_inner(inner_state)
     rows = lambda t: _parts.per_device(t, self.names, d, bound)  # noqa: E731
     f32 = jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params)
+    if cfg.fragments == 1:
+      outer_state = self.outer.init(f32)
+    else:  # one outer state per fragment, over the fragment's leaves keyed by their paths
+      paths, leaves = _paths_and_leaves(f32)
+      groups = packing.fragment_groups([x.size for x in leaves], cfg.fragments)
+      outer_state = tuple(self.outer.init({paths[i]: leaves[i] for i in g}) for g in groups)
     return DiLoCoState(
         params=rows(params), inner_opt_state=rows(inner_state),
-        outer_opt_state=self.outer.init(f32),
+        outer_opt_state=outer_state,
         residual=rows(jax.tree_util.tree_map(jnp.zeros_like, f32)) if cfg.error_feedback else (),
         mini_step=_parts.zero(), outer_step=_parts.zero(), key=_parts.seed_key(cfg.seed),
         total_notfinite=_parts.zero(), config=cfg)
@@ -243,12 +277,19 @@ class _DiLoCo:
       return zeros, state._replace(params=rows(local), inner_opt_state=rows(inner_state),
                                    mini_step=mini_step)
 
-    def outer_step():
+    def outer_step(group=None, f=0):
+      """The synchronisation of the leaves in ``group`` (None: all) and fragment f's outer
+      state."""
       anchor = jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params)
       delta = jax.tree_util.tree_map(lambda a, p: a - p.astype(jnp.float32), anchor, local)
       if cfg.error_feedback:
         delta = _parts.add_residual(delta, state.residual)
       key, sub = _parts.split_key(state.key)
+      if group is not None:  # the fragment's leaves, keyed by their paths (the policy reads them)
+        paths, anchor_leaves = _paths_and_leaves(anchor)
+        treedef = jax.tree_util.tree_structure(params)
+        delta_leaves = jax.tree_util.tree_leaves(delta)
+        delta = {paths[i]: delta_leaves[i] for i in group}
       # With a sync inside, delta is the same on every device of its axis: each sends only its
       # share across the slow axis (collectives' Hierarchical path for values equal inside).
       axis = (cfg.axis_name if cfg.inner_axis_name is None
@@ -258,7 +299,18 @@ class _DiLoCo:
           comm_bucket_size=cfg.comm_bucket_size, return_residual=True, check_varying=False)
       # The mean is bit-identical on every replica, so this decision is too.
       finite = _parts.all_finite(mean)
-      outer_updates, outer_state = self.outer.update(mean, state.outer_opt_state, anchor)
+      if group is None:
+        outer_updates, outer_state = self.outer.update(mean, state.outer_opt_state, anchor)
+        new_outer = _parts.keep_if_finite(finite, outer_state, state.outer_opt_state)
+      else:
+        sub_updates, outer_state = self.outer.update(
+            mean, state.outer_opt_state[f], {paths[i]: anchor_leaves[i] for i in group})
+        new_outer = tuple(_parts.keep_if_finite(finite, outer_state, o) if j == f else o
+                          for j, o in enumerate(state.outer_opt_state))
+        full = [jnp.zeros(jnp.shape(x), jnp.float32) for x in anchor_leaves]
+        for i in group:
+          full[i] = sub_updates[paths[i]]
+        outer_updates = jax.tree_util.tree_unflatten(treedef, full)
       updates = jax.tree_util.tree_map(
           lambda u, p: jnp.where(finite, u, 0).astype(jnp.result_type(p)), outer_updates, params)
       # The new anchor, as the caller's optax.apply_updates makes it from the updates returned:
@@ -266,14 +318,39 @@ class _DiLoCo:
       # plain add there could differ in the last bit). The next call starts from the caller's
       # anchor in any case (local_params at mini_step == 0).
       new_anchor = optax.apply_updates(params, lax.optimization_barrier(updates))
-      residual = _parts.next_residual(finite, lost, state.residual) if cfg.error_feedback else ()
+      new_local = new_anchor
+      residual = state.residual
+      if group is None:
+        if cfg.error_feedback:
+          residual = _parts.next_residual(finite, lost, state.residual)
+      else:  # the other fragments keep their own values and residuals
+        new_leaves = jax.tree_util.tree_leaves(new_anchor)
+        local_leaves = jax.tree_util.tree_leaves(local)
+        new_local = jax.tree_util.tree_unflatten(
+            treedef, [new_leaves[i] if i in group else local_leaves[i]
+                      for i in range(len(local_leaves))])
+        if cfg.error_feedback:
+          res_leaves = jax.tree_util.tree_leaves(state.residual)
+          kept = _parts.next_residual(finite, [lost[paths[i]] for i in group],
+                                      [res_leaves[i] for i in group])
+          for i, r in zip(group, kept):
+            res_leaves[i] = r
+          residual = jax.tree_util.tree_unflatten(treedef, res_leaves)
       return updates, DiLoCoState(
-          params=rows(new_anchor), inner_opt_state=rows(inner_state),
-          outer_opt_state=_parts.keep_if_finite(finite, outer_state, state.outer_opt_state),
-          residual=residual, mini_step=_parts.zero(), outer_step=state.outer_step + 1, key=key,
+          params=rows(new_local), inner_opt_state=rows(inner_state),
+          outer_opt_state=new_outer, residual=residual, mini_step=_parts.zero(),
+          outer_step=state.outer_step + 1, key=key,
           total_notfinite=_parts.count_notfinite(state.total_notfinite, finite), config=cfg)
 
-    return _compat.cond(mini_step >= cfg.accum_steps, (outer_step, between))
+    if cfg.fragments > 1:
+      groups = packing.fragment_groups([jnp.size(x) for x in jax.tree_util.tree_leaves(params)],
+                               cfg.fragments)
+      synchronise = lambda: _compat.switch(  # noqa: E731
+          state.outer_step % cfg.fragments,
+          [functools.partial(outer_step, g, f) for f, g in enumerate(groups)])
+    else:
+      synchronise = outer_step
+    return _compat.cond(mini_step >= cfg.sync_calls, (synchronise, between))
 
   def _check(self, grads: Any, state: Any, params: Any) -> None:
     if not isinstance(state, DiLoCoState) or state.config is None:

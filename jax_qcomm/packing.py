@@ -107,6 +107,24 @@ class LeafPolicy:
     return default
 
 
+def fragment_groups(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+  """The leaves (indices in the tree's order) of each of ``fragments`` fragments: consecutive
+  leaves, cut where the running size first reaches each multiple of total / fragments, none
+  empty. ValueError with fewer leaves than fragments."""
+  if len(sizes) < fragments:
+    raise ValueError(f"fragments must be at most the number of parameter leaves, got "
+                     f"fragments={fragments} for {len(sizes)} leaves")
+  total, groups, run = sum(int(n) for n in sizes), [[]], 0
+  for i, n in enumerate(sizes):
+    left = len(sizes) - i  # leaves not yet placed, this one included
+    if groups[-1] and (left <= fragments - len(groups)
+                       or run >= len(groups) * total / fragments) and len(groups) < fragments:
+      groups.append([])
+    groups[-1].append(i)
+    run += int(n)
+  return groups
+
+
 @dataclasses.dataclass(frozen=True)
 class _Shape:
   """What LeafPolicy.codec_for reads of a leaf (size and ndim), for arrays and shape structs."""

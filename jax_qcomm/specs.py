@@ -271,6 +271,10 @@ def local_params(opt_state: Any, params: Any) -> Any:
     raise ValueError(f"params must have the structure of the diloco replicas' parameters, got "
                      f"{jax.tree_util.tree_structure(params)} vs "
                      f"{jax.tree_util.tree_structure(local)}")
+  if getattr(_field(state, "config"), "fragments", 1) > 1:
+    # Fragments: right after a synchronisation only one fragment is the anchor; the replica's
+    # parameters hold it, made as the caller's optax.apply_updates makes the anchor.
+    return jax.tree_util.tree_map(lambda a: a[0], local)
   synced = _field(state, "mini_step") == 0
   return jax.tree_util.tree_map(lambda a, p: jnp.where(synced, p, a[0]), local, params)
 

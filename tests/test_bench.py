@@ -46,7 +46,7 @@ def test_codec_bench_json(tmp_path, raw):
   for key in ("date", "hostname", "cpu_model", "jax_version", "backend"):
     assert meta[key], key
   if raw:
-    assert meta["malloc"] == dict(mode="raw", source=None, env={})
+    assert meta["malloc"] == dict(mode="raw", source=None, env={}, mallopt={})
   else:
     assert meta["malloc"]["mode"] == "tuned" and meta["malloc"]["source"] == "re-exec"
     assert meta["malloc"]["env"] == _common.MALLOC_ENV

@@ -496,3 +496,109 @@ def test_composed_on_a_2x3_mesh_keeps_every_device_identical():
         for r in range(2):
           np.testing.assert_array_equal(np.asarray(x)[r], np.asarray(a))
   assert int(state.outer_step) == 3
+
+
+# ---- streaming fragments --------------------------------------------------------------------------
+
+def test_fragments_are_consecutive_leaves_of_about_equal_size():
+  from jax_qcomm.packing import fragment_groups
+  assert fragment_groups([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+  assert fragment_groups([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+  assert fragment_groups([1, 2, 3], 3) == [[0], [1], [2]]
+  assert fragment_groups([5] * 7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
+  with pytest.raises(ValueError, match="fragments must be at most the number of parameter leaves"):
+    fragment_groups([5, 5], 3)
+  with pytest.raises(ValueError, match="fragments must divide every"):
+    qcomm.diloco(optax.sgd(0.1), axis_name=AX, every=6, fragments=4)
+  with pytest.raises(ValueError, match="fragments must be"):
+    qcomm.diloco(optax.sgd(0.1), axis_name=AX, every=6, fragments=0)
+
+
+@pytest.mark.parametrize("d,ef", [(3, True), (2, False)])
+def test_fragments_synchronise_in_turn_and_keep_replicas_identical(d, ef):
+  """fragments=3, every=6: every 2 calls one fragment (in turn) is averaged and becomes the
+  anchor on every replica, bit for bit; the other leaves keep each replica's own values; after a
+  whole round every leaf has been synchronised once, and each fragment's outer state moved only
+  at its own synchronisations."""
+  params = _params()
+  tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=6, fragments=3,
+                    codec=qcomm.QSGD(2, rounding="nearest") if ef else qcomm.QSGD(4),
+                    error_feedback=ef, policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
+  groups = qcomm.packing.fragment_groups([x.size for x in jax.tree.leaves(params)], 3)
+  assert groups == [[0], [1], [2]]  # b, v, w (the tree's order)
+  mesh = _mesh(d)
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params), AX)
+  axes = frozenset({AX})
+
+  def step(anchor, s, batch):
+    g = jax.grad(_loss)(qcomm.local_params(s, anchor), batch)
+    u, s = tx.update(g, s, anchor)
+    anchor = optax.apply_updates(anchor, u)
+    every_copy = jax.tree.map(lambda a: _compat.make_varying(a, axes)[None], anchor)
+    return anchor, s, every_copy
+
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P(AX)),
+                               out_specs=(P(), spec, P(AX))))
+  anchor, state = params, init(params)
+  assert isinstance(state.outer_opt_state, tuple) and len(state.outer_opt_state) == 3
+  names = ["b", "v", "w"]
+  for i, b in enumerate(_batches(12, 2 * d)):
+    before = anchor
+    anchor, state, copies = step(anchor, state, b)
+    synced = (i // 2) % 3 if i % 2 == 1 else None
+    for j, name in enumerate(names):
+      c, lp = np.asarray(copies[name]), np.asarray(state.params[name])
+      for r in range(1, d):
+        np.testing.assert_array_equal(c[r], c[0])  # the anchor: the same on every replica
+      if j == synced:  # the fragment just synchronised: every replica holds the anchor
+        np.testing.assert_array_equal(lp, c)
+        assert not np.array_equal(c[0], np.asarray(before[name]))
+      else:  # the anchor did not move; the replicas trained apart on their own data
+        np.testing.assert_array_equal(c[0], np.asarray(before[name]))
+        assert not np.array_equal(lp[0], lp[1])
+  assert int(state.outer_step) == 6  # two whole rounds
+  for o in state.outer_opt_state:  # each fragment's Nesterov trace moved
+    assert all(float(jnp.max(jnp.abs(t))) > 0 for t in jax.tree.leaves(o)
+               if jnp.issubdtype(t.dtype, jnp.floating))
+
+
+def test_fragments_send_a_share_per_synchronisation_and_describe_equals_the_hlo():
+  params = _params()
+  full = qcomm.diloco(optax.adam(1e-3), axis_name=AX, every=6, codec=qcomm.QSGD(4),
+                      policy=qcomm.LeafPolicy(min_size=0))
+  frag = qcomm.diloco(optax.adam(1e-3), axis_name=AX, every=6, codec=qcomm.QSGD(4),
+                      policy=qcomm.LeafPolicy(min_size=0), fragments=3)
+  d = 3
+  a, b = qcomm.describe(full, params, devices=d), qcomm.describe(frag, params, devices=d)
+  # The same round: each leaf once per 6 calls (packing apart changes only the padding).
+  assert b.sent_bytes_per_call == pytest.approx(a.sent_bytes_per_call, rel=0.05)
+  text = _compiled_text(frag, d, params)
+  # One allreduce per fragment, each in its own branch; together they are the round's bytes.
+  assert hlo_sent_bytes(text, d) == pytest.approx(b.sent_bytes_per_sync, rel=1e-9)
+  per_leaf = {leaf.path: leaf.sent_bytes for leaf in b.leaves}
+  assert max(per_leaf.values()) < 0.8 * b.sent_bytes_per_sync  # the peak: the largest fragment
+
+
+def test_the_runner_runs_fragments_and_matches_the_explicit_form():
+  params, batches, d = _params(), _batches(8, 6), 3
+  tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=6, fragments=3, codec=qcomm.QSGD(4),
+                    policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
+  anchor, state = _run(tx, d, params, batches)
+  assert int(state.outer_step) == 4
+  mesh = _mesh(d)
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params), AX)
+
+  def step(a, s, batch):
+    g = jax.grad(_loss)(qcomm.local_params(s, a), batch)
+    u, s = tx.update(g, s, a)
+    return optax.apply_updates(a, u), s
+
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P(AX)),
+                               out_specs=(P(), spec)))
+  a, s = params, init(params)
+  for b in batches:
+    a, s = step(a, s, b)
+  for x, y in zip(jax.tree.leaves(anchor), jax.tree.leaves(a)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
