@@ -1,6 +1,7 @@
 """The runner on the first local device (a GPU where there is one): ``qcomm.sync`` (QSGD 4, Auto 4,
-sharded, accumulating) and ``qcomm.diloco`` train a linear regression for 30 steps; each line says
-OK when every loss is finite and the last is under half the first. docs/cuda.md records a run.
+sharded, accumulating) and ``qcomm.diloco`` (QSGD 4, TopK with error feedback, two fragments) train
+a linear regression for 30 steps; each line says OK when every loss is finite and the last is
+under half the first. docs/cuda.md records a run.
 """
 
 import numpy as np
@@ -32,6 +33,10 @@ def main() -> int:
       "sync QSGD4 accum2": qcomm.sync(optax.adam(3e-2), codec=qcomm.QSGD(4), accum_steps=2),
       "diloco QSGD4": qcomm.diloco(optax.adam(3e-2), axis_name="data", every=5,
                                    codec=qcomm.QSGD(4)),
+      "diloco TopK EF": qcomm.diloco(optax.adam(3e-2), axis_name="data", every=5,
+                                     codec=qcomm.TopK(0.1, bits=2), error_feedback=True),
+      "diloco 2 fragments": qcomm.diloco(optax.adam(3e-2), axis_name="data", every=6,
+                                         fragments=2, codec=qcomm.QSGD(4)),
   }
   failures = 0
   for name, tx in cases.items():
