@@ -203,10 +203,13 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
       _share(sent, group.leaves, [layout.leaves[i].size for i in group.leaves], total)
     extra = NoCompression().sent_bytes(1, devices)
   else:
-    # diloco with fragments: each fragment is its own allreduce (packed apart from the others).
+    # diloco with fragments: each fragment is its own allreduce (packed apart from the others),
+    # its leaves keyed by their paths, so in the order of the sorted paths.
     fragments = getattr(cfg, "fragments", 1)
-    parts = (packing.fragment_groups([s.size for s in shapes], fragments) if fragments > 1
-             else [list(range(len(shapes)))])
+    paths = [packing.path_str(path) for path, _ in with_path]
+    parts = ([sorted(g, key=paths.__getitem__)
+              for g in packing.fragment_groups([s.size for s in shapes], fragments)]
+             if fragments > 1 else [list(range(len(shapes)))])
     for part in parts:
       for group in packing.plan([shapes[i] for i in part], [codecs[i] for i in part],
                                 cfg.comm_bucket_size, devices):

@@ -578,6 +578,11 @@ def test_fragments_send_a_share_per_synchronisation_and_describe_equals_the_hlo(
   assert hlo_sent_bytes(text, d) == pytest.approx(b.sent_bytes_per_sync, rel=1e-9)
   per_leaf = {leaf.path: leaf.sent_bytes for leaf in b.leaves}
   assert max(per_leaf.values()) < 0.8 * b.sent_bytes_per_sync  # the peak: the largest fragment
+  # Small communication buffers split a fragment into several allreduces: still the HLO's bytes.
+  split = qcomm.diloco(optax.adam(1e-3), axis_name=AX, every=6, codec=qcomm.QSGD(4),
+                       policy=qcomm.LeafPolicy(min_size=0), fragments=2, comm_bucket_size=256)
+  assert hlo_sent_bytes(_compiled_text(split, d, params), d) == pytest.approx(
+      qcomm.describe(split, params, devices=d).sent_bytes_per_sync, rel=1e-9)
 
 
 def test_the_runner_runs_fragments_and_matches_the_explicit_form():
