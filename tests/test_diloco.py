@@ -607,3 +607,26 @@ def test_the_runner_runs_fragments_and_matches_the_explicit_form():
     a, s = step(a, s, b)
   for x, y in zip(jax.tree.leaves(anchor), jax.tree.leaves(a)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_fragments_over_nodes_of_a_sharded_sync_over_gpus():
+  """fragments=3 with a sharded, accumulating sync inside on a 2 x 4 mesh: a fragment every
+  2 calls (one inner step of 2 micro-steps), every device of both nodes holding the same anchor,
+  and after a whole round (12 calls) the last fragment's leaves are the anchor on both nodes."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("node", "gpu"))
+  inner = qcomm.sync(optax.adam(3e-3), axis_name="gpu", codec=qcomm.NoCompression(),
+                     accum_steps=2, shard_state=True)
+  tx = qcomm.diloco(inner, axis_name="node", every=3, fragments=3, codec=qcomm.QSGD(4),
+                    policy=qcomm.LeafPolicy(min_size=0))
+  dp = qcomm.data_parallel(_loss, tx, mesh, axis_name=("node", "gpu"))
+  params = _params()
+  anchor, state = params, dp.init(params)
+  for i, b in enumerate(_batches(12, 16)):
+    anchor, state, loss, _ = dp.step(anchor, state, b)
+    assert int(state.outer_step) == (i + 1) // 2
+  w = np.asarray(state.params["w"])  # w is the last fragment, synchronised on the last call
+  np.testing.assert_array_equal(w[0], np.asarray(anchor["w"]))
+  np.testing.assert_array_equal(w[1], np.asarray(anchor["w"]))
+  b0 = np.asarray(state.params["b"])  # b was synchronised 4 calls ago: the nodes drifted apart
+  assert not np.array_equal(b0[0], b0[1])
+  assert qcomm.describe(tx, params, devices=2).accum_steps == 6
