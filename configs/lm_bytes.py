@@ -56,6 +56,8 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
   config.gather_bits = 8             # with shard_state: bits of the weight differences (QSGD)
   config.topk = 0.0                  # training/lm_diloco: > 0 sends qcomm.TopK(topk, bits) between
                                      # the replicas (bits 1, 2, 4 or 8) instead of QSGD
+  config.fragments = 1               # training/lm_diloco, lm_slow_link: qcomm.diloco(fragments=...),
+                                     # 1/P of the parameters every H/P steps
 
   # Loop, logging, checkpoints.
   config.eval_every_steps = 100      # optimizer steps between val-loss points (0: only the end)

@@ -401,10 +401,11 @@ def test_lm_trainer_runs_diloco_on_a_node_by_data_mesh():
 
   config = lm_bytes.get_config("quick")
   config.num_steps, config.warmup_steps, config.eval_every_steps = 20, 2, 10
-  config.bits = 4
+  config.bits, config.fragments = 4, 5  # a fifth of the model every inner step, in turn
   result = lm_diloco.run(config, every=5, replicas=2, outer_lr=0.7, outer_momentum=0.9,
                          quiet=True)
-  assert result["outer_steps"] == 4 and result["total_notfinite"] == 0
+  assert result["outer_steps"] == 20 and result["total_notfinite"] == 0
+  assert result["fragments"] == 5
   assert result["curve"][-1][1] < result["curve"][0][1]  # the anchor learned
   # 4-bit outer codec: bytes per parameter per inner step = bytes per sync / H / parameters.
   assert result["bytes_per_param_step"] == pytest.approx(

@@ -12,7 +12,8 @@ restarted) and evaluation are training/lm.py's. The mesh is ``(node=K, data=num_
 The global batch is training/lm.py's (``batch_size`` windows per micro-step, the same windows), split
 over all devices, so each replica sees 1/K of it: the tokens equal the exact data-parallel run's.
 ``config.bits`` / ``bucket_size`` / ``scheme`` / ``error_feedback`` / ``min_size`` /
-``compress_1d`` / ``exclude`` choose the *outer* codec and leaf policy; ``config.topk`` > 0 makes
+``compress_1d`` / ``exclude`` choose the *outer* codec and leaf policy (``config.fragments``:
+``qcomm.diloco(fragments=...)``); ``config.topk`` > 0 makes
 it ``qcomm.TopK(topk, bits)``. The anchor is evaluated
 (the params the runner returns) every ``eval_every_steps`` inner steps and at the end.
 
@@ -61,7 +62,8 @@ def create_tx(config, every: int, outer_lr: float, outer_momentum: float):
                             exclude=exclude_patterns(config))
   outer = optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=bool(outer_momentum))
   return qcomm.diloco(inner, axis_name="node", every=every, codec=codec, outer=outer,
-                      error_feedback=config.error_feedback, policy=policy, seed=config.seed)
+                      error_feedback=config.error_feedback, policy=policy, seed=config.seed,
+                      fragments=config.fragments)
 
 
 def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: float,
@@ -116,7 +118,7 @@ def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: f
   return {
       "method": "diloco", "bits": config.bits, "topk": config.topk,
       "bucket_size": config.bucket_size,
-      "error_feedback": config.error_feedback,
+      "error_feedback": config.error_feedback, "fragments": config.fragments,
       "every": every, "replicas": replicas, "outer_lr": outer_lr,
       "outer_momentum": outer_momentum, "seed": config.seed, "steps": config.num_steps,
       "accum_steps": k, "val_loss": curve[-1][1], "curve": curve,

@@ -147,7 +147,7 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
   n = sum(x.size for x in jax.tree_util.tree_leaves(params))
   return {
       "method": method, "bits": config.bits, "error_feedback": config.error_feedback,
-      "every": sync_every, "outer_lr": outer_lr if method == "diloco" else None,
+      "fragments": config.fragments if method == "diloco" else None, "every": sync_every, "outer_lr": outer_lr if method == "diloco" else None,
       "outer_momentum": outer_momentum if method == "diloco" else None,
       "seed": config.seed, "num_steps": config.num_steps, "steps_run": step, "accum_steps": k,
       "target": target, "target_s": target_s, "val_loss": curve[-1][1], "curve": curve,
