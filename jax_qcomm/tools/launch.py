@@ -26,6 +26,9 @@ environment read by :func:`jax_qcomm.tools.distributed.initialize`:
   reusing the pages took a Summable 4 allreduce of 25.6M values from 241 to 175 ms and the exact
   fp32 psum from 911 to 866 ms (docs/benchmarks.md). The cost: freed memory stays in the process,
   and threads share one arena's lock;
+* ``QCOMM_MALLOC``: the ``--malloc`` mode, unless the environment sets it, which
+  :func:`jax_qcomm.tools.distributed.initialize` applies itself with ``mallopt`` (``glibc``: not
+  at all);
 * ``QCOMM_LAUNCH_COMMAND``: the launcher's command line (recorded by the benchmarks).
 
 Every line a process prints is prefixed with ``[rank]`` (stdout to stdout, stderr to stderr). The
