@@ -88,6 +88,25 @@ def _run(tx, d, params, batches, replicate_batch=False):
   return params, state
 
 
+def _explicit(tx, d, params):
+  """The explicit form over d devices (no runner): ``(init, step)`` jitted, where
+  ``step(anchor, state, batch) -> (anchor, state, copies)`` takes the gradient at the replica's
+  own parameters and ``copies`` is every replica's copy of the new anchor, ``(d, ...)``."""
+  mesh, axes = _mesh(d), frozenset({AX})
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params), AX)
+
+  def step(anchor, s, batch):
+    g = jax.grad(_loss)(qcomm.local_params(s, anchor), batch)
+    u, s = tx.update(g, s, anchor)
+    anchor = optax.apply_updates(anchor, u)
+    every_copy = jax.tree.map(lambda a: _compat.make_varying(a, axes)[None], anchor)
+    return anchor, s, every_copy
+
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
+  return init, jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P(AX)),
+                                     out_specs=(P(), spec, P(AX))))
+
+
 def _close(a, b, **kw):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
@@ -193,20 +212,7 @@ def test_anchors_are_bit_identical_on_every_replica(d, codec, ef):
   params = _params()
   tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=2, codec=codec, error_feedback=ef,
                     policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
-  mesh = _mesh(d)
-  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params), AX)
-  axes = frozenset({AX})
-
-  def step(anchor, s, batch):  # the explicit form: the gradient at the replica's own parameters
-    g = jax.grad(_loss)(qcomm.local_params(s, anchor), batch)
-    u, s = tx.update(g, s, anchor)
-    anchor = optax.apply_updates(anchor, u)
-    every_copy = jax.tree.map(lambda a: _compat.make_varying(a, axes)[None], anchor)
-    return anchor, s, every_copy
-
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
-  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P(AX)),
-                               out_specs=(P(), spec, P(AX))))
+  init, step = _explicit(tx, d, params)  # the gradient at the replica's own parameters
   anchor, state = params, init(params)
   for i, b in enumerate(_batches(6, 2 * d)):
     anchor, state, copies = step(anchor, state, b)
@@ -527,20 +533,7 @@ def test_fragments_synchronise_in_turn_and_keep_replicas_identical(d, ef):
                     error_feedback=ef, policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
   groups = qcomm.packing.fragment_groups([x.size for x in jax.tree.leaves(params)], 3)
   assert groups == [[0], [1], [2]]  # b, v, w (the tree's order)
-  mesh = _mesh(d)
-  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params), AX)
-  axes = frozenset({AX})
-
-  def step(anchor, s, batch):
-    g = jax.grad(_loss)(qcomm.local_params(s, anchor), batch)
-    u, s = tx.update(g, s, anchor)
-    anchor = optax.apply_updates(anchor, u)
-    every_copy = jax.tree.map(lambda a: _compat.make_varying(a, axes)[None], anchor)
-    return anchor, s, every_copy
-
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
-  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P(AX)),
-                               out_specs=(P(), spec, P(AX))))
+  init, step = _explicit(tx, d, params)
   anchor, state = params, init(params)
   assert isinstance(state.outer_opt_state, tuple) and len(state.outer_opt_state) == 3
   names = ["b", "v", "w"]
@@ -592,20 +585,10 @@ def test_the_runner_runs_fragments_and_matches_the_explicit_form():
                     policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
   anchor, state = _run(tx, d, params, batches)
   assert int(state.outer_step) == 4
-  mesh = _mesh(d)
-  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params), AX)
-
-  def step(a, s, batch):
-    g = jax.grad(_loss)(qcomm.local_params(s, a), batch)
-    u, s = tx.update(g, s, a)
-    return optax.apply_updates(a, u), s
-
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
-  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P(AX)),
-                               out_specs=(P(), spec)))
+  init, step = _explicit(tx, d, params)
   a, s = params, init(params)
   for b in batches:
-    a, s = step(a, s, b)
+    a, s, _ = step(a, s, b)
   for x, y in zip(jax.tree.leaves(anchor), jax.tree.leaves(a)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
