@@ -61,6 +61,9 @@ CELLS: dict[str, tuple[dict, dict]] = {
     **{f"topk2_ef_h{h}_default": ({"bits": 2, "topk": 0.02, "error_feedback": True},
                                   {"every": h, "outer_lr": 1.0, "outer_momentum": 0.5})
        for h in (50, 100)},
+    # Streaming fragments: a fifth of the model every 10 inner steps, each leaf every 50.
+    "q4_h50_frag5_avg": ({"bits": 4, "fragments": 5},
+                         {"every": 50, "outer_lr": 1.0, "outer_momentum": 0.0}),
     # A second seed (parameters, data order, rounding).
     **{f"{name}_h{h}_tuned_seed1": ({**cfg, "seed": 1}, {"every": h, "outer_lr": TUNED})
        for h in (50, 100) for name, cfg in (("fp32", {"bits": 32}), ("q4", {"bits": 4}))},
@@ -108,8 +111,9 @@ def _codec(r: dict) -> str:
     return f"TopK {r['topk']:g} x {r['bits']} bits" + (" + EF" if r["error_feedback"] else "")
   name = {32: "fp32", 16: "16-bit"}.get(r["bits"], f"QSGD {r['bits']} bits")
   bucket = r.get("bucket_size", 128)
+  fragments = r.get("fragments") or 1
   return name + (f" /{bucket}" if r["bits"] <= 8 and bucket != 128 else "") + (
-      " + EF" if r["error_feedback"] else "")
+      " + EF" if r["error_feedback"] else "") + (f", {fragments} fragments" if fragments > 1 else "")
 
 
 def write_table(finished: dict[str, dict]) -> None:
