@@ -85,8 +85,6 @@ def cond(pred: jax.Array, branches: Sequence[Callable[[], Any]]) -> Any:
 
 def switch(index: jax.Array, branches: Sequence[Callable[[], Any]]) -> Any:
   """``lax.switch(index, branches)`` whose branches may differ in vma (as :func:`cond`)."""
-  if len(branches) == 1:
-    return branches[0]()
   return lax.switch(index, _same_vma(branches), None)
 
 

@@ -95,15 +95,15 @@ class TopK(Codec):
   def name(self) -> str:
     return f"TopK {self.fraction:g} x {self.bits}b/{self.chunk}"
 
-  def _chunks(self, n: int) -> tuple[int, int]:
-    """(whole chunks, values in the last partial chunk) of a buffer of ``n`` values, padded to a
-    multiple of 8."""
+  def _segments(self, n: int) -> list[tuple[int, int]]:
+    """(chunks, values per chunk) of each run of equal chunks of a buffer of ``n`` values padded
+    to a multiple of 8: the whole chunks, then the last, shorter one."""
     n = -(-n // 8) * 8
-    return n // self.chunk, n % self.chunk
+    whole, tail = divmod(n, self.chunk)
+    return [(r, c) for r, c in ((whole, self.chunk), (1, tail)) if r and c]
 
   def payload_size(self, n: int) -> int:
-    whole, tail = self._chunks(check_int("n", n, 0))
-    return whole * self.chunk_bytes + (self.chunk_bytes_of(tail) if tail else 0)
+    return sum(r * self.chunk_bytes_of(c) for r, c in self._segments(check_int("n", n, 0)))
 
   def wire_bits(self, devices: int = 1) -> float:
     check_int("devices", devices)
@@ -112,12 +112,12 @@ class TopK(Codec):
   # -- wire API -------------------------------------------------------------------------------------
   def wire_encode(self, x, key):
     del key
-    whole, tail = self._chunks(x.shape[0])
-    x = _pad_to(x, whole * self.chunk + tail)
-    parts = [self._encode_chunks(x[:whole * self.chunk].reshape(whole, self.chunk))] if whole else []
-    if tail:
-      parts.append(self._encode_chunks(x[whole * self.chunk:].reshape(1, tail)))
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    parts, start = [], 0
+    x = _pad_to(x, self.buffer_length(x.shape[0], 1))
+    for r, c in self._segments(x.shape[0]):
+      parts.append(self._encode_chunks(x[start:start + r * c].reshape(r, c)))
+      start += r * c
+    return jnp.concatenate(parts)
 
   def _encode_chunks(self, rows):
     """float32[R, c] -> the R chunks' payloads, flat."""
@@ -142,12 +142,11 @@ class TopK(Codec):
     return jnp.concatenate(parts, axis=1).reshape(-1)
 
   def _decode_one(self, wire, n):
-    whole, tail = self._chunks(n)
-    head = whole * self.chunk_bytes
-    parts = [self._decode_chunks(wire[:head], self.chunk)] if whole else []
-    if tail:
-      parts.append(self._decode_chunks(wire[head:], tail))
-    return (jnp.concatenate(parts) if len(parts) > 1 else parts[0])[:n]
+    parts, start = [], 0
+    for r, c in self._segments(n):
+      parts.append(self._decode_chunks(wire[start:start + r * self.chunk_bytes_of(c)], c))
+      start += r * self.chunk_bytes_of(c)
+    return jnp.concatenate(parts)[:n]
 
   def _decode_chunks(self, wire, c):
     """The payloads of chunks of ``c`` values -> float32[R * c]."""

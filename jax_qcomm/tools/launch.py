@@ -56,7 +56,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from jax_qcomm.tools import distributed
+from jax_qcomm.tools import distributed, malloc
 
 # Launcher options that take a value (the command line is split at the first token that is not
 # one of these options, or at -m / --).
@@ -69,7 +69,7 @@ TIMEOUT_EXIT = 124
 #: arena, no mmap below 4 GiB, no trimming of the heap below 16 GiB (``--malloc reuse``).
 MALLOC_REUSE_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "4294967296",
                     "MALLOC_TRIM_THRESHOLD_": "17179869184"}
-MALLOC_MODES = ("reuse", "glibc")
+MALLOC_MODES = malloc.MODES  # one definition: what initialize() also accepts
 #: The launcher's own command line, for the processes' records (benchmarks' metadata).
 ENV_LAUNCH_COMMAND = "QCOMM_LAUNCH_COMMAND"
 
