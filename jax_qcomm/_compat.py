@@ -25,6 +25,17 @@ What differs, and what does not:
   count, known only after ``jax.distributed.initialize`` when jax's cluster detection chose them).
   ``jax.distributed`` has no public accessor before a backend exists (``jax.process_index()`` would
   create one). :func:`distributed_state` reads the same private ``global_state`` as above.
+* **Elastic runs** (a coordination service outside the workers, and a CPU backend rebuilt when a
+  restarted process rejoins). ``jax.distributed.initialize`` starts the coordination service in
+  process 0, so the death of process 0 ends every process. :func:`start_coordination_service`
+  starts it on its own (jaxlib's ``get_distributed_runtime_service``, recoverable), and
+  :func:`connect_client` joins a worker to it as jax's own initialize would, minus the service.
+  XLA:CPU caches its gloo communicators by device set and rendezvous through coordination-service
+  keys of the same name (``cpu:gloo/<device ids>/<rank>``), and builds the CPU topology through
+  ``cpu:local_topology`` / ``cpu:global_topology`` keys: a restarted process cannot enter a set it
+  was in before (docs/distributed.md has the reproduction). :func:`reset_cpu_backend` drops the
+  backend (public ``jax.extend.backend.clear_backends``) and :data:`CPU_BACKEND_KEYS` are the keys
+  to delete before every process builds a new one.
 """
 
 from __future__ import annotations
@@ -192,3 +203,58 @@ def register_gloo_cpu_backend(interface: str | None, hostname: str | None) -> No
 
   jex_backend.register_backend_factory("cpu", make_cpu_client_with_interface, priority=0,
                                        fail_quietly=False)
+
+
+#: Coordination-service key directories XLA:CPU writes when it builds a backend and its gloo
+#: communicators; deleted (by one process, between two barriers of all) before a backend rebuild.
+CPU_BACKEND_KEYS = ("cpu:gloo", "cpu:local_topology", "cpu:global_topology")
+
+
+def _jaxlib_distributed() -> tuple[Any, Any]:
+  """(jaxlib's ``_jax`` module, jax's ``distributed.global_state``): private names, used only for
+  the elastic mode (a service outside the workers)."""
+  import importlib
+
+  try:
+    return (importlib.import_module("jaxlib._jax"),
+            importlib.import_module("jax._src.distributed").global_state)
+  except (ImportError, AttributeError) as e:
+    raise RuntimeError(f"jax_qcomm: this jax has no jaxlib._jax / jax._src.distributed ({e}); the "
+                       "elastic mode needs them") from e
+
+
+def start_coordination_service(address: str, num_processes: int, *, heartbeat_timeout: int,
+                               shutdown_timeout: int) -> Any:
+  """jax's coordination service, recoverable (a lost process does not end the others), listening
+  on ``address`` (``[::]:port``). Keep the returned object alive; ``.shutdown()`` stops it."""
+  jaxlib_jax, _ = _jaxlib_distributed()
+  return jaxlib_jax.get_distributed_runtime_service(
+      address, int(num_processes), heartbeat_timeout=int(heartbeat_timeout),
+      shutdown_timeout=int(shutdown_timeout), recoverable=True)
+
+
+def connect_client(coordinator_address: str, process_id: int, num_processes: int, *,
+                   initialization_timeout: int, heartbeat_timeout: int,
+                   shutdown_timeout: int) -> None:
+  """Joins this process to a coordination service started elsewhere: what
+  ``jax.distributed.initialize`` does in a process other than 0 (the client, and jax's record of
+  it, which the CPU backend and ``multihost_utils`` read), whatever this process's index."""
+  jaxlib_jax, state = _jaxlib_distributed()
+  if state.client is not None:
+    raise RuntimeError("jax.distributed is already initialised in this process")
+  client = jaxlib_jax.get_distributed_runtime_client(
+      coordinator_address, int(process_id), init_timeout=int(initialization_timeout),
+      shutdown_timeout=int(shutdown_timeout), heartbeat_timeout=int(heartbeat_timeout),
+      use_compression=True)
+  client.connect()
+  state.coordinator_address = coordinator_address
+  state.process_id = int(process_id)
+  state.num_processes = int(num_processes)
+  state.client = client
+
+
+def reset_cpu_backend() -> None:
+  """Drops every backend and jax's compilation caches (``jax.extend.backend.clear_backends``):
+  arrays made before are invalid; the next use builds a new CPU client, with new gloo
+  communicators."""
+  jex_backend.clear_backends()

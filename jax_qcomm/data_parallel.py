@@ -281,7 +281,7 @@ def out_specs_of(how: str, names: tuple, replicas: tuple) -> P:
 def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh, *,
                   axis_name: collectives.AxisName = "data", has_aux: bool = False,
                   aux_reduce: str = "mean", batch_spec: P | None = None,
-                  donate: bool = False) -> DataParallel:
+                  donate: bool = False, elastic: bool = False) -> DataParallel:
   """A jitted data-parallel train step for ``loss_fn``, synchronised by ``tx``.
 
   Args:
@@ -308,6 +308,13 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     batch_spec: how the batch is split (default ``PartitionSpec(axis_name)``: leading axis).
     donate: donate the params and optimizer state buffers to the step (saves memory; the arrays
       passed in are then invalid).
+    elastic: for ``tx = qcomm.diloco(...)`` with one replica per process (``jax.distributed``
+      joined to a coordination service outside the workers:
+      ``jax_qcomm.tools.distributed.initialize(elastic=True)``, or ``launch --elastic``):
+      replicas that die and come back. Each process steps its own replica on its own devices and
+      its own share of the batch, and every synchronisation averages over the processes alive; a
+      restarted process receives the group's state (:class:`jax_qcomm.elastic.ElasticDataParallel`,
+      docs/distributed.md).
 
   Returns:
     A :class:`DataParallel`: ``opt_state = dp.init(params)``, then
@@ -328,6 +335,16 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     per eager operation): the inputs are then placed by sharding constraints inside that program,
     and ``donate`` has no effect there (donate with that jit's ``donate_argnums``).
   """
+  check_bool("elastic", elastic)
+  if elastic:
+    _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate)
+    if donate:
+      raise ValueError("donate=True is not supported with elastic=True (a synchronisation that "
+                       "fails is retried from the arrays passed in)")
+    from jax_qcomm.elastic import ElasticDataParallel  # it builds on this module
+
+    return ElasticDataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name,
+                               has_aux=has_aux, aux_reduce=aux_reduce, batch_spec=batch_spec)
   return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                       aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)
 

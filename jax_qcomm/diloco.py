@@ -45,6 +45,12 @@ from jax_qcomm.specs import find_states, local_params, register_state
 DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9
 #: The default outer optimizer's (lr, Nesterov momentum) for a sparse codec with error feedback.
 SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM = 1.0, 0.5
+#: The extra argument of a diloco ``update`` that runs one part of it (the elastic runner runs the
+#: inner steps and the synchronisation as separate programs): ``"inner"`` takes the inner step and
+#: never synchronises; ``"outer"`` synchronises now, with no inner step (``grads`` is ignored and
+#: may be None); absent, the call does both, as a plain optax update.
+PHASE_ARG = "qcomm_diloco_phase"
+PHASES = ("inner", "outer")
 
 
 def default_outer(codec: Codec, error_feedback: bool) -> optax.GradientTransformation:
@@ -261,15 +267,23 @@ class _DiLoCo:
 
   def update(self, grads: Any, state: DiLoCoState, params: Any = None, **extra_args: Any):
     axis_size(self.config.axis_name)  # clear error outside shard_map
+    phase = extra_args.pop(PHASE_ARG, None)
+    if phase is not None and phase not in PHASES:
+      raise ValueError(f"{PHASE_ARG} must be one of {PHASES} (or absent), got {phase!r}")
+    if phase == "outer":
+      grads = params  # no inner step: only the structure is checked
     packing.check_float_leaves(grads, "grads")
     self._check(grads, state, params)
     cfg = state.config
     rows = lambda t: _parts.per_device(t, self.names, 1, True)  # noqa: E731
     local = local_params(state, params)  # the anchor itself right after a synchronisation
     inner_state = jax.tree_util.tree_map(lambda a: a[0], state.inner_opt_state)
-    updates, inner_state = self.inner.update(grads, inner_state, local, **extra_args)
-    local = optax.apply_updates(local, updates)
-    mini_step = state.mini_step + 1
+    if phase == "outer":
+      mini_step = state.mini_step
+    else:
+      updates, inner_state = self.inner.update(grads, inner_state, local, **extra_args)
+      local = optax.apply_updates(local, updates)
+      mini_step = state.mini_step + 1
 
     def between():
       zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p)),
@@ -350,6 +364,10 @@ class _DiLoCo:
           [functools.partial(outer_step, g, f) for f, g in enumerate(groups)])
     else:
       synchronise = outer_step
+    if phase == "inner":
+      return between()
+    if phase == "outer":
+      return synchronise()
     return _compat.cond(mini_step >= cfg.sync_calls, (synchronise, between))
 
   def _check(self, grads: Any, state: Any, params: Any) -> None:

@@ -24,6 +24,9 @@ Environment variables (set by :mod:`jax_qcomm.tools.launch`):
   mode, on by default.
 * ``QCOMM_MALLOC``              ``reuse`` (default) or ``glibc``: whether :func:`initialize` sets
   glibc's malloc so that large CPU buffers reuse their pages (:mod:`jax_qcomm.tools.malloc`).
+* ``QCOMM_ELASTIC``             ``1``: join a coordination service that runs outside the workers
+  (the launcher's ``--elastic``, or ``python -m jax_qcomm.tools.coordinator``), so that any
+  process, process 0 included, may die and be restarted (:func:`initialize`'s ``elastic``).
 
 Without a coordinator (no argument, no ``QCOMM_COORDINATOR``), :func:`initialize` defers to jax's
 cluster detection: SLURM (``srun``), Open MPI (``mpirun``), Kubernetes, mpi4py.
@@ -73,6 +76,7 @@ ENV_SHUTDOWN_TIMEOUT = "QCOMM_SHUTDOWN_TIMEOUT"
 ENV_INITIALIZATION_TIMEOUT = "QCOMM_INITIALIZATION_TIMEOUT"
 ENV_RECOVERABLE = "QCOMM_RECOVERABLE"
 ENV_MALLOC = "QCOMM_MALLOC"
+ENV_ELASTIC = "QCOMM_ELASTIC"
 
 #: XLA's timeout of one CPU collective across processes (gloo): default 30 minutes.
 XLA_CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
@@ -93,7 +97,7 @@ __all__ = ["initialize", "global_mesh", "global_devices", "under_launcher", "pro
            "Timeouts", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
            "ENV_LOCAL_DEVICES", "ENV_GLOO_INTERFACE", "ENV_HEARTBEAT_TIMEOUT",
            "ENV_COLLECTIVE_TIMEOUT", "ENV_SHUTDOWN_TIMEOUT", "ENV_INITIALIZATION_TIMEOUT",
-           "ENV_RECOVERABLE", "CLUSTER_DETECTION_METHODS"]
+           "ENV_RECOVERABLE", "ENV_ELASTIC", "CLUSTER_DETECTION_METHODS"]
 
 
 def under_launcher() -> bool:
@@ -319,7 +323,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                recoverable: bool | None = None, cluster_detection_method: str | None = None,
                coordinator_bind_address: str | None = None, mtls_cert_file: str | None = None,
                mtls_key_file: str | None = None, mtls_ca_file: str | None = None,
-               mtls_peer_uri_prefix: str | None = None, malloc: str | None = None) -> Timeouts:
+               mtls_peer_uri_prefix: str | None = None, malloc: str | None = None,
+               elastic: bool | None = None) -> Timeouts:
   """Joins this process to a multi-process CPU run: gloo collectives over ``jax.distributed``.
 
   Must be called before anything initialises a JAX backend (any computation, ``jax.devices()``,
@@ -375,6 +380,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       (:func:`jax_qcomm.tools.malloc.reuse_pages`: one arena, mmap and trim thresholds of 2 GiB;
       a parameter whose ``MALLOC_*`` variable the environment sets is left to it); ``"glibc"``
       keeps glibc's defaults.
+    elastic: default False, else ``QCOMM_ELASTIC``. Join as a client of a coordination service
+      that runs outside the workers (``python -m jax_qcomm.tools.coordinator``, or the one
+      ``launch --elastic`` hosts) instead of starting it in process 0: every process, 0 included,
+      may then die and be restarted with the same index, by any supervisor, and rejoin
+      (``qcomm.data_parallel(..., elastic=True)``). Needs the coordinator, the process count and
+      the index (no cluster detection) and the recoverability mode; no mTLS.
 
   Returns:
     The :class:`Timeouts` in force.
@@ -390,6 +401,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     check_bool("recoverable", recoverable)
   recoverable = _env_bool(ENV_RECOVERABLE, recoverable, what)
   recoverable = True if recoverable is None else bool(recoverable)
+  if elastic is not None:
+    check_bool("elastic", elastic)
+  elastic = bool(_env_bool(ENV_ELASTIC, elastic, what))
   check_bool("fail_fast", fail_fast)
   check_bool("preemption_service", preemption_service)
   if malloc is None:
@@ -422,6 +436,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                       (f"num_processes ({ENV_NUM_PROCESSES})", num_processes),
                                       (f"process_id ({ENV_PROCESS_ID})", process_id))
              if value is None]
+  if elastic:
+    if missing:
+      raise ValueError(f"{what}: elastic=True needs {', '.join(missing)} (the coordination "
+                       "service runs outside the workers, so there is no cluster detection)")
+    if not recoverable:
+      raise ValueError(f"{what}: elastic=True needs recoverable=True (a lost process must not "
+                       "end the others)")
+    if any(mtls.values()):
+      raise ValueError(f"{what}: elastic=True does not support mTLS")
   if not missing:
     detection = "deactivate"
   elif cluster_detection_method == "deactivate":
@@ -440,14 +463,20 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   jax.config.update("jax_enable_preemption_service", bool(preemption_service))
   jax.config.update("jax_enable_recoverability", recoverable)
   try:
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=None if num_processes is None else int(num_processes),
-                               process_id=None if process_id is None else int(process_id),
-                               cluster_detection_method=detection,
-                               initialization_timeout=timeouts.initialization,
-                               heartbeat_timeout_seconds=timeouts.heartbeat,
-                               shutdown_timeout_seconds=timeouts.shutdown,
-                               coordinator_bind_address=coordinator_bind_address, **mtls)
+    if elastic:
+      _compat.connect_client(coordinator_address, int(process_id), int(num_processes),
+                             initialization_timeout=timeouts.initialization,
+                             heartbeat_timeout=timeouts.heartbeat,
+                             shutdown_timeout=timeouts.shutdown)
+    else:
+      jax.distributed.initialize(coordinator_address=coordinator_address,
+                                 num_processes=None if num_processes is None else int(num_processes),
+                                 process_id=None if process_id is None else int(process_id),
+                                 cluster_detection_method=detection,
+                                 initialization_timeout=timeouts.initialization,
+                                 heartbeat_timeout_seconds=timeouts.heartbeat,
+                                 shutdown_timeout_seconds=timeouts.shutdown,
+                                 coordinator_bind_address=coordinator_bind_address, **mtls)
   except ValueError as e:
     if detection == "deactivate":
       raise
@@ -470,7 +499,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     _compat.register_gloo_cpu_backend(interface, hostname)
   if fail_fast:
     _install_fail_fast(int(process_id), int(num_processes), timeouts, recoverable)
-  if recoverable:
+  if recoverable and not elastic:
     # Runs before jax's own atexit shutdown (registered when jax was imported; atexit is LIFO).
     atexit.register(_shutdown_barrier, timeouts.shutdown)
   return timeouts

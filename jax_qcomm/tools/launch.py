@@ -6,6 +6,7 @@ Usage::
                                [--interface eth0] [--timeout S] [--env K=V ...]
                                [--heartbeat-timeout S] [--collective-timeout S]
                                [--no-recoverable] [--malloc reuse|glibc]
+                               [--elastic [--max-restarts R]]
                                (script.py [args...] | -m module [args...])
 
 Starts ``n`` copies of ``sys.executable script.py args`` (or ``-m module args``), each with the
@@ -37,7 +38,13 @@ process stopped by SIGSTOP is named too), stops the others (SIGTERM, then SIGKIL
 ``--kill-grace`` seconds), prints every process's final status and exits with the failed one's
 status (128 + signal number for a process killed by a signal). When several fail in the same
 instant, the one killed by an outside signal is taken as the cause (the others are most likely
-reacting to its loss). SIGINT (Ctrl-C) and SIGTERM sent to the launcher are forwarded to every
+reacting to its loss). With ``--elastic`` the launcher hosts jax's coordination service itself (recoverable, as
+:mod:`jax_qcomm.tools.coordinator` does), so that the death of process 0 is an ordinary loss, and
+sets ``QCOMM_ELASTIC=1`` (:func:`jax_qcomm.tools.distributed.initialize` then joins as a client).
+A process that dies (any signal, any exit status but 0) is restarted with its rank, up to
+``--max-restarts`` times each (default 3), while the others keep running; each loss and restart is
+reported. Once a process has exited with 0 (the run is ending), a loss is no longer restarted.
+Without ``--elastic``: SIGINT (Ctrl-C) and SIGTERM sent to the launcher are forwarded to every
 process, which are killed if still alive ``--kill-grace`` seconds later; the launcher then exits
 with 130 or 143. ``--timeout`` (exit status 124) stops them all the same way. Each process runs in
 its own session, so stopping them also stops anything they started.
@@ -62,8 +69,10 @@ from jax_qcomm.tools import distributed, malloc
 # one of these options, or at -m / --).
 _VALUE_OPTIONS = {"-n", "--num-processes", "--local-devices", "--port", "--host", "--interface",
                   "--timeout", "--env", "--kill-grace", "--heartbeat-timeout",
-                  "--collective-timeout", "--malloc"}
-_FLAG_OPTIONS = {"-h", "--help", "--recoverable", "--no-recoverable"}
+                  "--collective-timeout", "--malloc", "--max-restarts"}
+_FLAG_OPTIONS = {"-h", "--help", "--recoverable", "--no-recoverable", "--elastic"}
+#: Restarts per process under --elastic unless --max-restarts says otherwise.
+DEFAULT_MAX_RESTARTS = 3
 TIMEOUT_EXIT = 124
 #: glibc malloc settings under which large buffers reuse heap pages instead of fresh mmaps: one
 #: arena, no mmap below 4 GiB, no trimming of the heap below 16 GiB (``--malloc reuse``).
@@ -116,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="jax's recoverability mode (QCOMM_RECOVERABLE): a lost process makes "
                            "the others raise from their next collective instead of being aborted "
                            "(default: on; --no-recoverable for jax's abort)")
+  parser.add_argument("--elastic", action="store_true",
+                      help="host the coordination service in the launcher and restart a process "
+                           "that dies, with its rank, while the others go on (QCOMM_ELASTIC=1)")
+  parser.add_argument("--max-restarts", type=int, default=None,
+                      help=f"--elastic: restarts per process (default: {DEFAULT_MAX_RESTARTS})")
   return parser
 
 
@@ -284,11 +298,15 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
            kill_grace: float = 3.0, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, launch_command: str | None = None,
            heartbeat_timeout: int | None = None, collective_timeout: int | None = None,
-           recoverable: bool = True, malloc: str = "reuse") -> int:
+           recoverable: bool = True, malloc: str = "reuse", elastic: bool = False,
+           max_restarts: int | None = None) -> int:
   """Runs ``sys.executable *command`` in ``num_processes`` processes; returns the exit status.
 
   ``malloc``: ``"reuse"`` sets :data:`MALLOC_REUSE_ENV` for the processes (each variable unless
   the environment or ``env`` sets it); ``"glibc"`` leaves glibc's defaults (module docstring).
+
+  ``elastic``: host the coordination service here and restart a process that dies, up to
+  ``max_restarts`` times each (module docstring).
 
   0 if all succeeded; else the failed process's status (the others are stopped); 124 on timeout;
   130 on SIGINT (Ctrl-C), 143 on SIGTERM (both forwarded to the processes).
@@ -305,6 +323,16 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
     raise ValueError(f"recoverable must be True or False, got {recoverable!r}")
   if malloc not in MALLOC_MODES:
     raise ValueError(f"malloc must be one of {MALLOC_MODES}, got {malloc!r}")
+  if not isinstance(elastic, bool):
+    raise ValueError(f"elastic must be True or False, got {elastic!r}")
+  if max_restarts is not None:
+    if not elastic:
+      raise ValueError("max_restarts needs elastic=True (only an elastic run restarts processes)")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+      raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
+  if elastic and not recoverable:
+    raise ValueError("elastic=True needs recoverable=True (a lost process must not end the others)")
+  max_restarts = DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts
   if not command:
     raise ValueError("nothing to run: give a script or -m module")
   stdout = sys.stdout if stdout is None else stdout
@@ -320,6 +348,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
                    ENV_LAUNCH_COMMAND: launch_command or shlex.join(["python", *command]),
                    distributed.ENV_NUM_PROCESSES: str(num_processes),
                    distributed.ENV_RECOVERABLE: "1" if recoverable else "0",
+                   distributed.ENV_ELASTIC: "1" if elastic else "0",
                    "PYTHONUNBUFFERED": "1"})
   for name in (distributed.ENV_LOCAL_DEVICES, distributed.ENV_GLOO_INTERFACE):
     base_env.pop(name, None)
@@ -349,22 +378,41 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
     signal.signal(signal.SIGINT, signal.default_int_handler)
   status = 0
   stop_signal = signal.SIGTERM
+  service = None
+  restarts = [0] * num_processes
+
+  def spawn(rank: int) -> subprocess.Popen:
+    proc_env = dict(base_env)
+    proc_env[distributed.ENV_PROCESS_ID] = str(rank)
+    p = subprocess.Popen([sys.executable, *command], env=proc_env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    prefix = f"[{rank:>{width}}] "
+    for stream, out in ((p.stdout, stdout), (p.stderr, stderr)):
+      t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
+      t.start()
+      pumps.append(t)
+    return p
+
   try:
+    if elastic:
+      from jax_qcomm.tools import coordinator  # imports jax's service only when needed
+
+      service = coordinator.start(port, num_processes, heartbeat_timeout=heartbeat_timeout)
     for rank in range(num_processes):
-      proc_env = dict(base_env)
-      proc_env[distributed.ENV_PROCESS_ID] = str(rank)
-      p = subprocess.Popen([sys.executable, *command], env=proc_env, stdin=subprocess.DEVNULL,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-      procs.append(p)
-      prefix = f"[{rank:>{width}}] "
-      for stream, out in ((p.stdout, stdout), (p.stderr, stderr)):
-        t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
-        t.start()
-        pumps.append(t)
+      procs.append(spawn(rank))
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
       codes = [p.poll() for p in procs]
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+      if elastic and failed and 0 not in codes:
+        for rank, code in failed:
+          if restarts[rank] < max_restarts:
+            restarts[rank] += 1
+            report(f"process {rank} lost ({describe_status(code)}); restarting it with rank "
+                   f"{rank} (restart {restarts[rank]} of {max_restarts})")
+            procs[rank] = spawn(rank)
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
       if failed:
         status = _report_failure(procs, failed, report)
         break
@@ -386,6 +434,8 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
       t.join(timeout=5)
     if status != 0 and procs:
       _report_final(procs, live, {stop_signal, signal.SIGKILL}, report)
+    if service is not None:
+      service.shutdown()
     if in_main_thread:
       signal.signal(signal.SIGTERM, previous_sigterm)
       signal.signal(signal.SIGINT, previous_sigint)
@@ -409,6 +459,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ("--collective-timeout", args.collective_timeout)):
     if value is not None and value < 1:
       parser.error(f"{option} must be >= 1 (seconds), got {value}")
+  if args.max_restarts is not None and not args.elastic:
+    parser.error("--max-restarts needs --elastic")
+  if args.max_restarts is not None and args.max_restarts < 0:
+    parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+  if args.elastic and not args.recoverable:
+    parser.error("--elastic needs the recoverability mode (drop --no-recoverable)")
   env = {}
   for item in args.env:
     key, sep, value = item.partition("=")
@@ -421,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 launch_command=shlex.join(["python", "-m", "jax_qcomm.tools.launch", *argv]),
                 heartbeat_timeout=args.heartbeat_timeout,
                 collective_timeout=args.collective_timeout, recoverable=args.recoverable,
-                malloc=args.malloc)
+                malloc=args.malloc, elastic=args.elastic, max_restarts=args.max_restarts)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,366 @@
+"""Elastic DiLoCo: replicas in processes that may die and come back, averaged over those alive.
+
+    from jax_qcomm.tools import distributed
+    distributed.initialize(elastic=True)           # or under `launch --elastic`
+    mesh = distributed.global_mesh(("node",))      # one row per process
+    tx = qcomm.diloco(optax.adamw(1e-3), axis_name="node", every=50)
+    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name="node", elastic=True)
+    opt_state = dp.init(params)
+    params, opt_state = dp.join(params, opt_state)  # a restarted process: the group's state
+    while dp.calls(opt_state) < num_steps:
+      params, opt_state, loss, aux = dp.step(params, opt_state, local_batch)
+
+Each process holds one diloco replica (one row of ``mesh`` along diloco's ``axis_name``; the
+process's own devices may form an inner ``qcomm.sync`` axis). Its inner steps are a program over
+its own devices only: no collective crosses processes, and a lost peer never stalls them. Every
+synchronisation is a round among the processes alive, agreed through the coordination service:
+
+1. The live set, with each process's incarnation, comes from ``get_live_nodes`` (the barrier under
+   ``jax.experimental.multihost_utils.live_devices``), called at one program point, after every
+   round; the round counts as done only if nobody in it died or restarted meanwhile (atomicity as
+   ``live_devices`` gives it). Otherwise every survivor retries it with the new set, from the
+   same inputs: only the lost replica's pseudo-gradient is missing from the mean.
+2. Each process publishes how many synchronisations its state holds. The holders of the newest
+   state run diloco's outer step over their own devices (a mesh of the holders only), so the mean
+   is over the replicas present; the others (a restarted process, or one that fell behind) receive
+   the result: the anchor, the outer optimizer's state, the counters and the rounding key, and the
+   inner optimizer's state of the lowest holder (their error-feedback residual starts at zero).
+   After every round the anchors of all live replicas are bit-identical.
+3. XLA:CPU caches its gloo communicators by device set, and a restarted process cannot enter a set
+   it was in before (docs/distributed.md). So a process that needs the state is admitted only when
+   every process is alive again: then all of them rebuild their CPU backend
+   (:func:`jax_qcomm._compat.reset_cpu_backend`, the stale communicators' keys deleted between two
+   barriers) before the round. Until then the survivors go on without it.
+
+Arrays made before a rebuild are invalid afterwards: use the params and state a call returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import sys
+from typing import Any, Callable
+
+import numpy as np
+import optax
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_qcomm import _compat
+from jax_qcomm.axes import axis_names
+from jax_qcomm.data_parallel import DataParallel, _SpecKey, checked_spec, place
+from jax_qcomm.diloco import PHASE_ARG, DiLoCoState
+
+#: Seconds to wait for a coordination-service key that every process of a round wrote before the
+#: barrier it passed (present at once unless the service is failing).
+KEY_TIMEOUT_S = 60
+#: Coordination-service key under which the group records that it has trained (a process that
+#: finds no holder of the state after that raises instead of starting over).
+STARTED_KEY = "qcomm/elastic/started"
+
+
+def _fingerprint(live: dict[int, int]) -> str:
+  text = ",".join(f"{p}:{i}" for p, i in sorted(live.items()))
+  return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _log(text: str) -> None:
+  sys.stderr.write(f"jax_qcomm.elastic: {text}\n")
+  sys.stderr.flush()
+
+
+class _Changed(Exception):
+  """The live processes (or an incarnation) changed during a round."""
+
+  def __init__(self, live: dict[int, int]):
+    super().__init__(f"live processes now {sorted(live)}")
+    self.live = live
+
+
+@dataclasses.dataclass(eq=False)
+class ElasticDataParallel:
+  """The elastic runner made by ``qcomm.data_parallel(..., elastic=True)`` (module docstring).
+
+  init(params) -> opt_state: this process's replica of the diloco state (its own devices only).
+  join(params, opt_state) -> (params, opt_state): blocks until this process holds the group's
+    state; a no-op once it does. ``step`` joins first if needed.
+  step(params, opt_state, batch, *extra, key=None) -> (params, opt_state, loss, aux): one inner
+    step on this process's share of the batch; on a synchronising call, the round.
+  calls(opt_state) -> the calls the group has made (the counters a rejoined process receives).
+  replicas_per_sync: the replicas averaged at each synchronisation so far (the group's record).
+  """
+  loss_fn: Callable[..., Any]
+  tx: optax.GradientTransformation
+  mesh: Mesh
+  axis_name: Any = "data"
+  has_aux: bool = False
+  aux_reduce: str = "mean"
+  batch_spec: P | None = None
+
+  def __post_init__(self):
+    client, process_id, num_processes = _compat.distributed_state()
+    if client is None:
+      raise RuntimeError(
+          "qcomm.data_parallel(elastic=True) needs jax.distributed initialised, with the "
+          "coordination service outside the workers: jax_qcomm.tools.distributed.initialize("
+          "elastic=True), or start the processes with `python -m jax_qcomm.tools.launch -n N "
+          "--elastic`")
+    self._client, self._me, self._n = client, int(process_id), int(num_processes)
+    # Devices by id (2048 * process + k): ids survive a backend rebuild, device objects do not.
+    self._ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(self.mesh.devices)
+    self._owner = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(self.mesh.devices)
+    self._replica_axis = None
+    self._live: dict[int, int] | None = None
+    self._rounds: dict[str, int] = {}
+    self._backend: str | None = None
+    self._fresh = True
+    self._mini = 0
+    self._sync_calls = None
+    self.replicas_per_sync: list[int] = []
+
+  # -- meshes ---------------------------------------------------------------------------------------
+  def _set_replica_axis(self, state: Any) -> None:
+    if not isinstance(state, DiLoCoState):
+      raise ValueError(
+          f"elastic=True runs a qcomm.diloco across processes: tx must be qcomm.diloco(...) "
+          f"itself (its state a qcomm.DiLoCoState), got a state of type {type(state).__name__}")
+    names = axis_names(state.config.axis_name)
+    if len(names) != 1:
+      raise ValueError(f"elastic=True needs diloco's axis_name to be one mesh axis (one replica "
+                       f"per process), got {state.config.axis_name!r}")
+    axis = self.mesh.axis_names.index(names[0])
+    rows = np.moveaxis(self._owner, axis, 0).reshape(self._owner.shape[axis], -1)
+    owners = [set(r.tolist()) for r in rows]
+    if any(len(o) != 1 for o in owners) or len({min(o) for o in owners}) != len(owners) \
+        or len(owners) != self._n:
+      raise ValueError(
+          f"elastic=True needs one replica per process: every row of the mesh along "
+          f"{names[0]!r} must hold the devices of one process, and each of the {self._n} "
+          f"processes one row (distributed.global_mesh(({names[0]!r}, ...)) does); the rows' "
+          f"processes are {[sorted(o) for o in owners]}")
+    self._replica_axis = axis
+    self._row_of = {min(o): i for i, o in enumerate(owners)}
+    self._rebuild()
+
+  def _mesh_of(self, processes) -> Mesh:
+    """The mesh of the given processes' rows (in mesh order), on the current backend."""
+    by_id = {d.id: d for d in jax.devices()}
+    rows = sorted(self._row_of[p] for p in processes)
+    ids = np.take(self._ids, rows, axis=self._replica_axis)
+    return Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(ids), self.mesh.axis_names)
+
+  def _rebuild(self) -> None:
+    """Meshes and the inner runner on the current backend (after a rebuild: new devices)."""
+    self._local_mesh = self._mesh_of([self._me])
+    inner = optax.GradientTransformationExtraArgs(
+        self.tx.init, functools.partial(self.tx.update, **{PHASE_ARG: "inner"}))
+    self._inner = DataParallel(self.loss_fn, inner, self._local_mesh, axis_name=self.axis_name,
+                               has_aux=self.has_aux, aux_reduce=self.aux_reduce,
+                               batch_spec=self.batch_spec)
+    self._outer_fn.cache_clear()
+    self._broadcast_fn.cache_clear()
+
+  # -- the public calls -----------------------------------------------------------------------------
+  def init(self, params: Any) -> Any:
+    """This process's replica of ``tx.init(params)``, on its own devices."""
+    if self._replica_axis is None:
+      with jax.set_mesh(self.mesh):
+        self._set_replica_axis(jax.eval_shape(self.tx.init, params))
+    state = self._inner.init(params)
+    self._sync_calls = state.config.sync_calls
+    return state
+
+  def calls(self, opt_state: Any) -> int:
+    """Calls of ``step`` the group's state has seen (synchronisations x calls between them, plus
+    the calls since the last): after a join, where this process takes up the training."""
+    return int(opt_state.outer_step) * opt_state.config.sync_calls + int(opt_state.mini_step)
+
+  def join(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+    """Until this process holds the group's state: the next rounds (module docstring)."""
+    self._need_init(opt_state)
+    while self._fresh:
+      params, opt_state = self._synchronise(params, opt_state)
+    return params, opt_state
+
+  def step(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
+           key: jax.Array | None = None) -> tuple[Any, Any, jax.Array, Any]:
+    """One inner step; the round when a synchronisation is due. Returns (params, opt_state, loss,
+    aux) as ``qcomm.data_parallel``'s step (loss and aux of this process's replica)."""
+    params, opt_state = self.join(params, opt_state)
+    params, opt_state, loss, aux = self._inner.step(params, opt_state, batch, *extra, key=key)
+    self._mini += 1
+    if self._mini >= self._sync_calls:
+      host = jax.device_get((loss, aux))
+      backend = self._backend
+      params, opt_state = self._synchronise(params, opt_state)
+      if backend != self._backend:  # rebuilt: the loss and aux of before are gone
+        loss, aux = jax.tree_util.tree_map(jnp.asarray, host)
+    return params, opt_state, loss, aux
+
+  __call__ = step
+
+  def _need_init(self, opt_state: Any) -> None:
+    if self._replica_axis is None or not isinstance(opt_state, DiLoCoState):
+      raise ValueError("opt_state must come from this runner's init (dp.init(params))")
+
+  # -- the round ------------------------------------------------------------------------------------
+  def _try_get(self, key: str) -> str | None:
+    try:
+      return self._client.key_value_try_get(key)
+    except Exception:  # noqa: BLE001  (NOT_FOUND)
+      return None
+
+  def _get_live(self) -> dict[int, int]:
+    return dict(self._client.get_live_nodes(list(range(self._n))))
+
+  def _check_live(self, live: dict[int, int]) -> None:
+    """A barrier of the live processes (``get_live_nodes``); :class:`_Changed` if the set or an
+    incarnation differs from ``live``. Every process of the round reaches the same calls in the
+    same order and gets the same answer, so all of them see a change at the same point."""
+    now = self._get_live()
+    if now != live:
+      raise _Changed(now)
+
+  def _synchronise(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+    inputs = (params, opt_state)
+    while True:
+      if self._live is None:
+        self._live = self._get_live()
+      live = self._live
+      fp = _fingerprint(live)
+      count = self._rounds.get(fp, 0)
+      self._rounds[fp] = count + 1
+      self._inputs = inputs  # host copies instead, once a rebuild has made the arrays invalid
+      try:
+        try:
+          result = self._round(live, f"qcomm/elastic/{fp}/{count}")
+        except _Changed:
+          raise
+        except Exception as error:  # noqa: BLE001  (a lost peer, or an error of ours)
+          self._check_live(live)  # raises _Changed if a peer was lost
+          raise error
+        self._check_live(live)
+        return self._commit(*result)
+      except _Changed as change:
+        gone = sorted(p for p in live if change.live.get(p) != live[p])
+        new = sorted(p for p in change.live if p not in live or p in gone)
+        _log(f"process {self._me}: the live processes changed (lost {gone}, new {new}); the "
+             f"synchronisation runs again over {sorted(change.live)}")
+        self._live = change.live
+        inputs = self._inputs
+
+  def _round(self, live: dict[int, int], key: str) -> tuple:
+    client = self._client
+    processes = sorted(live)
+    fp = _fingerprint(live)
+    mine = {"step": -1 if self._fresh else self._outer_step, "backend": self._backend,
+            "history": self.replicas_per_sync}
+    client.key_value_set(f"{key}/info/{self._me}", json.dumps(mine))
+    self._check_live(live)  # every process of the round has written its info
+    infos = {p: json.loads(client.blocking_key_value_get(f"{key}/info/{p}",
+                                                         KEY_TIMEOUT_S * 1000))
+             for p in processes}
+    newest = max(i["step"] for i in infos.values())
+    holders = [p for p in processes if newest >= 0 and infos[p]["step"] == newest]
+    full = len(processes) == self._n
+    if not holders:
+      if self._try_get(STARTED_KEY) is not None:
+        raise RuntimeError("no live process holds the training state (every replica that held "
+                           "it is gone); restart the run from a checkpoint")
+      # A group starting: every backend was built with all processes present.
+      if self._backend is None and full:
+        self._backend = fp
+    elif full and any(i["backend"] != fp for i in infos.values()):
+      self._inputs = jax.device_get(self._inputs)
+      _compat.reset_cpu_backend()
+      self._check_live(live)
+      if self._me == processes[0]:
+        for name in _compat.CPU_BACKEND_KEYS:
+          client.key_value_delete(name)
+      self._check_live(live)
+      self._backend = fp
+      self._rebuild()
+      _log(f"process {self._me}: CPU backend rebuilt for processes {processes}")
+    receivers = [p for p in processes if p not in holders] if (full and holders) else []
+    params, state = self._inputs
+    history = list(infos[holders[0]]["history"]) + [len(holders)] if holders else []
+    if self._me in holders:
+      params, state = self._outer(holders, params, state)
+    if receivers:
+      params, state = self._broadcast(processes, holders[0], receivers, params, state)
+    admitted = not holders or self._me in holders or self._me in receivers
+    return params, state, history, admitted, bool(holders)
+
+  def _commit(self, params, state, history, admitted, synchronised) -> tuple[Any, Any]:
+    if admitted:
+      if synchronised:
+        self.replicas_per_sync = history
+      self._fresh = False
+      self._outer_step = int(state.outer_step)
+      self._mini = int(state.mini_step)
+      if synchronised and self._me == min(self._live):
+        self._client.key_value_set(STARTED_KEY, "1", allow_overwrite=True)
+    return params, state
+
+  # -- the programs across processes ----------------------------------------------------------------
+  def _spec(self, state: Any) -> Any:
+    return checked_spec(state, self.axis_name)
+
+  def _outer(self, holders: list[int], params: Any, state: Any) -> tuple[Any, Any]:
+    """diloco's synchronisation over the holders' devices."""
+    mesh = self._mesh_of(holders)
+    spec = self._spec(state)
+    g_params = multihost_utils.host_local_array_to_global_array(params, mesh, P())
+    g_state = multihost_utils.host_local_array_to_global_array(state, mesh, spec)
+    out = self._outer_fn(tuple(holders), _SpecKey(spec))(g_params, g_state)
+    new_params = multihost_utils.global_array_to_host_local_array(out[0], mesh, P())
+    new_state = multihost_utils.global_array_to_host_local_array(out[1], mesh, spec)
+    return new_params, new_state
+
+  @functools.lru_cache(maxsize=None)
+  def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
+    tx = self.tx
+
+    def outer(params, state):
+      updates, state = tx.update(None, state, params, **{PHASE_ARG: "outer"})
+      return optax.apply_updates(params, updates), state
+
+    return jax.jit(jax.shard_map(outer, mesh=self._mesh_of(list(holders)),
+                                 in_specs=(P(), spec.spec), out_specs=(P(), spec.spec)))
+
+  def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
+                 state: Any) -> tuple[Any, Any]:
+    """The receivers take the source's params and state (their residual: zeros)."""
+    mesh = self._mesh_of(processes)
+    name = self.mesh.axis_names[self._replica_axis]
+    order = sorted(processes, key=self._row_of.__getitem__)
+    tree = jax.tree_util.tree_map(lambda x: np.asarray(x)[None], (params, state))
+    flag = np.asarray([self._me in receivers])
+    rows = multihost_utils.host_local_array_to_global_array((tree, flag), mesh, P(name))
+    out = self._broadcast_fn(tuple(processes), order.index(source))(*rows)
+    got = multihost_utils.global_array_to_host_local_array(out, mesh, P(name))
+    params, state = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], got)
+    if self._me in receivers and state.config.error_feedback:
+      state = state._replace(residual=jax.tree_util.tree_map(np.zeros_like, state.residual))
+    return (place(params, P(), self._local_mesh),
+            place(state, self._spec(state), self._local_mesh))
+
+  @functools.lru_cache(maxsize=None)
+  def _broadcast_fn(self, processes: tuple, source_row: int) -> Callable:
+    name = self.mesh.axis_names[self._replica_axis]
+
+    def pick(tree, flag):
+      def one(x):
+        src = lax.all_gather(x, name, tiled=True)[source_row:source_row + 1]
+        return jnp.where(flag.reshape((1,) + (1,) * (x.ndim - 1)), src, x)
+      return jax.tree_util.tree_map(one, tree)
+
+    return jax.jit(jax.shard_map(pick, mesh=self._mesh_of(list(processes)),
+                                 in_specs=(P(name), P(name)), out_specs=P(name)))

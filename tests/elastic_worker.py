@@ -1,0 +1,67 @@
+"""One process of an elastic diloco run (tests/test_elastic.py): linear regression, one replica
+per process, a JSON line per synchronisation in ``<out>/rank<r>.jsonl``.
+
+    python -m jax_qcomm.tools.launch -n 3 --elastic tests/elastic_worker.py OUT STEPS SLEEP
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from jax_qcomm.tools import distributed
+
+distributed.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import jax_qcomm as qcomm  # noqa: E402
+
+out, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+rank, n = jax.process_index(), jax.process_count()
+DIM, ROWS = 37, 12  # 37 does not split over 2 or 3 replicas
+w_true = np.random.default_rng(0).normal(size=(DIM,)).astype(np.float32)
+
+
+def batch(step: int) -> dict:
+  rng = np.random.default_rng(1000 * step + rank)
+  x = rng.normal(size=(ROWS, DIM)).astype(np.float32)
+  return {"x": x, "y": x @ w_true}
+
+
+def loss_fn(p, b):
+  return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+mesh = distributed.global_mesh(("node",))
+tx = qcomm.diloco(optax.sgd(0.05), axis_name="node", every=4, codec=qcomm.QSGD(4),
+                  outer=optax.sgd(1.0))
+dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name="node", elastic=True)
+params = {"w": np.zeros((DIM,), np.float32), "b": np.zeros((), np.float32)}
+state = dp.init(params)
+params, state = dp.join(params, state)
+log = open(os.path.join(out, f"rank{rank}.jsonl"), "a")
+
+
+def record(**kw):
+  log.write(json.dumps(dict(rank=rank, pid=os.getpid(), **kw)) + "\n")
+  log.flush()
+
+
+record(event="joined", calls=dp.calls(state))
+while (calls := dp.calls(state)) < steps:
+  params, state, loss, _ = dp.step(params, state, batch(calls))
+  if int(state.mini_step) == 0:  # a synchronisation
+    flat = np.concatenate([np.asarray(params["w"]).ravel(), np.asarray(params["b"]).ravel()])
+    record(event="sync", outer_step=int(state.outer_step), calls=dp.calls(state),
+           anchor=hashlib.sha256(flat.tobytes()).hexdigest()[:16],
+           replicas=dp.replicas_per_sync[-1] if dp.replicas_per_sync else None)
+  time.sleep(pause)
+x_eval = np.random.default_rng(7).normal(size=(64, DIM)).astype(np.float32)
+final = float(loss_fn(jax.device_get(params), {"x": x_eval, "y": x_eval @ w_true}))
+record(event="done", loss=final, replicas_per_sync=dp.replicas_per_sync)
