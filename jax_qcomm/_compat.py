@@ -207,6 +207,7 @@ def register_gloo_cpu_backend(interface: str | None, hostname: str | None) -> No
 
 #: Coordination-service key directories XLA:CPU writes when it builds a backend and its gloo
 #: communicators; deleted (by one process, between two barriers of all) before a backend rebuild.
+#: The last one is the topology process 0 writes.
 CPU_BACKEND_KEYS = ("cpu:gloo", "cpu:local_topology", "cpu:global_topology")
 
 
@@ -235,7 +236,7 @@ def start_coordination_service(address: str, num_processes: int, *, heartbeat_ti
 
 def connect_client(coordinator_address: str, process_id: int, num_processes: int, *,
                    initialization_timeout: int, heartbeat_timeout: int,
-                   shutdown_timeout: int) -> None:
+                   shutdown_timeout: int) -> Any:
   """Joins this process to a coordination service started elsewhere: what
   ``jax.distributed.initialize`` does in a process other than 0 (the client, and jax's record of
   it, which the CPU backend and ``multihost_utils`` read), whatever this process's index."""
@@ -251,6 +252,7 @@ def connect_client(coordinator_address: str, process_id: int, num_processes: int
   state.process_id = int(process_id)
   state.num_processes = int(num_processes)
   state.client = client
+  return client
 
 
 def reset_cpu_backend() -> None:

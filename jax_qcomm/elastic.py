@@ -66,6 +66,19 @@ KEY_TIMEOUT_S = 60
 STARTED_KEY = "qcomm/elastic/started"
 
 
+def before_backend(client: Any, process_id: int) -> None:
+  """Called when a process has joined an elastic run, before it builds a backend: a process 0
+  restarted into a group that has trained deletes the CPU topology its first incarnation
+  published (XLA's process 0 writes it once and cannot overwrite it; the others read it)."""
+  if process_id != 0:
+    return
+  try:
+    client.key_value_try_get(STARTED_KEY)
+  except Exception:  # noqa: BLE001  (NOT_FOUND: a group starting)
+    return
+  client.key_value_delete(_compat.CPU_BACKEND_KEYS[-1])
+
+
 def _fingerprint(live: dict[int, int]) -> str:
   text = ",".join(f"{p}:{i}" for p, i in sorted(live.items()))
   return hashlib.sha1(text.encode()).hexdigest()[:16]
@@ -218,7 +231,13 @@ class ElasticDataParallel:
       return None
 
   def _get_live(self) -> dict[int, int]:
-    return dict(self._client.get_live_nodes(list(range(self._n))))
+    live = dict(self._client.get_live_nodes(list(range(self._n))))
+    if self._me not in live:
+      raise RuntimeError(
+          f"process {self._me} was declared lost by the coordination service (stopped or cut "
+          f"off for longer than the heartbeat timeout) and cannot take part again in this "
+          f"incarnation; restart it with the same process index to rejoin")
+    return live
 
   def _check_live(self, live: dict[int, int]) -> None:
     """A barrier of the live processes (``get_live_nodes``); :class:`_Changed` if the set or an

@@ -31,7 +31,7 @@ w_true = np.random.default_rng(0).normal(size=(DIM,)).astype(np.float32)
 def batch(step: int) -> dict:
   rng = np.random.default_rng(1000 * step + rank)
   x = rng.normal(size=(ROWS, DIM)).astype(np.float32)
-  return {"x": x, "y": x @ w_true}
+  return {"x": x, "y": x @ w_true + 0.1 * rng.normal(size=(ROWS,)).astype(np.float32)}
 
 
 def loss_fn(p, b):

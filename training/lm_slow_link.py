@@ -28,6 +28,7 @@ between the nodes; diloco's divided by H).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -88,9 +89,12 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
   corpus = lm.load_corpus(config.stdlib_dir)
   mesh = create_mesh(config)
   k = config.accum_steps
+  elastic = distributed.is_elastic()
+  if elastic and method != "diloco":
+    raise ValueError("an elastic launch (--elastic) runs --method=diloco only")
   graphdef = nnx.split(nnx.eval_shape(lambda: lm.create_model(config, nnx.Rngs(0))))[0]
   params = jax.jit(lambda: nnx.state(lm.create_model(config, nnx.Rngs(config.seed)))
-                   .to_pure_dict(), out_shardings=NamedSharding(mesh, P()))()
+                   .to_pure_dict(), out_shardings=None if elastic else NamedSharding(mesh, P()))()
 
   def loss_fn(p, windows):
     return jnp.mean(lm.window_loss(graphdef, p, windows))
@@ -105,31 +109,43 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
     sync_every = 1
   else:
     tx = lm_diloco.create_tx(config, every, outer_lr, outer_momentum)
-    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS))
+    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS), elastic=elastic)
     state = dp.init(params)
     desc = qcomm.describe(tx, params, devices=mesh.shape[NODE])
     sync_every = every
 
-  eval_step = lm.make_eval_step(graphdef, mesh, (NODE, lm.AXIS))
   val = lm.val_windows(corpus.val, config.num_val_windows, config.seq_len)
-  val = _batch(mesh, val)
   val_bytes = config.num_val_windows * config.seq_len
-
-  def evaluate(p) -> float:
-    return float(eval_step(p, val)) / val_bytes
+  if elastic:
+    # Each process evaluates the anchor (the same in all) on every window, on its own devices,
+    # and feeds its own rows of the global batch: nothing here crosses processes.
+    eval_local = jax.jit(lambda p, w: jnp.sum(lm.window_loss(graphdef, p, w)))
+    evaluate = lambda p: float(eval_local(p, val)) / val_bytes  # noqa: E731
+    rows = config.batch_size // jax.process_count()
+    batch_of = lambda w: w[jax.process_index() * rows:(jax.process_index() + 1) * rows]  # noqa: E731
+    params, state = dp.join(params, state)  # a restarted process: the group's anchor and state
+  else:
+    eval_step = lm.make_eval_step(graphdef, mesh, (NODE, lm.AXIS))
+    val = _batch(mesh, val)
+    evaluate = lambda p: float(eval_step(p, val)) / val_bytes  # noqa: E731
+    batch_of = functools.partial(_batch, mesh)
 
   local = params  # diloco: the anchor
-  curve, train_s, target_s = [[0, evaluate(params), 0.0]], 0.0, None
-  step, first_step_s, t_first = 0, 0.0, time.perf_counter()
-  for step in range(1, config.num_steps + 1):
-    if step == 2:  # the clock starts after the first step, which compiles the programs
+  start = dp.calls(state) // k if elastic else 0
+  curve, train_s, target_s = [[start, evaluate(params), 0.0]], 0.0, None
+  step, first_step_s, t_first = start, 0.0, time.perf_counter()
+  while step < config.num_steps:
+    step += 1
+    if step == start + 2:  # the clock starts after the first step, which compiles the programs
       jax.block_until_ready((local, state))
       first_step_s, train_s = time.perf_counter() - t_first, 0.0
     t0 = time.perf_counter()
     for micro in range(k):
       windows = lm.train_windows(corpus.train, config.seed, (step - 1) * k + micro,
                                  config.batch_size, config.seq_len)
-      local, state, loss, _ = dp.step(local, state, _batch(mesh, windows))
+      local, state, loss, _ = dp.step(local, state, batch_of(windows))
+    if elastic:  # a synchronisation may have handed this process the group's counters
+      step = dp.calls(state) // k
     if step % eval_every == 0 or step == config.num_steps:
       jax.block_until_ready((local, state))
       train_s += time.perf_counter() - t0
@@ -155,6 +171,9 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
       "s_per_step": train_s / max(step - 1, 1), "params": int(n),
       "processes": jax.process_count(), "devices": int(mesh.devices.size),
       "sent_bytes_per_sync": desc.sent_bytes_per_sync,
+      "elastic": elastic,
+      "replicas_per_sync": (None if method != "diloco" else list(dp.replicas_per_sync) if elastic
+                            else [mesh.shape[NODE]] * int(np.asarray(state.outer_step.addressable_data(0)))),
       "sent_bytes_per_step": desc.sent_bytes_per_sync / sync_every,
       "python": corpus.python, "jax": jax.__version__, "corpus_sha256": corpus.sha256,
   }

@@ -62,6 +62,7 @@ import jax
 from jax.sharding import Mesh
 
 from jax_qcomm import _compat
+from jax_qcomm import elastic as elastic_core
 from jax_qcomm._checks import check_bool, check_choice, check_int
 from jax_qcomm.tools import malloc as malloc_tools
 
@@ -93,11 +94,19 @@ CLUSTER_DETECTION_METHODS = ("slurm", "ompi", "mpi4py", "tpu", "gcetpu", "gketpu
 #: collective timed out (a dead peer is already declared, a stalled one never is).
 ASK_LIVE_WAIT_AFTER_TIMEOUT = 5
 
-__all__ = ["initialize", "global_mesh", "global_devices", "under_launcher", "process_allgather",
+__all__ = ["initialize", "is_elastic", "global_mesh", "global_devices", "under_launcher", "process_allgather",
            "Timeouts", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
            "ENV_LOCAL_DEVICES", "ENV_GLOO_INTERFACE", "ENV_HEARTBEAT_TIMEOUT",
            "ENV_COLLECTIVE_TIMEOUT", "ENV_SHUTDOWN_TIMEOUT", "ENV_INITIALIZATION_TIMEOUT",
            "ENV_RECOVERABLE", "ENV_ELASTIC", "CLUSTER_DETECTION_METHODS"]
+
+
+_ELASTIC = False
+
+
+def is_elastic() -> bool:
+  """True after :func:`initialize` joined an elastic run (``elastic=True`` or ``QCOMM_ELASTIC``)."""
+  return _ELASTIC
 
 
 def under_launcher() -> bool:
@@ -464,10 +473,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   jax.config.update("jax_enable_recoverability", recoverable)
   try:
     if elastic:
-      _compat.connect_client(coordinator_address, int(process_id), int(num_processes),
-                             initialization_timeout=timeouts.initialization,
-                             heartbeat_timeout=timeouts.heartbeat,
-                             shutdown_timeout=timeouts.shutdown)
+      client = _compat.connect_client(coordinator_address, int(process_id), int(num_processes),
+                                      initialization_timeout=timeouts.initialization,
+                                      heartbeat_timeout=timeouts.heartbeat,
+                                      shutdown_timeout=timeouts.shutdown)
+      elastic_core.before_backend(client, int(process_id))
     else:
       jax.distributed.initialize(coordinator_address=coordinator_address,
                                  num_processes=None if num_processes is None else int(num_processes),
@@ -499,6 +509,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     _compat.register_gloo_cpu_backend(interface, hostname)
   if fail_fast:
     _install_fail_fast(int(process_id), int(num_processes), timeouts, recoverable)
+  global _ELASTIC
+  _ELASTIC = elastic
   if recoverable and not elastic:
     # Runs before jax's own atexit shutdown (registered when jax was imported; atexit is LIFO).
     atexit.register(_shutdown_barrier, timeouts.shutdown)

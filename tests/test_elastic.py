@@ -1,0 +1,133 @@
+"""Elastic diloco across processes (jax_qcomm/elastic.py, launch --elastic): processes killed
+(SIGKILL) or stopped (SIGSTOP past the heartbeat timeout), restarted by the launcher with their
+rank, rejoining with the group's state; anchors bit-identical at every synchronisation.
+
+Each run is three processes of tests/elastic_worker.py (a noisy linear regression, diloco every
+4 steps); the worker writes one JSON line per synchronisation."""
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "elastic_worker.py")
+STEPS, PAUSE = 200, 0.1
+
+
+def _launch(out, steps=STEPS):
+  cmd = [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "3", "--elastic",
+         "--heartbeat-timeout", "5", "--collective-timeout", "10", "--timeout", "400",
+         WORKER, str(out), str(steps), str(PAUSE)]
+  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _records(out, rank):
+  path = os.path.join(out, f"rank{rank}.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait(predicate, proc, what, limit=240):
+  t0 = time.monotonic()
+  while not predicate():
+    if proc.poll() is not None:
+      raise AssertionError(f"the run ended (status {proc.returncode}) before {what}:\n"
+                           f"{proc.stdout.read()[-4000:]}")
+    if time.monotonic() - t0 > limit:
+      raise AssertionError(f"timed out waiting for {what}")
+    time.sleep(0.1)
+
+
+def _pids(out, rank):
+  return [r["pid"] for r in _records(out, rank) if r["event"] == "joined"]
+
+
+def _syncs(out, rank, pid=None):
+  return [r for r in _records(out, rank) if r["event"] == "sync" and pid in (None, r["pid"])]
+
+
+def _finish(proc):
+  text, _ = proc.communicate(timeout=400)
+  assert proc.returncode == 0, text[-6000:]
+  return text
+
+
+def _check_run(out):
+  """Anchors bit-identical per synchronisation across every record; the final results."""
+  anchors = collections.defaultdict(set)
+  for rank in range(3):
+    for r in _syncs(out, rank):
+      anchors[r["outer_step"]].add(r["anchor"])
+  assert anchors and all(len(a) == 1 for a in anchors.values()), dict(anchors)
+  done = [[r for r in _records(out, rank) if r["event"] == "done"][-1] for rank in range(3)]
+  assert len({d["loss"] for d in done}) == 1  # the same anchor everywhere at the end
+  assert len({json.dumps(d["replicas_per_sync"]) for d in done}) == 1
+  return done[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  out = tmp_path_factory.mktemp("elastic_clean")
+  _finish(_launch(out))
+  done = _check_run(out)
+  assert done["replicas_per_sync"] == [3] * (STEPS // 4)
+  return done
+
+
+def _kill_mid_window(out, proc, rank, after_syncs):
+  """SIGKILL ``rank``'s current incarnation once it has recorded ``after_syncs`` more
+  synchronisations, half a window later (in the middle of its inner steps); waits for the
+  restarted one to join. Returns its old pid."""
+  pid = _pids(out, rank)[-1]
+  start = len(_syncs(out, rank, pid))
+  _wait(lambda: len(_syncs(out, rank, pid)) >= start + after_syncs, proc, f"rank {rank} syncs")
+  time.sleep(2 * PAUSE)
+  os.kill(pid, signal.SIGKILL)
+  _wait(lambda: len(_pids(out, rank)) > len(_pids(out, rank)[:_pids(out, rank).index(pid) + 1]),
+        proc, f"rank {rank} to rejoin")
+  return pid
+
+
+def test_killed_workers_and_worker_zero_rejoin(tmp_path, uninterrupted):
+  out = tmp_path
+  proc = _launch(out)
+  _wait(lambda: all(_pids(out, r) for r in range(3)), proc, "all to join")
+  survivor = _pids(out, 2)[0]
+  _kill_mid_window(out, proc, 1, 3)   # a non-coordinator worker
+  _kill_mid_window(out, proc, 0, 3)   # the process that was worker 0
+  _kill_mid_window(out, proc, 1, 3)   # the same rank again: repeated restarts
+  text = _finish(proc)
+  assert _pids(out, 2) == [survivor]  # the survivor never restarted
+  assert len(_pids(out, 0)) == 2 and len(_pids(out, 1)) == 3
+  assert text.count("restarting it with rank") == 3
+  done = _check_run(out)
+  replicas = done["replicas_per_sync"]
+  assert len(replicas) == STEPS // 4 and min(replicas) < 3 and replicas[-1] == 3
+  assert abs(done["loss"] - uninterrupted["loss"]) <= 0.1 * uninterrupted["loss"], (
+      done["loss"], uninterrupted["loss"])
+
+
+def test_stopped_worker_is_declared_lost_and_rejoins(tmp_path, uninterrupted):
+  out = tmp_path
+  proc = _launch(out)
+  _wait(lambda: all(_pids(out, r) for r in range(3)), proc, "all to join")
+  survivors = {r: _pids(out, r)[0] for r in (0, 1)}
+  pid = _pids(out, 2)[0]
+  _wait(lambda: len(_syncs(out, 2, pid)) >= 3, proc, "rank 2 syncs")
+  os.kill(pid, signal.SIGSTOP)  # past the heartbeat timeout (5 s): declared lost
+  time.sleep(8)
+  os.kill(pid, signal.SIGCONT)  # it learns it was declared lost, exits, and is restarted
+  _wait(lambda: len(_pids(out, 2)) == 2, proc, "rank 2 to rejoin")
+  _finish(proc)
+  assert {r: _pids(out, r) for r in (0, 1)} == {r: [p] for r, p in survivors.items()}
+  done = _check_run(out)
+  replicas = done["replicas_per_sync"]
+  assert min(replicas) == 2 and replicas[-1] == 3
+  assert abs(done["loss"] - uninterrupted["loss"]) <= 0.1 * uninterrupted["loss"]
