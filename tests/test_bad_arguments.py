@@ -321,6 +321,8 @@ def _cases() -> list[Case]:
         lambda: qcomm.data_parallel(loss, tx, mesh, axis_name=AX, batch_spec=("d",))),
       c("data_parallel", "donate",
         lambda: qcomm.data_parallel(loss, tx, mesh, axis_name=AX, donate="yes")),
+      c("data_parallel", "elastic",
+        lambda: qcomm.data_parallel(loss, tx, mesh, axis_name=AX, elastic="yes")),
       c("DataParallel", "loss_fn", _dp(loss_fn=3)),
       c("DataParallel", "tx", _dp(tx=None)),
       c("DataParallel", "mesh", _dp(mesh=None)),

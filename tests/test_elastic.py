@@ -131,3 +131,31 @@ def test_stopped_worker_is_declared_lost_and_rejoins(tmp_path, uninterrupted):
   replicas = done["replicas_per_sync"]
   assert min(replicas) == 2 and replicas[-1] == 3
   assert abs(done["loss"] - uninterrupted["loss"]) <= 0.1 * uninterrupted["loss"]
+
+
+def test_elastic_needs_a_coordination_service_outside_the_workers():
+  """In one process with no jax.distributed: a clear error naming how to start one."""
+  import numpy as np
+  import optax
+  import jax
+  from jax.sharding import Mesh
+
+  import jax_qcomm as qcomm
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("node",))
+  tx = qcomm.diloco(optax.sgd(0.1), axis_name="node", every=2)
+  with pytest.raises(RuntimeError, match="elastic=True"):
+    qcomm.data_parallel(lambda p, b: 0.0, tx, mesh, axis_name="node", elastic=True)
+  with pytest.raises(ValueError, match="donate"):
+    qcomm.data_parallel(lambda p, b: 0.0, tx, mesh, axis_name="node", elastic=True, donate=True)
+
+
+def test_launch_elastic_arguments():
+  from jax_qcomm.tools import launch
+
+  with pytest.raises(ValueError, match="max_restarts"):
+    launch.launch(["x.py"], 2, max_restarts=2)
+  with pytest.raises(ValueError, match="max_restarts must"):
+    launch.launch(["x.py"], 2, elastic=True, max_restarts=-1)
+  with pytest.raises(ValueError, match="recoverable"):
+    launch.launch(["x.py"], 2, elastic=True, recoverable=False)

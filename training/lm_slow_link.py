@@ -15,6 +15,12 @@ schedule and global batch are training/lm.py's (the tokens of every method are e
 * ``--method=diloco``: training/lm_diloco.py's optimizer: an exact sync over ``data`` inside each
   node, ``qcomm.diloco(..., axis_name="node", every=H, codec=<config.bits>)`` across nodes.
 
+Under ``python -m jax_qcomm.tools.launch --elastic`` (``--method=diloco`` only) the run survives
+lost processes: each process steps its own replica on its rows of the global batch and evaluates
+the anchor on its own devices, synchronisations average over the live processes, and a restarted
+process takes up the group's state and step (docs/distributed.md); the result JSON's
+``replicas_per_sync`` lists the replicas averaged at each synchronisation.
+
 Every ``--eval_every`` optimizer (inner) steps the parameters (diloco: the anchor) are evaluated
 on the validation windows. The training clock (``train_s``) is paused during evaluation and counts
 everything else: data, steps, synchronisation; it starts after the first optimizer step, which
