@@ -26,14 +26,15 @@ import optax
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat, collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_choice,
                                check_key)
 from jax_qcomm.axes import axis_names
-from jax_qcomm.specs import (communicated, device_spec, find_states, local_params, replica_axes,
-                             state_partition_spec)
+from jax_qcomm.elastic import ElasticDataParallel
+from jax_qcomm.specs import (_SpecKey, checked_spec, communicated, device_spec, local_params,
+                             place, replica_axes)
 
 AUX_REDUCTIONS = ("mean", "sum", "stack", "concat")
 
@@ -162,37 +163,6 @@ def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, na
   return new, opt_state, loss, aux
 
 
-def checked_spec(opt_state: Any, axis_name: Any) -> Any:
-  """:func:`qcomm.state_partition_spec` of ``opt_state``, with ValueError unless its qcomm
-  transformations synchronise over exactly the data axes ``axis_name``."""
-  spec = state_partition_spec(opt_state, axis_name)
-  states = find_states(opt_state)
-  if not states:
-    raise ValueError(
-        f"tx must contain a qcomm transformation over {axis_name!r}: the optimizer state holds "
-        f"none, so each device would step with its own gradient. Wrap the optimizer: "
-        f"qcomm.sync(tx, axis_name={axis_name!r}) (compressed, 4 bits), qcomm.sync(tx, "
-        f"axis_name={axis_name!r}, codec=qcomm.NoCompression()) for exact data parallelism, or "
-        f"qcomm.diloco(tx, axis_name=..., every=H).")
-  covered = set()
-  for s in states:
-    cfg = getattr(s, "config", None)
-    if cfg is not None:
-      covered |= set(axis_names(cfg.axis_name))
-      if getattr(cfg, "inner_axis_name", None) is not None:
-        covered |= set(axis_names(cfg.inner_axis_name))
-    else:  # the mapping form carries no settings: it synchronises over axis_name
-      covered |= set(axis_names(axis_name))
-  missing = [n for n in axis_names(axis_name) if n not in covered]
-  if missing:
-    raise ValueError(
-        f"axis_name {axis_name!r} names data axes {missing} that no qcomm transformation in tx "
-        f"synchronises over: the devices along them would step apart. Synchronise them (a "
-        f"qcomm.sync over {missing[0]!r} inside the diloco: qcomm.diloco(qcomm.sync(inner, "
-        f"axis_name={missing[0]!r}), ...)) or leave them out of axis_name.")
-  return spec
-
-
 def check_batch(batch: Any, mesh: Mesh, axis_name: Any, batch_spec: P | None) -> None:
   """ValueError for a batch whose leading axis the data axes cannot split evenly (with the
   default ``batch_spec``)."""
@@ -208,30 +178,6 @@ def check_batch(batch: Any, mesh: Mesh, axis_name: Any, batch_spec: P | None) ->
           f"evenly: leaf '{packing.path_str(path) or '<root>'}' has shape {tuple(shape)} ({n} "
           f"examples, batch size not divisible by the device count {d}). Use a global batch "
           f"size that is a multiple of {d}, or pass batch_spec= to split it otherwise.")
-
-
-def place(tree: Any, spec: Any, mesh: Mesh) -> Any:
-  """``tree`` placed on ``mesh`` as the spec tree says (a no-op for arrays already there). Needed
-  for meshes with Explicit axes (jax.make_mesh's default), whose shard_map rejects inputs placed
-  otherwise. Shared by the step helpers (data_parallel, diloco, flax_nnx)."""
-  shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec,
-                                     is_leaf=lambda s: isinstance(s, P))
-  return jax.device_put(tree, shardings)
-
-
-class _SpecKey:
-  """A spec tree as a cache key (PartitionSpec trees are not hashable as pytrees)."""
-
-  def __init__(self, spec: Any):
-    self.spec = spec
-    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=lambda s: isinstance(s, P))
-    self._key = (treedef, tuple(leaves))
-
-  def __hash__(self):
-    return hash(self._key)
-
-  def __eq__(self, other):
-    return isinstance(other, _SpecKey) and self._key == other._key
 
 
 def _reduce_aux(aux: Any, how: str, names: tuple, replicas: tuple = ()) -> Any:
@@ -341,12 +287,16 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     if donate:
       raise ValueError("donate=True is not supported with elastic=True (a synchronisation that "
                        "fails is retried from the arrays passed in)")
-    from jax_qcomm.elastic import ElasticDataParallel  # it builds on this module
-
-    return ElasticDataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name,
-                               has_aux=has_aux, aux_reduce=aux_reduce, batch_spec=batch_spec)
+    local = functools.partial(_local_runner, loss_fn, axis_name, has_aux, aux_reduce, batch_spec)
+    return ElasticDataParallel(tx=tx, mesh=mesh, axis_name=axis_name, local_runner=local)
   return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                       aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)
+
+
+def _local_runner(loss_fn, axis_name, has_aux, aux_reduce, batch_spec, tx, mesh) -> DataParallel:
+  """The runner of one elastic process: ``tx`` on its own devices (``mesh``)."""
+  return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                      aux_reduce=aux_reduce, batch_spec=batch_spec)
 
 
 def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate,

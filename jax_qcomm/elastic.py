@@ -55,8 +55,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat
 from jax_qcomm.axes import axis_names
-from jax_qcomm.data_parallel import DataParallel, _SpecKey, checked_spec, place
 from jax_qcomm.diloco import PHASE_ARG, DiLoCoState
+from jax_qcomm.specs import _SpecKey, checked_spec, place
 
 #: Seconds to wait for a coordination-service key that every process of a round wrote before the
 #: barrier it passed (present at once unless the service is failing).
@@ -70,13 +70,16 @@ def before_backend(client: Any, process_id: int) -> None:
   """Called when a process has joined an elastic run, before it builds a backend: a process 0
   restarted into a group that has trained deletes the CPU topology its first incarnation
   published (XLA's process 0 writes it once and cannot overwrite it; the others read it)."""
-  if process_id != 0:
-    return
+  if process_id == 0 and _try_get(client, STARTED_KEY) is not None:
+    client.key_value_delete(_compat.CPU_BACKEND_KEYS[-1])
+
+
+def _try_get(client: Any, key: str) -> str | None:
+  """The value of ``key`` in the coordination service, None if it is not set."""
   try:
-    client.key_value_try_get(STARTED_KEY)
-  except Exception:  # noqa: BLE001  (NOT_FOUND: a group starting)
-    return
-  client.key_value_delete(_compat.CPU_BACKEND_KEYS[-1])
+    return client.key_value_try_get(key)
+  except Exception:  # noqa: BLE001  (NOT_FOUND)
+    return None
 
 
 def _fingerprint(live: dict[int, int]) -> str:
@@ -109,13 +112,12 @@ class ElasticDataParallel:
   calls(opt_state) -> the calls the group has made (the counters a rejoined process receives).
   replicas_per_sync: the replicas averaged at each synchronisation so far (the group's record).
   """
-  loss_fn: Callable[..., Any]
   tx: optax.GradientTransformation
   mesh: Mesh
-  axis_name: Any = "data"
-  has_aux: bool = False
-  aux_reduce: str = "mean"
-  batch_spec: P | None = None
+  axis_name: Any
+  #: ``local_runner(tx, mesh)``: the non-elastic runner of ``tx`` on one process's mesh
+  #: (``qcomm.data_parallel``'s, with the caller's loss and options).
+  local_runner: Callable[[optax.GradientTransformation, Mesh], Any]
 
   def __post_init__(self):
     client, process_id, num_processes = _compat.distributed_state()
@@ -134,6 +136,7 @@ class ElasticDataParallel:
     self._rounds: dict[str, int] = {}
     self._backend: str | None = None
     self._fresh = True
+    self._outer_step = -1
     self._mini = 0
     self._sync_calls = None
     self.replicas_per_sync: list[int] = []
@@ -174,9 +177,7 @@ class ElasticDataParallel:
     self._local_mesh = self._mesh_of([self._me])
     inner = optax.GradientTransformationExtraArgs(
         self.tx.init, functools.partial(self.tx.update, **{PHASE_ARG: "inner"}))
-    self._inner = DataParallel(self.loss_fn, inner, self._local_mesh, axis_name=self.axis_name,
-                               has_aux=self.has_aux, aux_reduce=self.aux_reduce,
-                               batch_spec=self.batch_spec)
+    self._inner = self.local_runner(inner, self._local_mesh)
     self._outer_fn.cache_clear()
     self._broadcast_fn.cache_clear()
 
@@ -224,12 +225,6 @@ class ElasticDataParallel:
       raise ValueError("opt_state must come from this runner's init (dp.init(params))")
 
   # -- the round ------------------------------------------------------------------------------------
-  def _try_get(self, key: str) -> str | None:
-    try:
-      return self._client.key_value_try_get(key)
-    except Exception:  # noqa: BLE001  (NOT_FOUND)
-      return None
-
   def _get_live(self) -> dict[int, int]:
     live = dict(self._client.get_live_nodes(list(range(self._n))))
     if self._me not in live:
@@ -290,7 +285,7 @@ class ElasticDataParallel:
     holders = [p for p in processes if newest >= 0 and infos[p]["step"] == newest]
     full = len(processes) == self._n
     if not holders:
-      if self._try_get(STARTED_KEY) is not None:
+      if _try_get(client, STARTED_KEY) is not None:
         raise RuntimeError("no live process holds the training state (every replica that held "
                            "it is gone); restart the run from a checkpoint")
       # A group starting: every backend was built with all processes present.

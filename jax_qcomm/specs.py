@@ -30,7 +30,7 @@ import optax
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm._checks import check_axis_name
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names
@@ -298,3 +298,58 @@ def replica_axes(opt_state: Any) -> tuple:
 
 def _fields_of(x: Any) -> tuple:
   return tuple(x.keys()) if isinstance(x, collections.abc.Mapping) else type(x)._fields
+
+
+def checked_spec(opt_state: Any, axis_name: Any) -> Any:
+  """:func:`qcomm.state_partition_spec` of ``opt_state``, with ValueError unless its qcomm
+  transformations synchronise over exactly the data axes ``axis_name``."""
+  spec = state_partition_spec(opt_state, axis_name)
+  states = find_states(opt_state)
+  if not states:
+    raise ValueError(
+        f"tx must contain a qcomm transformation over {axis_name!r}: the optimizer state holds "
+        f"none, so each device would step with its own gradient. Wrap the optimizer: "
+        f"qcomm.sync(tx, axis_name={axis_name!r}) (compressed, 4 bits), qcomm.sync(tx, "
+        f"axis_name={axis_name!r}, codec=qcomm.NoCompression()) for exact data parallelism, or "
+        f"qcomm.diloco(tx, axis_name=..., every=H).")
+  covered = set()
+  for s in states:
+    cfg = getattr(s, "config", None)
+    if cfg is not None:
+      covered |= set(axis_names(cfg.axis_name))
+      if getattr(cfg, "inner_axis_name", None) is not None:
+        covered |= set(axis_names(cfg.inner_axis_name))
+    else:  # the mapping form carries no settings: it synchronises over axis_name
+      covered |= set(axis_names(axis_name))
+  missing = [n for n in axis_names(axis_name) if n not in covered]
+  if missing:
+    raise ValueError(
+        f"axis_name {axis_name!r} names data axes {missing} that no qcomm transformation in tx "
+        f"synchronises over: the devices along them would step apart. Synchronise them (a "
+        f"qcomm.sync over {missing[0]!r} inside the diloco: qcomm.diloco(qcomm.sync(inner, "
+        f"axis_name={missing[0]!r}), ...)) or leave them out of axis_name.")
+  return spec
+
+
+def place(tree: Any, spec: Any, mesh: Mesh) -> Any:
+  """``tree`` placed on ``mesh`` as the spec tree says (a no-op for arrays already there). Needed
+  for meshes with Explicit axes (jax.make_mesh's default), whose shard_map rejects inputs placed
+  otherwise. Shared by the step helpers (data_parallel, diloco, flax_nnx)."""
+  shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec,
+                                     is_leaf=lambda s: isinstance(s, P))
+  return jax.device_put(tree, shardings)
+
+
+class _SpecKey:
+  """A spec tree as a cache key (PartitionSpec trees are not hashable as pytrees)."""
+
+  def __init__(self, spec: Any):
+    self.spec = spec
+    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=lambda s: isinstance(s, P))
+    self._key = (treedef, tuple(leaves))
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __eq__(self, other):
+    return isinstance(other, _SpecKey) and self._key == other._key

@@ -114,6 +114,29 @@ def test_killed_workers_and_worker_zero_rejoin(tmp_path, uninterrupted):
       done["loss"], uninterrupted["loss"])
 
 
+def test_worker_killed_during_a_synchronisation(tmp_path, uninterrupted):
+  """Rank 1 is held (SIGSTOP, shorter than the heartbeat timeout) right after a synchronisation,
+  so that the others finish their window and enter the next round, waiting for it; then it is
+  killed. The survivors are inside the synchronisation when it dies: they run it again without
+  it, and again with its restarted incarnation."""
+  out = tmp_path
+  proc = _launch(out)
+  _wait(lambda: all(_pids(out, r) for r in range(3)), proc, "all to join")
+  survivors = {r: _pids(out, r)[0] for r in (0, 2)}
+  pid = _pids(out, 1)[0]
+  _wait(lambda: len(_syncs(out, 1, pid)) >= 3, proc, "rank 1 syncs")
+  os.kill(pid, signal.SIGSTOP)
+  time.sleep(2.0)  # the others' window is 4 x 0.1 s: they are waiting in the round
+  os.kill(pid, signal.SIGKILL)
+  _wait(lambda: len(_pids(out, 1)) == 2, proc, "rank 1 to rejoin")
+  text = _finish(proc)
+  assert {r: _pids(out, r) for r in (0, 2)} == {r: [p] for r, p in survivors.items()}
+  assert "the synchronisation runs again" in text
+  done = _check_run(out)
+  assert done["replicas_per_sync"][-1] == 3
+  assert abs(done["loss"] - uninterrupted["loss"]) <= 0.1 * uninterrupted["loss"]
+
+
 def test_stopped_worker_is_declared_lost_and_rejoins(tmp_path, uninterrupted):
   out = tmp_path
   proc = _launch(out)

@@ -46,7 +46,8 @@ LAYERS: list[set[str]] = [
                                                      # keys, error feedback, finite guard, counters
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
-    {"data_parallel", "describe", "diloco"},         # the step helpers, describe, outer sync
+    {"data_parallel", "describe", "diloco",          # the step helpers, describe, outer sync,
+     "elastic"},                                     # diloco across processes that come and go
     {"flax_nnx"},                                    # the NNX step (imports flax; loaded lazily)
     {"__init__"},                                    # the public API
 ]
