@@ -204,6 +204,12 @@ def add_cluster_options(parser: argparse.ArgumentParser, nodes: int = 4) -> None
   parser.add_argument("--malloc", choices=launch.MALLOC_MODES, default="reuse",
                       help="the launcher's malloc mode for the node processes (default: reuse; "
                            "glibc: no MALLOC_* variables, as under a launcher of the user's own)")
+  parser.add_argument("--elastic", action="store_true",
+                      help="an elastic run: the coordination service as a process of its own in "
+                           "node 0's namespace, and a node process that dies restarted with its "
+                           "rank (launch --elastic)")
+  parser.add_argument("--max-restarts", type=int, default=None,
+                      help="--elastic: restarts per node process (default: the launcher's)")
 
 
 def _check_prefix(prefix: str) -> str:
@@ -579,11 +585,26 @@ class Session:
     # launch() handles SIGTERM itself while it runs (kills the processes, returns 143) and
     # Ctrl-C (returns 130); run_in_cluster tears the cluster down in every case.
     cpus = ",".join(str(c) for c in self.cpus) if self.cpus else ""
-    status = launch.launch(
-        ["-c", _NODE_STUB, self.ip, cluster.tag, cpus, exe, *argv], args.nodes,
-        local_devices=args.local_devices, port=args.port, host=cluster.addresses[0],
-        interface=NS_INTERFACE, timeout=args.timeout, env=env,
-        launch_command=launch_command or label, malloc=getattr(args, "malloc", "reuse"))
+    elastic = bool(getattr(args, "elastic", False))
+    service = None
+    if elastic:  # reachable from the nodes only inside a namespace: node 0's
+      service = subprocess.Popen(
+          [self.ip, "netns", "exec", cluster.tag + "n0", sys.executable, "-m",
+           "jax_qcomm.tools.coordinator", "-n", str(args.nodes), "--port", str(args.port)],
+          stdout=subprocess.PIPE, text=True)
+      service.stdout.readline()  # "coordination service for N workers on ..."
+    try:
+      status = launch.launch(
+          ["-c", _NODE_STUB, self.ip, cluster.tag, cpus, exe, *argv], args.nodes,
+          local_devices=args.local_devices, port=args.port, host=cluster.addresses[0],
+          interface=NS_INTERFACE, timeout=args.timeout, env=env,
+          launch_command=launch_command or label, malloc=getattr(args, "malloc", "reuse"),
+          elastic=elastic, max_restarts=getattr(args, "max_restarts", None) if elastic else None,
+          service=False)
+    finally:
+      if service is not None:
+        service.terminate()
+        service.wait(timeout=30)
     record.update(wall_s=time.monotonic() - start, exit_status=status,
                   load_average_after=list(os.getloadavg()))
     self.meta.setdefault("runs", []).append(record)

@@ -299,14 +299,15 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
            stderr: IO[str] | None = None, launch_command: str | None = None,
            heartbeat_timeout: int | None = None, collective_timeout: int | None = None,
            recoverable: bool = True, malloc: str = "reuse", elastic: bool = False,
-           max_restarts: int | None = None) -> int:
+           max_restarts: int | None = None, service: bool = True) -> int:
   """Runs ``sys.executable *command`` in ``num_processes`` processes; returns the exit status.
 
   ``malloc``: ``"reuse"`` sets :data:`MALLOC_REUSE_ENV` for the processes (each variable unless
   the environment or ``env`` sets it); ``"glibc"`` leaves glibc's defaults (module docstring).
 
   ``elastic``: host the coordination service here and restart a process that dies, up to
-  ``max_restarts`` times each (module docstring).
+  ``max_restarts`` times each (module docstring); with ``service=False`` the service runs
+  elsewhere already (``python -m jax_qcomm.tools.coordinator`` at ``host:port``).
 
   0 if all succeeded; else the failed process's status (the others are stopped); 124 on timeout;
   130 on SIGINT (Ctrl-C), 143 on SIGTERM (both forwarded to the processes).
@@ -394,7 +395,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
     return p
 
   try:
-    if elastic:
+    if elastic and service:
       from jax_qcomm.tools import coordinator  # imports jax's service only when needed
 
       service = coordinator.start(port, num_processes, heartbeat_timeout=heartbeat_timeout)
