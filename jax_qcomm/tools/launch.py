@@ -379,7 +379,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
     signal.signal(signal.SIGINT, signal.default_int_handler)
   status = 0
   stop_signal = signal.SIGTERM
-  service = None
+  hosted = None  # the coordination service this launcher hosts (elastic)
   restarts = [0] * num_processes
 
   def spawn(rank: int) -> subprocess.Popen:
@@ -398,7 +398,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
     if elastic and service:
       from jax_qcomm.tools import coordinator  # imports jax's service only when needed
 
-      service = coordinator.start(port, num_processes, heartbeat_timeout=heartbeat_timeout)
+      hosted = coordinator.start(port, num_processes, heartbeat_timeout=heartbeat_timeout)
     for rank in range(num_processes):
       procs.append(spawn(rank))
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -435,8 +435,8 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
       t.join(timeout=5)
     if status != 0 and procs:
       _report_final(procs, live, {stop_signal, signal.SIGKILL}, report)
-    if service is not None:
-      service.shutdown()
+    if hosted is not None:
+      hosted.shutdown()
     if in_main_thread:
       signal.signal(signal.SIGTERM, previous_sigterm)
       signal.signal(signal.SIGINT, previous_sigint)
