@@ -138,7 +138,9 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
 
   local = params  # diloco: the anchor
   start = dp.calls(state) // k if elastic else 0
-  curve, train_s, target_s = [[start, evaluate(params), 0.0]], 0.0, None
+  # A process that rejoined mid-run does not evaluate first: the others wait for it at the next
+  # synchronisation, and the curve is process 0's.
+  curve, train_s, target_s = ([[start, evaluate(params), 0.0]] if start == 0 else []), 0.0, None
   step, first_step_s, t_first = start, 0.0, time.perf_counter()
   while step < config.num_steps:
     step += 1
