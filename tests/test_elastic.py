@@ -114,46 +114,48 @@ def test_killed_workers_and_worker_zero_rejoin(tmp_path, uninterrupted):
       done["loss"], uninterrupted["loss"])
 
 
-def test_worker_killed_during_a_synchronisation(tmp_path, uninterrupted):
-  """Rank 1 is held (SIGSTOP, shorter than the heartbeat timeout) right after a synchronisation,
-  so that the others finish their window and enter the next round, waiting for it; then it is
-  killed. The survivors are inside the synchronisation when it dies: they run it again without
-  it, and again with its restarted incarnation."""
-  out = tmp_path
-  proc = _launch(out)
+def _stop_then(out, proc, rank, seconds, then):
+  """SIGSTOP ``rank`` after its third synchronisation, ``seconds`` later send it ``then``, wait
+  for its restarted incarnation to join. Returns the other ranks' pids."""
   _wait(lambda: all(_pids(out, r) for r in range(3)), proc, "all to join")
-  survivors = {r: _pids(out, r)[0] for r in (0, 2)}
-  pid = _pids(out, 1)[0]
-  _wait(lambda: len(_syncs(out, 1, pid)) >= 3, proc, "rank 1 syncs")
+  others = {r: _pids(out, r)[0] for r in range(3) if r != rank}
+  pid = _pids(out, rank)[0]
+  _wait(lambda: len(_syncs(out, rank, pid)) >= 3, proc, f"rank {rank} syncs")
   os.kill(pid, signal.SIGSTOP)
-  time.sleep(2.0)  # the others' window is 4 x 0.1 s: they are waiting in the round
-  os.kill(pid, signal.SIGKILL)
-  _wait(lambda: len(_pids(out, 1)) == 2, proc, "rank 1 to rejoin")
-  text = _finish(proc)
-  assert {r: _pids(out, r) for r in (0, 2)} == {r: [p] for r, p in survivors.items()}
-  assert "the synchronisation runs again" in text
+  time.sleep(seconds)
+  os.kill(pid, then)
+  _wait(lambda: len(_pids(out, rank)) == 2, proc, f"rank {rank} to rejoin")
+  return others
+
+
+def _check_against(out, others, uninterrupted):
+  assert {r: _pids(out, r) for r in others} == {r: [p] for r, p in others.items()}  # never restarted
   done = _check_run(out)
   assert done["replicas_per_sync"][-1] == 3
   assert abs(done["loss"] - uninterrupted["loss"]) <= 0.1 * uninterrupted["loss"]
+  return done
+
+
+def test_worker_killed_during_a_synchronisation(tmp_path, uninterrupted):
+  """Rank 1 is held (SIGSTOP for 2 s, shorter than the heartbeat timeout) right after a
+  synchronisation, so that the others finish their window (4 x 0.1 s) and enter the next round,
+  waiting for it; then it is killed. The survivors are inside the synchronisation when it dies:
+  they run it again without it, and again with its restarted incarnation."""
+  proc = _launch(tmp_path)
+  others = _stop_then(tmp_path, proc, 1, 2.0, signal.SIGKILL)
+  text = _finish(proc)
+  assert "the synchronisation runs again" in text
+  _check_against(tmp_path, others, uninterrupted)
 
 
 def test_stopped_worker_is_declared_lost_and_rejoins(tmp_path, uninterrupted):
-  out = tmp_path
-  proc = _launch(out)
-  _wait(lambda: all(_pids(out, r) for r in range(3)), proc, "all to join")
-  survivors = {r: _pids(out, r)[0] for r in (0, 1)}
-  pid = _pids(out, 2)[0]
-  _wait(lambda: len(_syncs(out, 2, pid)) >= 3, proc, "rank 2 syncs")
-  os.kill(pid, signal.SIGSTOP)  # past the heartbeat timeout (5 s): declared lost
-  time.sleep(8)
-  os.kill(pid, signal.SIGCONT)  # it learns it was declared lost, exits, and is restarted
-  _wait(lambda: len(_pids(out, 2)) == 2, proc, "rank 2 to rejoin")
+  """SIGSTOP past the heartbeat timeout (5 s): declared lost; on SIGCONT it learns it, exits and
+  is restarted."""
+  proc = _launch(tmp_path)
+  others = _stop_then(tmp_path, proc, 2, 8.0, signal.SIGCONT)
   _finish(proc)
-  assert {r: _pids(out, r) for r in (0, 1)} == {r: [p] for r, p in survivors.items()}
-  done = _check_run(out)
-  replicas = done["replicas_per_sync"]
-  assert min(replicas) == 2 and replicas[-1] == 3
-  assert abs(done["loss"] - uninterrupted["loss"]) <= 0.1 * uninterrupted["loss"]
+  done = _check_against(tmp_path, others, uninterrupted)
+  assert min(done["replicas_per_sync"]) == 2
 
 
 def test_elastic_needs_a_coordination_service_outside_the_workers():
