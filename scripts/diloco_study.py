@@ -48,6 +48,12 @@ CELLS: dict[str, tuple[dict, dict]] = {
     # K = 4 replicas of 2 devices (each a quarter of the batch).
     "fp32_h50_k4_tuned": ({"bits": 32}, {"every": 50, "outer_lr": TUNED, "replicas": 4}),
     "q4_h50_k4_tuned": ({"bits": 4}, {"every": 50, "outer_lr": TUNED, "replicas": 4}),
+    # K = 8 replicas of 1 device (each an eighth of the batch), and TopK at K = 4 and 8.
+    "fp32_h50_k8_tuned": ({"bits": 32}, {"every": 50, "outer_lr": TUNED, "replicas": 8}),
+    "q4_h50_k8_tuned": ({"bits": 4}, {"every": 50, "outer_lr": TUNED, "replicas": 8}),
+    **{f"topk2_ef_h50_k{k}_default": ({"bits": 2, "topk": 0.02, "error_feedback": True},
+                                      {"every": 50, "outer_lr": 1.0, "outer_momentum": 0.5,
+                                       "replicas": k}) for k in (4, 8)},
     # 4 bits with buckets of 1024 values at H = 100 (the bytes target).
     "q4_b1024_h100_tuned": ({"bits": 4, "bucket_size": 1024}, {"every": 100, "outer_lr": TUNED}),
     # 1.5x the inner steps (3000; the schedule stretched), for the time-to-loss runs.
