@@ -172,7 +172,7 @@ def test_the_pseudo_gradient_is_anchor_minus_local():
 # ---- no collective between syncs; describe == HLO --------------------------------------------------
 
 def _compiled(dp, params, state, batch):
-  from jax_qcomm.data_parallel import _SpecKey
+  from jax_qcomm.specs import _SpecKey
   fn = dp._step_fn(_SpecKey(dp.state_spec(state)), (AX,), 0, False)
   return fn.lower(params, state, batch, ()).compile().as_text()
 
