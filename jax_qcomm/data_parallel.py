@@ -33,6 +33,7 @@ from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, 
                                check_key)
 from jax_qcomm.axes import axis_names
 from jax_qcomm.elastic import ElasticDataParallel
+from jax_qcomm.overlap import OverlappedDataParallel
 from jax_qcomm.specs import (_SpecKey, checked_spec, communicated, device_spec, local_params,
                              place, replica_axes)
 
@@ -227,7 +228,8 @@ def out_specs_of(how: str, names: tuple, replicas: tuple) -> P:
 def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh, *,
                   axis_name: collectives.AxisName = "data", has_aux: bool = False,
                   aux_reduce: str = "mean", batch_spec: P | None = None,
-                  donate: bool = False, elastic: bool = False) -> DataParallel:
+                  donate: bool = False, elastic: bool = False,
+                  overlap: bool = False) -> DataParallel:
   """A jitted data-parallel train step for ``loss_fn``, synchronised by ``tx``.
 
   Args:
@@ -261,6 +263,11 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       its own share of the batch, and every synchronisation averages over the processes alive; a
       restarted process receives the group's state (:class:`jax_qcomm.elastic.ElasticDataParallel`,
       docs/distributed.md).
+    overlap: for ``tx = qcomm.diloco(..., delay=1)``: run each synchronisation's collective on a
+      device of each replica's process that ``mesh`` leaves out, while the next inner steps
+      compute (:class:`jax_qcomm.overlap.OverlappedDataParallel`; the same results as without).
+      The runner also has ``flush(opt_state)``: the state with the mean in flight received, to
+      checkpoint.
 
   Returns:
     A :class:`DataParallel`: ``opt_state = dp.init(params)``, then
@@ -282,6 +289,16 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     and ``donate`` has no effect there (donate with that jit's ``donate_argnums``).
   """
   check_bool("elastic", elastic)
+  check_bool("overlap", overlap)
+  if overlap:
+    _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate)
+    if elastic:
+      raise ValueError("overlap=True cannot be combined with elastic=True")
+    if donate:
+      raise ValueError("donate=True is not supported with overlap=True (the state a "
+                       "synchronisation sends from stays in use until the collective ends)")
+    local = functools.partial(_local_runner, loss_fn, axis_name, has_aux, aux_reduce, batch_spec)
+    return OverlappedDataParallel(tx=tx, mesh=mesh, axis_name=axis_name, local_runner=local)
   if elastic:
     _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate)
     if donate:
@@ -294,7 +311,8 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
 
 
 def _local_runner(loss_fn, axis_name, has_aux, aux_reduce, batch_spec, tx, mesh) -> DataParallel:
-  """The runner of one elastic process: ``tx`` on its own devices (``mesh``)."""
+  """The ordinary runner of ``tx`` on ``mesh`` with the caller's options (an elastic process's own
+  devices; the inner steps of the overlapped runner)."""
   return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                       aux_reduce=aux_reduce, batch_spec=batch_spec)
 

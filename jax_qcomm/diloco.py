@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import optax
 
@@ -50,7 +50,12 @@ SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM = 1.0, 0.5
 #: never synchronises; ``"outer"`` synchronises now, with no inner step (``grads`` is ignored and
 #: may be None); absent, the call does both, as a plain optax update.
 PHASE_ARG = "qcomm_diloco_phase"
-PHASES = ("inner", "outer")
+#: ``"arrive"`` (``delay=1`` only): the synchronisation without its collective: the mean in
+#: ``pending`` is applied and this round's pseudo-gradient is left for the caller to send
+#: (:class:`qcomm.data_parallel`'s ``overlap=True`` runner sends it on devices of its own).
+PHASES = ("inner", "outer", "arrive")
+#: Values of ``delay``.
+DELAYS = (0, 1)
 
 
 def default_outer(codec: Codec, error_feedback: bool) -> optax.GradientTransformation:
@@ -78,6 +83,7 @@ class DiLoCoConfig:
   inner_accum_steps: int = 1
   inner_axis_name: Any = None
   fragments: int = 1
+  delay: int = 0
 
   @property
   def accum_steps(self) -> int:
@@ -118,7 +124,15 @@ class DiLoCoState(NamedTuple):
     key: rounding key data (uint32[2]), advanced at every synchronisation.
     total_notfinite: synchronisations whose mean pseudo-gradient held a NaN or an infinity; they
       leave the anchor, the outer state and the residual as they were.
-    config: the settings (:class:`DiLoCoConfig`; no arrays).
+  With ``delay=1`` (``()`` otherwise):
+    round_start: per replica, its parameters at the start of the round (where the last
+      synchronisation put them).
+    pending: replicated, float32: the mean pseudo-gradient of the last synchronisation, applied
+      at the next one.
+    pending_lost: per replica, float32: what the codec lost of this replica's share of
+      ``pending`` (its next error-feedback residual; ``()`` without error feedback).
+    pending_valid: replicated int32, 1 if ``pending`` holds a mean not applied yet.
+  config: the settings (:class:`DiLoCoConfig`; no arrays).
   """
 
   params: Any
@@ -129,9 +143,13 @@ class DiLoCoState(NamedTuple):
   outer_step: jax.Array
   key: jax.Array
   total_notfinite: jax.Array
+  round_start: Any = ()
+  pending: Any = ()
+  pending_lost: Any = ()
+  pending_valid: Any = ()
   config: DiLoCoConfig | None = None
 
-  PER_DEVICE_FIELDS = ("params", "residual")
+  PER_DEVICE_FIELDS = ("params", "residual", "round_start", "pending_lost")
   NESTED_FIELDS = ()
   PER_DEVICE_NESTED_FIELDS = ("inner_opt_state",)
   REPLICATED_FIELDS = ("mini_step", "outer_step", "key", "total_notfinite")
@@ -141,7 +159,7 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
            codec: Codec | None = None, outer: optax.GradientTransformation | None = None,
            error_feedback: bool = False, policy: packing.LeafPolicy | None = None,
            comm_bucket_size: int | None = None, seed: int = 0,
-           fragments: int = 1) -> optax.GradientTransformationExtraArgs:
+           fragments: int = 1, delay: int = 0) -> optax.GradientTransformationExtraArgs:
   """Local steps of ``inner``, and every ``every`` steps a compressed outer step across replicas.
 
   Args:
@@ -177,6 +195,14 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
       synchronisation sends about 1/P of them, so the peak traffic drops P-fold. Each fragment
       has its own outer optimizer state; between its synchronisations a replica's other
       fragments keep their local values.
+    delay: 0 or 1. With 1, each synchronisation's mean is applied one round late, at the next
+      synchronisation (eager one-step delayed outer updates): at a synchronisation a replica
+      applies the mean sent at the previous one to the anchor, moves its own parameters onto the
+      new anchor while keeping the progress of the round just ended (``anchor - (round start -
+      local parameters)``), and sends that progress. Its next inner steps then need nothing from
+      the collective, so :func:`qcomm.data_parallel` with ``overlap=True`` runs the collective
+      on devices of its own while they compute (docs/usage.md). As a plain update the
+      collective still runs in the step, with the same results. Not with ``fragments > 1``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` builds a :class:`DiLoCoState`
@@ -196,6 +222,11 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
     raise ValueError(f"fragments must divide every (one fragment every every / fragments inner "
                      f"steps), got fragments={fragments}, every={every}")
   error_feedback = check_bool("error_feedback", error_feedback)
+  if isinstance(delay, bool) or delay not in DELAYS:
+    raise ValueError(f"delay must be one of {DELAYS}, got {delay!r}")
+  if delay and fragments > 1:
+    raise ValueError(f"delay=1 cannot be combined with fragments > 1 (got fragments="
+                     f"{fragments}): delay each whole synchronisation, or stream fragments")
   codec = _parts.resolve_codec(codec, None, None, error_feedback)
   if outer is None:
     outer = default_outer(codec, error_feedback)
@@ -206,7 +237,7 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
   config = DiLoCoConfig(axis_name=axis_name, codec=codec, policy=policy, every=every,
                         error_feedback=error_feedback and codec.lossy,
                         comm_bucket_size=check_int_or_none("comm_bucket_size", comm_bucket_size),
-                        seed=_parts.check_seed(seed), fragments=fragments)
+                        seed=_parts.check_seed(seed), fragments=fragments, delay=int(delay))
   d = _DiLoCo(optax.with_extra_args_support(inner), outer, config)
   return optax.GradientTransformationExtraArgs(d.init, d.update)
 
@@ -216,6 +247,37 @@ def _paths_and_leaves(tree: Any) -> tuple[list[str], list[Any]]:
   fragment's leaves travel (so that the leaf policy sees the same paths)."""
   with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [packing.path_str(p) for p, _ in with_path], [x for _, x in with_path]
+
+
+def _comm_axis(cfg: DiLoCoConfig) -> Any:
+  """The axis of the pseudo-gradient's allreduce: with a sync inside, delta is the same on every
+  device of its axis, and each sends only its share across the slow axis (collectives'
+  Hierarchical path for values equal inside)."""
+  return (cfg.axis_name if cfg.inner_axis_name is None
+          else Hierarchical(cfg.inner_axis_name, cfg.axis_name))
+
+
+def _round_progress(state: DiLoCoState, local: Any) -> Any:
+  """``delay=1``: this round's pseudo-gradient, round start - local parameters (float32)."""
+  return jax.tree_util.tree_map(lambda s, p: s[0].astype(jnp.float32) - p.astype(jnp.float32),
+                                state.round_start, local)
+
+
+def _with_residual(delta: Any, residual: Any, cfg: DiLoCoConfig) -> Any:
+  return _parts.add_residual(delta, residual) if cfg.error_feedback else delta
+
+
+def delayed_send(before: DiLoCoState, after: DiLoCoState) -> tuple[Any, jax.Array]:
+  """Inside the step, around an ``"arrive"`` update from ``before`` to ``after``: what this
+  replica sends (its round's progress plus its residual, float32, shaped like the parameters)
+  and the rounding key of that allreduce."""
+  send = _with_residual(_round_progress(before, _replica(before.params)), after.residual,
+                        before.config)
+  return send, _parts.split_key(before.key)[1]
+
+
+def _replica(rows: Any) -> Any:
+  return jax.tree_util.tree_map(lambda a: a[0], rows)
 
 
 class _DiLoCo:
@@ -263,14 +325,24 @@ class _DiLoCo:
         outer_opt_state=outer_state,
         residual=rows(jax.tree_util.tree_map(jnp.zeros_like, f32)) if cfg.error_feedback else (),
         mini_step=_parts.zero(), outer_step=_parts.zero(), key=_parts.seed_key(cfg.seed),
-        total_notfinite=_parts.zero(), config=cfg)
+        total_notfinite=_parts.zero(), **(self._delay_fields(params, f32, rows) if cfg.delay
+                                           else {}), config=cfg)
+
+  def _delay_fields(self, params: Any, f32: Any, rows: Callable[[Any], Any]) -> dict[str, Any]:
+    """The ``delay=1`` fields of a fresh state: the round starts at ``params``, nothing pending."""
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, f32)
+    return dict(round_start=rows(params), pending=zeros,
+                pending_lost=rows(zeros) if self.config.error_feedback else (),
+                pending_valid=_parts.zero())
 
   def update(self, grads: Any, state: DiLoCoState, params: Any = None, **extra_args: Any):
     axis_size(self.config.axis_name)  # clear error outside shard_map
     phase = extra_args.pop(PHASE_ARG, None)
     if phase is not None and phase not in PHASES:
       raise ValueError(f"{PHASE_ARG} must be one of {PHASES} (or absent), got {phase!r}")
-    if phase == "outer":
+    if phase == "arrive" and not state.config.delay:
+      raise ValueError(f"{PHASE_ARG}='arrive' needs qcomm.diloco(..., delay=1)")
+    if phase in ("outer", "arrive"):
       grads = params  # no inner step: only the structure is checked
     packing.check_float_leaves(grads, "grads")
     self._check(grads, state, params)
@@ -278,7 +350,7 @@ class _DiLoCo:
     rows = lambda t: _parts.per_device(t, self.names, 1, True)  # noqa: E731
     local = local_params(state, params)  # the anchor itself right after a synchronisation
     inner_state = jax.tree_util.tree_map(lambda a: a[0], state.inner_opt_state)
-    if phase == "outer":
+    if phase in ("outer", "arrive"):
       mini_step = state.mini_step
     else:
       updates, inner_state = self.inner.update(grads, inner_state, local, **extra_args)
@@ -304,12 +376,8 @@ class _DiLoCo:
         treedef = jax.tree_util.tree_structure(params)
         delta_leaves = jax.tree_util.tree_leaves(delta)
         delta = {paths[i]: delta_leaves[i] for i in group}
-      # With a sync inside, delta is the same on every device of its axis: each sends only its
-      # share across the slow axis (collectives' Hierarchical path for values equal inside).
-      axis = (cfg.axis_name if cfg.inner_axis_name is None
-              else Hierarchical(cfg.inner_axis_name, cfg.axis_name))
       mean, lost = collectives.allreduce(
-          delta, axis, cfg.codec, sub, "mean", policy=cfg.policy,
+          delta, _comm_axis(cfg), cfg.codec, sub, "mean", policy=cfg.policy,
           comm_bucket_size=cfg.comm_bucket_size, return_residual=True, check_varying=False)
       # The mean is bit-identical on every replica, so this decision is too.
       finite = _parts.all_finite(mean)
@@ -356,7 +424,10 @@ class _DiLoCo:
           outer_step=state.outer_step + 1, key=key,
           total_notfinite=_parts.count_notfinite(state.total_notfinite, finite), config=cfg)
 
-    if cfg.fragments > 1:
+    if cfg.delay:
+      synchronise = functools.partial(self._delayed, state, params, local, inner_state,
+                                      phase != "arrive")
+    elif cfg.fragments > 1:
       groups = packing.fragment_groups([jnp.size(x) for x in jax.tree_util.tree_leaves(params)],
                                cfg.fragments)
       synchronise = lambda: _compat.switch(  # noqa: E731
@@ -366,9 +437,53 @@ class _DiLoCo:
       synchronise = outer_step
     if phase == "inner":
       return between()
-    if phase == "outer":
+    if phase in ("outer", "arrive"):
       return synchronise()
     return _compat.cond(mini_step >= cfg.sync_calls, (synchronise, between))
+
+  def _delayed(self, state: DiLoCoState, params: Any, local: Any, inner_state: Any,
+               communicate: bool) -> tuple[Any, DiLoCoState]:
+    """A ``delay=1`` synchronisation: the pending mean moves the anchor, this replica goes on from
+    the new anchor plus this round's progress, and (``communicate``) the progress is sent, its
+    mean pending until the next synchronisation. Without ``communicate`` (the ``"arrive"``
+    phase) the caller sends :func:`delayed_send` of the input state and fills ``pending``."""
+    cfg = state.config
+    rows = lambda t: _parts.per_device(t, self.names, 1, True)  # noqa: E731
+    anchor = jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params)
+    progress = _round_progress(state, local)
+    key, sub = _parts.split_key(state.key)
+    # The pending mean is bit-identical on every replica, so this decision is too.
+    finite = (state.pending_valid > 0) & _parts.all_finite(state.pending)
+    outer_updates, outer_state = self.outer.update(state.pending, state.outer_opt_state, anchor)
+    updates = jax.tree_util.tree_map(
+        lambda u, p: jnp.where(finite, u, 0).astype(jnp.result_type(p)), outer_updates, params)
+    new_anchor = optax.apply_updates(params, lax.optimization_barrier(updates))
+    # A replica whose progress is not finite starts again from the anchor; what it sends still
+    # carries the NaN, so every replica skips that mean.
+    ok = _parts.all_finite(progress)
+    new_local = jax.tree_util.tree_map(
+        lambda a, d: jnp.where(ok, a.astype(jnp.float32) - d, a.astype(jnp.float32)).astype(
+            a.dtype), new_anchor, progress)
+    residual = state.residual
+    if cfg.error_feedback:
+      residual = _parts.next_residual(
+          finite, jax.tree_util.tree_map(lambda r: r[0], state.pending_lost), state.residual)
+    notfinite = state.total_notfinite + ((state.pending_valid > 0)
+                                         & jnp.logical_not(finite)).astype(jnp.int32)
+    new_state = state._replace(
+        params=rows(new_local), inner_opt_state=rows(inner_state),
+        outer_opt_state=_parts.keep_if_finite(finite, outer_state, state.outer_opt_state),
+        residual=residual, mini_step=_parts.zero(), outer_step=state.outer_step + 1, key=key,
+        total_notfinite=notfinite, round_start=rows(new_local), pending_valid=_parts.zero())
+    if not communicate:
+      return updates, new_state
+    send = _with_residual(progress, residual, cfg)
+    mean, lost = collectives.allreduce(
+        send, _comm_axis(cfg), cfg.codec, sub, "mean", policy=cfg.policy,
+        comm_bucket_size=cfg.comm_bucket_size, return_residual=True, check_varying=False)
+    return updates, new_state._replace(
+        pending=mean, pending_lost=rows(lost) if cfg.error_feedback else (),
+        pending_valid=jnp.ones((), jnp.int32))
 
   def _check(self, grads: Any, state: Any, params: Any) -> None:
     if not isinstance(state, DiLoCoState) or state.config is None:

@@ -271,9 +271,11 @@ def local_params(opt_state: Any, params: Any) -> Any:
     raise ValueError(f"params must have the structure of the diloco replicas' parameters, got "
                      f"{jax.tree_util.tree_structure(params)} vs "
                      f"{jax.tree_util.tree_structure(local)}")
-  if getattr(_field(state, "config"), "fragments", 1) > 1:
+  config = _field(state, "config")
+  if getattr(config, "fragments", 1) > 1 or getattr(config, "delay", 0):
     # Fragments: right after a synchronisation only one fragment is the anchor; the replica's
-    # parameters hold it, made as the caller's optax.apply_updates makes the anchor.
+    # parameters hold it, made as the caller's optax.apply_updates makes the anchor. Delayed
+    # outer updates: the replica goes on from its own parameters.
     return jax.tree_util.tree_map(lambda a: a[0], local)
   synced = _field(state, "mini_step") == 0
   return jax.tree_util.tree_map(lambda a, p: jnp.where(synced, p, a[0]), local, params)
