@@ -58,6 +58,8 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
                                      # the replicas (bits 1, 2, 4 or 8) instead of QSGD
   config.fragments = 1               # training/lm_diloco, lm_slow_link: qcomm.diloco(fragments=...),
                                      # 1/P of the parameters every H/P steps
+  config.delay = 0                   # training/lm_diloco, lm_slow_link: qcomm.diloco(delay=...),
+                                     # 1: each outer step applied one round late (--overlap)
 
   # Loop, logging, checkpoints.
   config.eval_every_steps = 100      # optimizer steps between val-loss points (0: only the end)

@@ -47,7 +47,8 @@ LAYERS: list[set[str]] = [
     {"collectives"},                                 # allreduce, reduce_scatter, all_gather
     {"accumulation", "sync"},                        # micro-batches, the optax wrapper
     {"data_parallel", "describe", "diloco",          # the step helpers, describe, outer sync,
-     "elastic"},                                     # diloco across processes that come and go
+     "elastic", "overlap"},                          # diloco across processes that come and go,
+                                                     # its collective on devices of its own
     {"flax_nnx"},                                    # the NNX step (imports flax; loaded lazily)
     {"__init__"},                                    # the public API
 ]

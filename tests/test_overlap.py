@@ -8,6 +8,8 @@ What is proved here:
     field and the anchor bit-identical to the ordinary runner of the same ``tx``, at 3 replicas,
     4 bits with error feedback, a leaf that does not divide among them, across 4 synchronisations,
     and with a checkpoint-style restart from ``flush``; the anchor is the same on every device;
+  - ``describe``'s bytes (the same as delay=0's) are those of the compiled HLO of both the
+    ordinary runner's step and the overlapped runner's communication program;
   - a non-finite round is skipped by every replica (counted in ``total_notfinite``), the replica
     that produced it starts again from the anchor, and the next rounds are finite;
   - across processes (2 processes x 2 host devices, one of them each process's communication
@@ -31,6 +33,9 @@ import jax.numpy as jnp
 import optax
 
 import jax_qcomm as qcomm
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax_qcomm.specs import _SpecKey
+from test_protocol import hlo_sent_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 AX = "node"
@@ -164,6 +169,32 @@ def test_a_nonfinite_round_is_skipped_and_does_not_poison_the_next():
                                                   jax.tree_util.tree_leaves(anchors[5])))
   assert not np.array_equal(np.asarray(anchors[5]["w"]), np.asarray(anchors[9]["w"]))
   assert bool(jnp.all(jnp.isfinite(loss)))
+
+
+@pytest.mark.parametrize("codec", [qcomm.NoCompression(), qcomm.QSGD(4)], ids=["exact", "qsgd4"])
+def test_describe_equals_the_hlo_of_both_runners(codec):
+  """delay=1 sends what delay=0 sends: describe's bytes are those of the ordinary runner's step
+  and of the overlapped runner's communication program (3 replicas)."""
+  d, params = 3, _params()
+  tx = qcomm.diloco(optax.adam(1e-3), axis_name=AX, every=2, codec=codec, delay=1)
+  want = qcomm.describe(tx, params, devices=d).sent_bytes_per_sync
+  assert want == qcomm.describe(qcomm.diloco(optax.adam(1e-3), axis_name=AX, every=2,
+                                             codec=codec), params, devices=d).sent_bytes_per_sync
+  plain = qcomm.data_parallel(_loss, tx, _mesh(d), axis_name=AX)
+  state = plain.init(params)
+  step = plain._step_fn(_SpecKey(plain.state_spec(state)), (AX,), 0, False)
+  batch = jax.device_put(_batches(1, 2 * d)[0], NamedSharding(_mesh(d), P(AX)))
+  text = step.lower(params, state, batch, ()).compile().as_text()
+  assert hlo_sent_bytes(text, d) == pytest.approx(want, rel=1e-9)
+  over = qcomm.data_parallel(_loss, tx, _mesh(d), axis_name=AX, overlap=True)
+  state = over.init(params)
+  mesh = over._comm_mesh
+  rows = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((d,) + x.shape, jnp.float32,
+                                     sharding=NamedSharding(mesh, P(AX))), params)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+  text = over._comm_fn(state.config).lower(rows, key).compile().as_text()
+  assert hlo_sent_bytes(text, d) == pytest.approx(want, rel=1e-9)
 
 
 def test_overlap_errors():

@@ -63,7 +63,7 @@ def create_tx(config, every: int, outer_lr: float, outer_momentum: float):
   outer = optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=bool(outer_momentum))
   return qcomm.diloco(inner, axis_name="node", every=every, codec=codec, outer=outer,
                       error_feedback=config.error_feedback, policy=policy, seed=config.seed,
-                      fragments=config.fragments)
+                      fragments=config.fragments, delay=config.delay)
 
 
 def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: float,
@@ -119,6 +119,7 @@ def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: f
       "method": "diloco", "bits": config.bits, "topk": config.topk,
       "bucket_size": config.bucket_size,
       "error_feedback": config.error_feedback, "fragments": config.fragments,
+      "delay": config.delay,
       "every": every, "replicas": replicas, "outer_lr": outer_lr,
       "outer_momentum": outer_momentum, "seed": config.seed, "steps": config.num_steps,
       "accum_steps": k, "val_loss": curve[-1][1], "curve": curve,

@@ -66,8 +66,16 @@ def setup(config) -> None:
     lm.setup_devices(config)
 
 
-def create_mesh(config):
-  if jax.process_count() > 1:
+def create_mesh(config, spare: bool = False):
+  """The ``(node, data)`` mesh; with ``spare`` each process's last device is left out (the
+  overlapped runner's communication device)."""
+  if spare:
+    rows = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:-1]
+            for p in range(jax.process_count())]
+    if jax.process_count() == 1:  # two nodes of one process
+      rows = np.array(jax.devices()[:config.num_devices]).reshape(2, -1).tolist()
+    mesh = jax.sharding.Mesh(np.array(rows), (NODE, lm.AXIS))
+  elif jax.process_count() > 1:
     mesh = distributed.global_mesh((NODE, lm.AXIS))
   else:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:config.num_devices]).reshape(2, -1),
@@ -87,17 +95,19 @@ def _batch(mesh, windows: np.ndarray) -> jax.Array:
 
 
 def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: float,
-        target: float | None, eval_every: int) -> dict:
+        target: float | None, eval_every: int, overlap: bool = False) -> dict:
   t_wall = time.perf_counter()
   if method not in ("ddp", "diloco"):
     raise ValueError(f"method must be 'ddp' or 'diloco', got {method!r}")
   lm.validate_config(config)
   corpus = lm.load_corpus(config.stdlib_dir)
-  mesh = create_mesh(config)
+  mesh = create_mesh(config, spare=overlap)
   k = config.accum_steps
   elastic = distributed.is_elastic()
   if elastic and method != "diloco":
     raise ValueError("an elastic launch (--elastic) runs --method=diloco only")
+  if overlap and (method != "diloco" or not config.delay):
+    raise ValueError("--overlap runs --method=diloco with --config.delay=1")
   graphdef = nnx.split(nnx.eval_shape(lambda: lm.create_model(config, nnx.Rngs(0))))[0]
   params = jax.jit(lambda: nnx.state(lm.create_model(config, nnx.Rngs(config.seed)))
                    .to_pure_dict(), out_shardings=None if elastic else NamedSharding(mesh, P()))()
@@ -115,7 +125,8 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
     sync_every = 1
   else:
     tx = lm_diloco.create_tx(config, every, outer_lr, outer_momentum)
-    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS), elastic=elastic)
+    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS), elastic=elastic,
+                             overlap=overlap)
     state = dp.init(params)
     desc = qcomm.describe(tx, params, devices=mesh.shape[NODE])
     sync_every = every
@@ -157,6 +168,8 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
     if step % eval_every == 0 or step == config.num_steps:
       jax.block_until_ready((local, state))
       train_s += time.perf_counter() - t0
+      # Overlapped: the anchor lags a round behind the replicas by design (the mean in flight is
+      # applied at the next synchronisation); the evaluation does not wait for it.
       val_loss = evaluate(local)
       curve.append([step, val_loss, train_s])
       if not math.isfinite(val_loss):
@@ -171,7 +184,9 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
   n = sum(x.size for x in jax.tree_util.tree_leaves(params))
   return {
       "method": method, "bits": config.bits, "error_feedback": config.error_feedback,
-      "fragments": config.fragments if method == "diloco" else None, "every": sync_every, "outer_lr": outer_lr if method == "diloco" else None,
+      "fragments": config.fragments if method == "diloco" else None,
+      "delay": config.delay if method == "diloco" else None, "overlap": overlap,
+      "every": sync_every, "outer_lr": outer_lr if method == "diloco" else None,
       "outer_momentum": outer_momentum if method == "diloco" else None,
       "seed": config.seed, "num_steps": config.num_steps, "steps_run": step, "accum_steps": k,
       "target": target, "target_s": target_s, "val_loss": curve[-1][1], "curve": curve,
@@ -193,7 +208,7 @@ def main(argv) -> None:
   setup(config)
   result = run(config, method=FLAGS.method, every=FLAGS.every, outer_lr=FLAGS.outer_lr,
                outer_momentum=FLAGS.outer_momentum, target=FLAGS.target,
-               eval_every=FLAGS.eval_every)
+               eval_every=FLAGS.eval_every, overlap=FLAGS.overlap)
   if jax.process_index() == 0:
     if FLAGS.out:
       with open(FLAGS.out, "w") as f:
@@ -209,6 +224,9 @@ if __name__ == "__main__":
   flags.DEFINE_float("outer_momentum", 0.9, "diloco: outer momentum (0: plain SGD)")
   flags.DEFINE_float("target", None, "stop at the first evaluation at or below this val loss")
   flags.DEFINE_integer("eval_every", 50, "optimizer steps between evaluations")
+  flags.DEFINE_bool("overlap", False, "diloco with --config.delay=1: the synchronisation's "
+                    "collective on each process's last device, which the mesh leaves out "
+                    "(start the nodes with one device more), while the next round computes")
   flags.DEFINE_string("out", "", "write the result JSON here (process 0)")
   flags.mark_flags_as_required(["config"])
   app.run(main)
