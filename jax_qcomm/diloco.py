@@ -196,7 +196,7 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
       has its own outer optimizer state; between its synchronisations a replica's other
       fragments keep their local values.
     delay: 0 or 1. With 1, each synchronisation's mean is applied one round late, at the next
-      synchronisation (eager one-step delayed outer updates): at a synchronisation a replica
+      synchronisation (one-step delayed outer updates): at a synchronisation a replica
       applies the mean sent at the previous one to the anchor, moves its own parameters onto the
       new anchor while keeping the progress of the round just ended (``anchor - (round start -
       local parameters)``), and sends that progress. Its next inner steps then need nothing from

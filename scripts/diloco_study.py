@@ -70,6 +70,13 @@ CELLS: dict[str, tuple[dict, dict]] = {
     # Streaming fragments: a fifth of the model every 10 inner steps, each leaf every 50.
     "q4_h50_frag5_avg": ({"bits": 4, "fragments": 5},
                          {"every": 50, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    # A second seed at K = 4 and 8 (fp32 and 4 bits at the tuned outer optimizer, TopK with its
+    # defaults).
+    **{f"{name}_h50_k{k}_seed1": ({**cfg, "seed": 1}, {"every": 50, "replicas": k, **outer})
+       for k in (4, 8) for name, cfg, outer in (
+           ("fp32", {"bits": 32}, {"outer_lr": TUNED}), ("q4", {"bits": 4}, {"outer_lr": TUNED}),
+           ("topk2_ef", {"bits": 2, "topk": 0.02, "error_feedback": True},
+            {"outer_lr": 1.0, "outer_momentum": 0.5}))},
     # A second seed (parameters, data order, rounding).
     **{f"{name}_h{h}_tuned_seed1": ({**cfg, "seed": 1}, {"every": h, "outer_lr": TUNED})
        for h in (50, 100) for name, cfg in (("fp32", {"bits": 32}), ("q4", {"bits": 4}))},
