@@ -28,6 +28,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import optax
 
 import jax
@@ -276,6 +277,21 @@ def delayed_send(before: DiLoCoState, after: DiLoCoState) -> tuple[Any, jax.Arra
   send = _with_residual(_round_progress(before, _replica(before.params)), after.residual,
                         before.config)
   return send, _parts.split_key(before.key)[1]
+
+
+def replica_rows(state: Any, mesh: Any, option: str) -> tuple[str, np.ndarray]:
+  """For a runner that moves diloco's replicas itself (``option``: its argument, for the
+  errors): the replica axis's name and the mesh's devices as rows, one per replica."""
+  if not isinstance(state, DiLoCoState):
+    raise ValueError(
+        f"{option} runs a qcomm.diloco: tx must be qcomm.diloco(...) itself (its state a "
+        f"qcomm.DiLoCoState), got a state of type {type(state).__name__}")
+  names = axis_names(state.config.axis_name)
+  if len(names) != 1:
+    raise ValueError(f"{option} needs diloco's axis_name to be one mesh axis, got "
+                     f"{state.config.axis_name!r}")
+  axis = mesh.axis_names.index(names[0])
+  return names[0], np.moveaxis(mesh.devices, axis, 0).reshape(mesh.devices.shape[axis], -1)
 
 
 def _replica(rows: Any) -> Any:

@@ -54,8 +54,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat
-from jax_qcomm.axes import axis_names
-from jax_qcomm.diloco import PHASE_ARG, DiLoCoState
+from jax_qcomm.diloco import PHASE_ARG, DiLoCoState, replica_rows
 from jax_qcomm.specs import _SpecKey, checked_spec, place
 
 #: Seconds to wait for a coordination-service key that every process of a round wrote before the
@@ -130,7 +129,6 @@ class ElasticDataParallel:
     self._client, self._me, self._n = client, int(process_id), int(num_processes)
     # Devices by id (2048 * process + k): ids survive a backend rebuild, device objects do not.
     self._ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(self.mesh.devices)
-    self._owner = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(self.mesh.devices)
     self._replica_axis = None
     self._live: dict[int, int] | None = None
     self._rounds: dict[str, int] = {}
@@ -143,23 +141,16 @@ class ElasticDataParallel:
 
   # -- meshes ---------------------------------------------------------------------------------------
   def _set_replica_axis(self, state: Any) -> None:
-    if not isinstance(state, DiLoCoState):
-      raise ValueError(
-          f"elastic=True runs a qcomm.diloco across processes: tx must be qcomm.diloco(...) "
-          f"itself (its state a qcomm.DiLoCoState), got a state of type {type(state).__name__}")
-    names = axis_names(state.config.axis_name)
-    if len(names) != 1:
-      raise ValueError(f"elastic=True needs diloco's axis_name to be one mesh axis (one replica "
-                       f"per process), got {state.config.axis_name!r}")
-    axis = self.mesh.axis_names.index(names[0])
-    rows = np.moveaxis(self._owner, axis, 0).reshape(self._owner.shape[axis], -1)
+    name, devices = replica_rows(state, self.mesh, "elastic=True")
+    axis = self.mesh.axis_names.index(name)
+    rows = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices)
     owners = [set(r.tolist()) for r in rows]
     if any(len(o) != 1 for o in owners) or len({min(o) for o in owners}) != len(owners) \
         or len(owners) != self._n:
       raise ValueError(
           f"elastic=True needs one replica per process: every row of the mesh along "
-          f"{names[0]!r} must hold the devices of one process, and each of the {self._n} "
-          f"processes one row (distributed.global_mesh(({names[0]!r}, ...)) does); the rows' "
+          f"{name!r} must hold the devices of one process, and each of the {self._n} "
+          f"processes one row (distributed.global_mesh(({name!r}, ...)) does); the rows' "
           f"processes are {[sorted(o) for o in owners]}")
     self._replica_axis = axis
     self._row_of = {min(o): i for i, o in enumerate(owners)}

@@ -42,8 +42,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import collectives
-from jax_qcomm.axes import axis_names
-from jax_qcomm.diloco import PHASE_ARG, DiLoCoState, delayed_send
+from jax_qcomm.diloco import PHASE_ARG, DiLoCoState, delayed_send, replica_rows
 from jax_qcomm.specs import _SpecKey, checked_spec
 
 
@@ -74,18 +73,10 @@ class OverlappedDataParallel:
 
   # -- devices --------------------------------------------------------------------------------------
   def _set_devices(self, state: Any) -> None:
-    if not isinstance(state, DiLoCoState) or not state.config.delay:
-      raise ValueError(
-          f"overlap=True runs qcomm.diloco(..., delay=1) (tx itself, its state a "
-          f"qcomm.DiLoCoState with delay=1), got "
-          f"{'delay=0' if isinstance(state, DiLoCoState) else type(state).__name__}")
-    names = axis_names(state.config.axis_name)
-    if len(names) != 1:
-      raise ValueError(f"overlap=True needs diloco's axis_name to be one mesh axis, got "
-                       f"{state.config.axis_name!r}")
-    self._name = names[0]
-    axis = self.mesh.axis_names.index(self._name)
-    rows = np.moveaxis(self.mesh.devices, axis, 0).reshape(self.mesh.devices.shape[axis], -1)
+    self._name, rows = replica_rows(state, self.mesh, "overlap=True")
+    if not state.config.delay:
+      raise ValueError("overlap=True runs qcomm.diloco(..., delay=1): without the delay the "
+                       "next round needs the synchronisation's result; got delay=0")
     used = {d.id for d in self.mesh.devices.flat}
     comm = []
     for r, row in enumerate(rows):
