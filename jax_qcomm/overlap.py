@@ -53,7 +53,8 @@ class OverlappedDataParallel:
   init(params) -> opt_state; step(params, opt_state, batch, *extra, key=None) -> (params,
   opt_state, loss, aux), as :class:`qcomm.data_parallel`'s; flush(opt_state) -> opt_state with
   the mean in flight received (blocks until it has arrived): the state to checkpoint, or to give
-  to another runner.
+  to another runner. ``step`` dispatches several programs and counts calls on the host: call it
+  eagerly, not inside ``jax.jit``.
   """
   tx: optax.GradientTransformation
   mesh: Mesh
