@@ -147,7 +147,8 @@ if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "configs/lm_bytes.py", lock_config=True)
   flags.DEFINE_integer("every", 50, "inner optimizer steps between outer synchronisations (H)")
   flags.DEFINE_integer("replicas", 2, "DiLoCo replicas K (nodes); must divide num_devices")
-  flags.DEFINE_float("outer_lr", 0.7, "outer Nesterov SGD learning rate")
+  flags.DEFINE_float("outer_lr", 0.3,
+                     "outer Nesterov SGD learning rate (qcomm.diloco's default)")
   flags.DEFINE_float("outer_momentum", 0.9, "outer momentum (0: plain SGD)")
   flags.DEFINE_string("results", "", "append the result JSON to this JSON-lines file")
   flags.mark_flags_as_required(["config"])

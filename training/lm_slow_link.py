@@ -220,7 +220,8 @@ if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "configs/lm_bytes.py", lock_config=True)
   flags.DEFINE_enum("method", "ddp", ["ddp", "diloco"], "data-parallel sync or diloco")
   flags.DEFINE_integer("every", 50, "diloco: inner optimizer steps between synchronisations (H)")
-  flags.DEFINE_float("outer_lr", 0.7, "diloco: outer Nesterov SGD learning rate")
+  flags.DEFINE_float("outer_lr", 0.3,
+                     "diloco: outer Nesterov SGD learning rate (qcomm.diloco's default)")
   flags.DEFINE_float("outer_momentum", 0.9, "diloco: outer momentum (0: plain SGD)")
   flags.DEFINE_float("target", None, "stop at the first evaluation at or below this val loss")
   flags.DEFINE_integer("eval_every", 50, "optimizer steps between evaluations")
