@@ -290,22 +290,19 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   """
   check_bool("elastic", elastic)
   check_bool("overlap", overlap)
-  if overlap:
+  if elastic or overlap:  # runners that drive diloco's phases themselves, over the ordinary one
     _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate)
-    if elastic:
+    if elastic and overlap:
       raise ValueError("overlap=True cannot be combined with elastic=True")
+    option, runner, why = (
+        ("overlap", OverlappedDataParallel, "the state a synchronisation sends from stays in use "
+         "until the collective ends") if overlap else
+        ("elastic", ElasticDataParallel, "a synchronisation that fails is retried from the arrays "
+         "passed in"))
     if donate:
-      raise ValueError("donate=True is not supported with overlap=True (the state a "
-                       "synchronisation sends from stays in use until the collective ends)")
+      raise ValueError(f"donate=True is not supported with {option}=True ({why})")
     local = functools.partial(_local_runner, loss_fn, axis_name, has_aux, aux_reduce, batch_spec)
-    return OverlappedDataParallel(tx=tx, mesh=mesh, axis_name=axis_name, local_runner=local)
-  if elastic:
-    _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate)
-    if donate:
-      raise ValueError("donate=True is not supported with elastic=True (a synchronisation that "
-                       "fails is retried from the arrays passed in)")
-    local = functools.partial(_local_runner, loss_fn, axis_name, has_aux, aux_reduce, batch_spec)
-    return ElasticDataParallel(tx=tx, mesh=mesh, axis_name=axis_name, local_runner=local)
+    return runner(tx=tx, mesh=mesh, axis_name=axis_name, local_runner=local)
   return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                       aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)
 

@@ -372,7 +372,7 @@ class _DiLoCo:
     cfg = state.config
     rows = lambda t: _parts.per_device(t, self.names, 1, True)  # noqa: E731
     local = local_params(state, params)  # the anchor itself right after a synchronisation
-    inner_state = jax.tree_util.tree_map(lambda a: a[0], state.inner_opt_state)
+    inner_state = _replica(state.inner_opt_state)
     if phase in ("outer", "arrive"):
       mini_step = state.mini_step
     else:
@@ -489,10 +489,9 @@ class _DiLoCo:
             a.dtype), new_anchor, progress)
     residual = state.residual
     if cfg.error_feedback:
-      residual = _parts.next_residual(
-          finite, jax.tree_util.tree_map(lambda r: r[0], state.pending_lost), state.residual)
-    notfinite = state.total_notfinite + ((state.pending_valid > 0)
-                                         & jnp.logical_not(finite)).astype(jnp.int32)
+      residual = _parts.next_residual(finite, _replica(state.pending_lost), state.residual)
+    # Counted when a mean arrived and was not finite (nothing arrives at the first one).
+    notfinite = _parts.count_notfinite(state.total_notfinite, finite | (state.pending_valid == 0))
     new_state = state._replace(
         params=rows(new_local), inner_opt_state=rows(inner_state),
         outer_opt_state=_parts.keep_if_finite(finite, outer_state, state.outer_opt_state),

@@ -93,9 +93,10 @@ class OverlappedDataParallel:
       comm.append(spare[0])
       used.add(spare[0].id)
     self._comm_mesh = Mesh(np.array(comm), (self._name,))
-    # Each mesh device's replica, and the device whose shard of a per-replica value is sent.
-    self._replica_of = {d.id: r for r, row in enumerate(rows) for d in row}
-    self._first = [row[0] for row in rows]
+    # Where each copy comes from: a communication device takes its replica's first device's
+    # shard; a mesh device takes its replica's communication device's.
+    self._sent_from = {c: row[0] for c, row in zip(comm, rows)}
+    self._received_from = {d: c for c, row in zip(comm, rows) for d in row}
 
   def _move(self, tree: Any, sharding: NamedSharding, shape_of: Callable, source: Callable) -> Any:
     """Each leaf onto ``sharding`` (global shape ``shape_of(leaf)``), every target device taking
@@ -129,14 +130,13 @@ class OverlappedDataParallel:
     params, opt_state, loss, aux = self._inner.step(params, opt_state, batch, *extra, key=key)
     self._mini += 1
     if self._mini >= opt_state.config.sync_calls:
-      opt_state = self._received(opt_state)
-      params, opt_state, send, sub = self._arrive_fn(_SpecKey(self.state_spec(opt_state)))(
-          params, opt_state)
+      spec = self.state_spec(opt_state)
+      opt_state = self._received(opt_state, spec)
+      params, opt_state, send, sub = self._arrive_fn(_SpecKey(spec))(params, opt_state)
       rows = (self._comm_mesh.devices.size,)
       to_comm = lambda t, shape: self._move(  # noqa: E731
           t, NamedSharding(self._comm_mesh, P(self._name) if shape else P()),
-          lambda x: rows + x.shape[1:] if shape else x.shape,
-          lambda c: self._first[self._comm_index(c)])
+          lambda x: rows + x.shape[1:] if shape else x.shape, self._sent_from.__getitem__)
       self._inflight = self._comm_fn(opt_state.config)(to_comm(send, True), to_comm(sub, False))
       self._mini = 0
     self._last = opt_state
@@ -149,25 +149,20 @@ class OverlappedDataParallel:
     the state to checkpoint or evaluate from. Training may go on from it."""
     if opt_state is not self._last or self._inflight is None:
       return opt_state
-    state = self._received(opt_state)
+    state = self._received(opt_state, self.state_spec(opt_state))
     self._take(state, self._mini)
     return state
 
   def _take(self, state: Any, mini: int) -> None:
     self._last, self._inflight, self._mini = state, None, mini
 
-  def _comm_index(self, device) -> int:
-    return list(self._comm_mesh.devices.flat).index(device)
-
-  def _received(self, state: DiLoCoState) -> DiLoCoState:
-    """``state`` with the in-flight mean and residual as its pending fields (no wait: the arrays
-    are futures until the collective ends)."""
+  def _received(self, state: DiLoCoState, spec: Any) -> DiLoCoState:
+    """``state`` (its specs: ``spec``) with the in-flight mean and residual as its pending fields
+    (no wait: the arrays are futures until the collective ends)."""
     if self._inflight is None:
       return state
     mean, lost = self._inflight
-    spec = self.state_spec(state)
-    comm = list(self._comm_mesh.devices.flat)
-    back = lambda d: comm[self._replica_of[d.id]]  # noqa: E731
+    back = self._received_from.__getitem__
     pending = self._move(mean, NamedSharding(self.mesh, P()), lambda x: x.shape, back)
     pending_lost = state.pending_lost
     if state.config.error_feedback:

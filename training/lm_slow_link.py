@@ -68,12 +68,11 @@ def setup(config) -> None:
 
 def create_mesh(config, spare: bool = False):
   """The ``(node, data)`` mesh; with ``spare`` each process's last device is left out (the
-  overlapped runner's communication device)."""
-  if spare:
+  overlapped runner's communication device; one process leaves out those past
+  ``config.num_devices`` in any case)."""
+  if spare and jax.process_count() > 1:
     rows = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:-1]
             for p in range(jax.process_count())]
-    if jax.process_count() == 1:  # two nodes of one process
-      rows = np.array(jax.devices()[:config.num_devices]).reshape(2, -1).tolist()
     mesh = jax.sharding.Mesh(np.array(rows), (NODE, lm.AXIS))
   elif jax.process_count() > 1:
     mesh = distributed.global_mesh((NODE, lm.AXIS))
