@@ -11,8 +11,8 @@ own: ``from jax_qcomm.tools import efficiency, distributed`` (this module never 
 from jax_qcomm import _ffi
 from jax_qcomm._selftest import implementation, self_test
 from jax_qcomm import transport
-from jax_qcomm.codecs import (QSGD, Auto, Cast, Codec, NoCompression, Summable, TopK, Wire16,
-                              codec_for_bits)
+from jax_qcomm.codecs import (QSGD, Auto, Cast, Codec, NoCompression, PowerSGD, Summable, TopK,
+                              Wire16, codec_for_bits)
 from jax_qcomm.axes import Hierarchical
 from jax_qcomm.collectives import all_gather, allreduce, cast_pmean, reduce_scatter
 from jax_qcomm.packing import LeafPolicy
@@ -27,7 +27,8 @@ from jax_qcomm.diloco import DiLoCoState, diloco
 _ffi.register()
 
 __all__ = [
-    "QSGD", "Auto", "Cast", "Codec", "NoCompression", "Summable", "Wire16", "TopK", "transport",
+    "QSGD", "Auto", "Cast", "Codec", "NoCompression", "Summable", "Wire16", "TopK", "PowerSGD",
+    "transport",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
     "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "clip_by_global_norm",
     "codec_for_bits", "state_partition_spec", "local_params",

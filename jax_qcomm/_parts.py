@@ -133,6 +133,17 @@ def num_devices(axis_name: AxisName = "data") -> tuple[int, bool]:
 
 # ---- the default codec ------------------------------------------------------------------------
 
+def resolve_error_feedback(error_feedback: Any, codec: Any) -> bool:
+  """``error_feedback`` as a bool: None means the codec's own :attr:`Codec.wants_error_feedback`
+  (``codec`` None: the ``bits`` shorthand's codecs, which do not want it)."""
+  if error_feedback is None:
+    return bool(getattr(codec, "wants_error_feedback", False))
+  if isinstance(error_feedback, (bool, np.bool_)):
+    return bool(error_feedback)
+  raise ValueError(f"error_feedback must be True, False or None (the codec's default), "
+                   f"got {error_feedback!r}")
+
+
 def resolve_codec(codec: Any, bits: Any, bucket_size: Any, error_feedback: bool) -> Codec:
   """The codec from ``codec=`` or the ``bits`` / ``bucket_size`` shorthand (default: 4 bits,
   ``qcomm.Auto(4)``)."""

@@ -26,6 +26,7 @@ from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_
 from jax_qcomm.codecs import DEFAULT_COMM_BUCKET, QSGD, Codec, reduce_packed
 
 __all__ = ["DEFAULT_COMM_BUCKET", "AxisName", "Hierarchical", "allreduce", "allreduce_flat",
+           "allreduce_tree", "init_codec_state",
            "reduce_scatter", "all_gather", "cast_pmean", "axis_names", "axis_size"]
 
 OPS = ("mean", "sum")
@@ -104,17 +105,30 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
   return codec.allreduce_flat(x, axis_name, key, op, exchange)
 
 
-def _allreduce_leaves(parts: list[jax.Array], axis_name: AxisName, codec: Codec,
-                      key: jax.Array | None, op: str, exchange: str
-                      ) -> tuple[list[jax.Array], list[jax.Array]]:
-  """The allreduce of one communication buffer's leaves (flat float32 each), as
-  :meth:`Codec.allreduce_leaves`; a :class:`Hierarchical` axis reduces their packed buffer."""
+def _allreduce_leaves(parts: list[jax.Array], shapes: list[tuple[int, ...]], states: list[Any],
+                      axis_name: AxisName, codec: Codec, key: jax.Array | None, op: str,
+                      exchange: str) -> tuple[list[jax.Array], list[jax.Array], list[Any]]:
+  """The allreduce of one communication buffer's leaves (flat float32 each, of ``shapes``, with
+  the codec's ``states``), as :meth:`Codec.allreduce_leaves_with_state`; a :class:`Hierarchical`
+  axis reduces their packed buffer (states unchanged)."""
   if sum(p.shape[0] for p in parts) == 0:
-    return parts, parts
+    return parts, parts, states
   if isinstance(axis_name, Hierarchical):
-    return reduce_packed(
+    outs, lost = reduce_packed(
         parts, codec, lambda flat: _hierarchical(flat, axis_name, codec, key, op, exchange))
-  return codec.allreduce_leaves(parts, axis_name, key, op, exchange)
+    return outs, lost, states
+  return codec.allreduce_leaves_with_state(parts, shapes, states, axis_name, key, op, exchange)
+
+
+def init_codec_state(tree: Any, codec: Codec, policy: packing.LeafPolicy | None,
+                     key: jax.Array) -> tuple:
+  """The state the codecs carry between allreduces of ``tree`` (arrays or shape structs), before
+  the first: a tuple with one entry per leaf, in tree order (:meth:`Codec.init_state` of the leaf's
+  codec; ``()`` for codecs without state). ``key``: a PRNG key, the same on every device."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  codecs = packing.leaf_codecs(tree, codec, policy)
+  return tuple(c.init_state(tuple(int(d) for d in jnp.shape(x)), jax.random.fold_in(key, i))
+               for i, (x, c) in enumerate(zip(leaves, codecs)))
 
 
 # ---- public API ----------------------------------------------------------------------------------
@@ -170,12 +184,29 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   packing.check_float_leaves(x)
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.allreduce")
+  result, residual, _ = allreduce_tree(x, axis_name, codec, key, op, policy=policy,
+                                       comm_bucket_size=comm_bucket_size, exchange=exchange)
+  return (result, residual) if return_residual else result
+
+
+def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | None,
+                   op: str = "mean", *, policy: packing.LeafPolicy | None = None,
+                   comm_bucket_size: int | None = None, exchange: str = "auto",
+                   codec_state: tuple | None = None) -> tuple[Any, Any, tuple]:
+  """:func:`allreduce` of a checked pytree, with the codecs' state: ``(result, residual,
+  new_codec_state)``. ``codec_state``: :func:`init_codec_state` of ``x`` or what the last call
+  returned (the same on every device); None draws it afresh from ``key`` (a codec without state
+  ignores it). What :func:`qcomm.sync` and :func:`qcomm.diloco` call."""
   with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
   leaves = [jnp.asarray(leaf) for _, leaf in with_path]
   codecs = packing.leaf_codecs(x, codec, policy)
   if key is None and any(c.needs_key for c in codecs):
     raise ValueError("key is required for stochastic rounding: pass key=jax.random.key(...) "
                      "(a new one per call)")
+  if codec_state is None:
+    state_key = jax.random.key(0) if key is None else jax.random.fold_in(key, -1 & 0x7FFFFFFF)
+    codec_state = init_codec_state(x, codec, policy, state_key)
+  new_state = list(codec_state)
   out: list[Any] = [None] * len(leaves)
   residual: list[Any] = [None] * len(leaves)
   # the devices the codec reduces over: the outer axis of a Hierarchical one
@@ -183,14 +214,15 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size, d)):
     group_key = None if key is None else jax.random.fold_in(key, i)
     parts = [leaves[j].reshape(-1).astype(jnp.float32) for j in group.leaves]
-    reduced, lost = _allreduce_leaves(parts, axis_name, group.codec, group_key, op, exchange)
-    for j, r, l in zip(group.leaves, reduced, lost):
+    reduced, lost, states = _allreduce_leaves(
+        parts, [leaves[j].shape for j in group.leaves], [codec_state[j] for j in group.leaves],
+        axis_name, group.codec, group_key, op, exchange)
+    for j, r, l, s in zip(group.leaves, reduced, lost, states):
       out[j] = r.reshape(leaves[j].shape).astype(leaves[j].dtype)
       residual[j] = l.reshape(leaves[j].shape)
-  result = jax.tree_util.tree_unflatten(treedef, out)
-  if return_residual:
-    return result, jax.tree_util.tree_unflatten(treedef, residual)
-  return result
+      new_state[j] = s
+  return (jax.tree_util.tree_unflatten(treedef, out),
+          jax.tree_util.tree_unflatten(treedef, residual), tuple(new_state))
 
 
 def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),

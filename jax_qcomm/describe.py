@@ -214,8 +214,9 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
       for group in packing.plan([shapes[i] for i in part], [codecs[i] for i in part],
                                 cfg.comm_bucket_size, devices):
         members = [part[j] for j in group.leaves]
-        sizes = [packing.padded_size(shapes[i].size, group.codec) for i in members]
-        _share(sent, members, sizes, group.codec.sent_bytes(sum(sizes), devices))
+        sizes = [group.codec.leaf_payload_size(shapes[i].shape) for i in members]
+        _share(sent, members, sizes,
+               group.codec.leaves_sent_bytes([shapes[i].shape for i in members], devices))
   leaves = []
   collective = "reduce_scatter" if getattr(cfg, "shard_state", False) else "allreduce"
   for (path, _), shape, codec, nbytes in zip(with_path, shapes, codecs, sent):
@@ -223,7 +224,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     codec = codec.resolve(devices, collective)  # what runs: Auto names its candidate
     leaves.append(LeafTraffic(
         path=packing.path_str(path) or "<root>", shape=shape.shape, elements=n, codec=codec,
-        payload_bytes=codec.payload_size(packing.padded_size(n, codec)), sent_bytes=nbytes))
+        payload_bytes=codec.leaf_payload_size(shape.shape), sent_bytes=nbytes))
   return Description(leaves=tuple(leaves), devices=devices, accum_steps=cfg.accum_steps,
                      axis_name=cfg.axis_name, default_codec=cfg.codec, scalar_bytes=extra,
                      default_runs=cfg.codec.resolve(devices, collective),

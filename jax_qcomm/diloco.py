@@ -160,7 +160,7 @@ class DiLoCoState(NamedTuple):
 
 def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: int,
            codec: Codec | None = None, outer: optax.GradientTransformation | None = None,
-           error_feedback: bool = False, policy: packing.LeafPolicy | None = None,
+           error_feedback: bool | None = None, policy: packing.LeafPolicy | None = None,
            comm_bucket_size: int | None = None, seed: int = 0,
            fragments: int = 1, delay: int = 0) -> optax.GradientTransformationExtraArgs:
   """Local steps of ``inner``, and every ``every`` steps a compressed outer step across replicas.
@@ -188,7 +188,9 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
       amplified: docs/accuracy.md). Its state is float32 and replicated. ``optax.sgd(1.0)``
       makes the anchor the replicas' mean.
     error_feedback: keep, per replica, what its quantisation of the pseudo-gradient lost and add it
-      to the next one (float32; only for lossy codecs).
+      to the next one (float32; only for lossy codecs). Default (None): on for a codec that wants
+      it (:attr:`qcomm.Codec.wants_error_feedback`: ``qcomm.TopK``, ``qcomm.PowerSGD``), off
+      otherwise.
     policy: which leaves travel exact (:class:`qcomm.LeafPolicy`; default ``LeafPolicy()``: small
       and 1-D leaves exact, except with a sparse codec, which sends every leaf).
     comm_bucket_size: most elements per flat communication buffer (None: the codec's own
@@ -229,7 +231,7 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
   if every % fragments:
     raise ValueError(f"fragments must divide every (one fragment every every / fragments inner "
                      f"steps), got fragments={fragments}, every={every}")
-  error_feedback = check_bool("error_feedback", error_feedback)
+  error_feedback = _parts.resolve_error_feedback(error_feedback, codec)
   if isinstance(delay, bool) or delay not in DELAYS:
     raise ValueError(f"delay must be one of {DELAYS}, got {delay!r}")
   if delay and fragments > 1:

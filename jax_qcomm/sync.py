@@ -81,6 +81,10 @@ class SyncState(NamedTuple):
     total_notfinite: communications whose averaged gradient held a NaN or an infinity (int32).
       Those steps hand the non-finite gradient to ``inner`` unchanged (wrap ``inner`` in
       ``optax.apply_if_finite`` to skip them) and leave the error-feedback residual as it was.
+    codec_state: what the codecs carry from one communication to the next, one entry per
+      gradient leaf in tree order (``qcomm.PowerSGD``'s Q factors, for its warm start; ``()``
+      for codecs without state, so no arrays at all for most codecs). A non-finite window keeps
+      it as it was.
 
   Per device (a leading device axis; ``PartitionSpec(axis_name)``, see :func:`state_partition_spec`):
     acc_grads: float32 sum of this device's gradients in the current accumulation window, one
@@ -99,6 +103,7 @@ class SyncState(NamedTuple):
   residual: Any
   gradient_step: jax.Array
   total_notfinite: jax.Array
+  codec_state: Any = ()
   config: SyncConfig | None = None
 
   # What state_partition_spec reads of a qcomm state class (jax_qcomm.specs).
@@ -165,7 +170,7 @@ def _resolve_policy(policy: Any, min_size: Any, exclude: Any) -> packing.LeafPol
 
 def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
          policy: packing.LeafPolicy | None = None, axis_name: AxisName = "data",
-         accum_steps: int = 1, error_feedback: bool = False,
+         accum_steps: int = 1, error_feedback: bool | None = None,
          comm_bucket_size: int | None = None, seed: int = 0, check_varying: bool = True,
          bits: int | None = None, bucket_size: int | None = None, min_size: int | None = None,
          exclude: str | Sequence[str] | None = None, shard_state: bool = False,
@@ -194,6 +199,8 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
       gradient (only for lossy codecs). Costs one float32 copy of the gradients per device. With
       the ``bits`` shorthand QSGD then rounds to nearest (EF-SGD's deterministic compressor); a
       codec object is used as given (``QSGD(1, rounding="nearest")`` is the stable choice).
+      Default (None): on for a codec that wants it (:attr:`qcomm.Codec.wants_error_feedback`:
+      ``qcomm.TopK``, ``qcomm.PowerSGD``), off otherwise.
     comm_bucket_size: most elements per flat communication buffer (None: the codec's own
       :meth:`~qcomm.Codec.comm_buffer_size`, 2**24 elements; Summable 2**26).
     seed: seeds the rounding key (the device index is folded in, so replicas still differ).
@@ -263,7 +270,7 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise ValueError(f"inner must be an optax.GradientTransformation, got {inner!r}")
   check_axis_name("axis_name", axis_name, (Hierarchical,), "qcomm.Hierarchical(inner, outer)")
-  error_feedback = check_bool("error_feedback", error_feedback)
+  error_feedback = _parts.resolve_error_feedback(error_feedback, codec)
   codec = _parts.resolve_codec(codec, bits, bucket_size, error_feedback)
   policy = _resolve_policy(policy, min_size, exclude)
   shard_state = check_bool("shard_state", shard_state)
@@ -271,6 +278,11 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
     raise ValueError("gather_codec applies to shard_state=True only (the weight differences of "
                      "the sharded mode); pass shard_state=True or leave gather_codec out")
   if shard_state:
+    for c in (codec,) + tuple(c for _, c in policy.overrides):
+      try:  # a codec without a reduce-scatter says so here, not inside the first step
+        c.leaves_traffic([(2 * c.pad_multiple,)], 2, "reduce_scatter")
+      except ValueError as e:
+        raise ValueError(f"codec {c.name} cannot run with shard_state=True: {e}") from None
     gather_codec = DEFAULT_GATHER_CODEC if gather_codec is None else check_instance(
         "gather_codec", gather_codec, Codec, "a jax_qcomm codec, e.g. qcomm.QSGD(8, "
         "rounding='nearest')")
@@ -309,7 +321,10 @@ class _Sync:
         inner_opt_state=self.inner.init(params), mini_step=_parts.zero(),
         key=_parts.seed_key(cfg.seed), acc_grads=zeros() if cfg.accum_steps > 1 else (),
         residual=zeros() if cfg.error_feedback else (), gradient_step=_parts.zero(),
-        total_notfinite=_parts.zero(), config=cfg)
+        total_notfinite=_parts.zero(),
+        codec_state=collectives.init_codec_state(
+            params, cfg.codec, cfg.policy, jax.random.fold_in(jax.random.key(cfg.seed), 1)),
+        config=cfg)
 
   # -- update ----------------------------------------------------------------------------------------
   def update(self, grads: Any, state: SyncState, params: Any = None, **extra_args: Any):
@@ -347,10 +362,9 @@ class _Sync:
     key, sub = _parts.split_key(state.key)
     if cfg.error_feedback:
       grads = _parts.add_residual(grads, state.residual)
-    synced, lost = collectives.allreduce(
+    synced, lost, codec_state = collectives.allreduce_tree(
         grads, cfg.axis_name, cfg.codec, sub, "mean", policy=cfg.policy,
-        comm_bucket_size=cfg.comm_bucket_size, return_residual=True,
-        check_varying=False)  # grads were checked in update
+        comm_bucket_size=cfg.comm_bucket_size, codec_state=state.codec_state)
     # Every device holds the same average (bit-identical replicas), so this decision is the same
     # everywhere without another collective.
     finite = _parts.all_finite(synced)
@@ -366,7 +380,8 @@ class _Sync:
     return updates, SyncState(
         inner_opt_state=inner_state, mini_step=_parts.zero(), key=key,
         acc_grads=state.acc_grads, residual=residual, gradient_step=state.gradient_step + 1,
-        total_notfinite=_parts.count_notfinite(state.total_notfinite, finite), config=cfg)
+        total_notfinite=_parts.count_notfinite(state.total_notfinite, finite),
+        codec_state=_parts.keep_if_finite(finite, codec_state, state.codec_state), config=cfg)
 
   def _check_state(self, state: Any, grads: Any) -> None:
     """Clear errors for a state that does not fit this step (the commonest: passed with P())."""

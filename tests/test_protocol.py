@@ -194,6 +194,8 @@ CASES = {
     "wire16": dict(bits=16),
     "wire16_ef": dict(codec=qcomm.Wire16(128), error_feedback=True),
     "topk": dict(codec=TopK(0.1)),
+    "powersgd1": dict(codec=qcomm.PowerSGD(1)),
+    "powersgd2_accum": dict(codec=qcomm.PowerSGD(2), accum_steps=2),
 }
 
 

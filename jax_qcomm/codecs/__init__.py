@@ -23,6 +23,8 @@ module        contents
               make faster; :func:`codec_for_bits`, :func:`default_bucket`
 ``topk``      :class:`TopK` -- the largest values of every chunk, quantised, with their
               positions; reduced by an all-gather of the payloads
+``powersgd``  :class:`PowerSGD` -- a rank-r approximation of every matrix-shaped leaf, two
+              all-reduces of its factors, warm-started from the last reduction (codec state)
 ============  ===================================================================================
 
 Every name is importable from ``jax_qcomm.codecs`` itself.
@@ -41,10 +43,11 @@ from jax_qcomm.codecs.wire16 import (  # noqa: F401
     _BF16, _MIN_LEVELS_3, _RADIX, Wire16, _fixed16_here, _levels)
 from jax_qcomm.codecs.auto import Auto, codec_for_bits, default_bucket
 from jax_qcomm.codecs.topk import TopK
+from jax_qcomm.codecs.powersgd import PowerSGD
 
 __all__ = [
     "COLLECTIVES", "DEFAULT_COMM_BUCKET", "FLOAT_DTYPES", "IMPLS", "Shape",
-    "Codec", "QSGD", "Cast", "NoCompression", "Summable", "Wire16", "Auto", "TopK",
+    "Codec", "QSGD", "Cast", "NoCompression", "Summable", "Wire16", "Auto", "TopK", "PowerSGD",
     "codec_for_bits", "default_bucket", "concat_leaves", "split_leaves", "reduce_packed",
     "is_float_dtype", "seed_words",
 ]

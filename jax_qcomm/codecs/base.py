@@ -146,8 +146,11 @@ class Codec(abc.ABC):
     -- :meth:`wire_decode_sum_reencode` (QSGD's kernels); its own collectives, where the SRA is
     not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
     :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
-    :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`.
-  * **(c) derived** (never overridden): :attr:`lossy`, :meth:`wire_size`, :meth:`sent_bytes`, the
+    :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; where a reduction needs
+    each leaf's shape or state carried between calls -- :meth:`init_state`,
+    :meth:`allreduce_leaves_with_state`, :meth:`leaves_traffic`, :meth:`leaf_payload_size`.
+  * **(c) derived** (never overridden): :attr:`lossy`, :meth:`wire_size`, :meth:`sent_bytes`,
+    :meth:`leaves_sent_bytes`, the
     array API (:meth:`encode`, :meth:`decode`, :meth:`decode_sum`, :meth:`decode_sum_reencode`,
     :meth:`roundtrip`) and its row and byte helpers.
 
@@ -205,6 +208,14 @@ class Codec(abc.ABC):
     all-to-all ``(D-1)/D`` of the gathered size, reduce-scatter ``(D-1)`` times its output).
     ``collective`` is ``"allreduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
     :meth:`sent_bytes` is their sum: the one byte count of the library.
+  * ``allreduce_leaves_with_state(parts, shapes, states, axis_name, key, op, exchange) -> (outs,
+    residuals, new_states)``, with :meth:`init_state` ``(shape, key)``: the allreduce of a
+    communication buffer's leaves given their shapes and the state the codec carries between
+    reductions (the same on every device); :meth:`leaves_traffic` ``(shapes, devices,
+    collective)`` and :meth:`leaf_payload_size` ``(shape)`` count its bytes. What
+    :func:`jax_qcomm.sync` and :func:`jax_qcomm.allreduce` call. The defaults need neither shapes
+    nor state: :meth:`allreduce_leaves`, :meth:`traffic` of the packed length. :class:`PowerSGD`
+    overrides them (a leaf is a matrix; its warm start is the state).
   * ``comm_buffer_size(devices, collective="allreduce") -> int``: the most elements a
     communication buffer of this codec carries in ``collective`` where the caller leaves
     ``comm_bucket_size=None``; leaves of one codec are packed up to it (:data:`DEFAULT_COMM_BUCKET`
@@ -253,6 +264,10 @@ class Codec(abc.ABC):
   #: the codec too (error feedback loses nothing of them), and :func:`qcomm.diloco` with error
   #: feedback uses a lighter outer momentum (the residual already carries part of it).
   sparse: bool = False
+  #: True if the codec is meant to run with error feedback (its compression is biased: TopK's
+  #: sparsification, PowerSGD's low rank). :func:`qcomm.sync` and :func:`qcomm.diloco` turn error
+  #: feedback on by default for such a codec (``error_feedback=None``).
+  wants_error_feedback: bool = False
   #: Word type of the payload inside the collectives; its size divides every payload size.
   wire_dtype: Any = np.uint8
 
@@ -353,6 +368,41 @@ class Codec(abc.ABC):
     chunk = self.payload_size(self.buffer_length(n, d) // d)
     return (("all-to-all", f * d * chunk), ("all-gather", f * d * chunk))
 
+  # -- the leaves' shapes and state carried between reductions (default: neither is needed) -------
+  # A codec whose reduction depends on each leaf's shape (a low-rank codec views a leaf as a
+  # matrix) or that carries state from one reduction to the next (PowerSGD's warm start)
+  # overrides these three; every other codec inherits defaults built from the methods above.
+  def init_state(self, shape: tuple[int, ...], key: jax.Array) -> Any:
+    """The state this codec carries from one allreduce of a leaf of ``shape`` to the next, before
+    the first (a pytree of arrays; ``key`` a PRNG key that is the same on every device). It must
+    stay the same on every device: a codec computes its next state from the reduction's results
+    only. Default: ``()`` (none)."""
+    del shape, key
+    return ()
+
+  def allreduce_leaves_with_state(
+      self, parts: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]], states: Sequence[Any],
+      axis_name: AxisName, key: jax.Array | None, op: str = "mean", exchange: str = "auto"
+  ) -> tuple[list[jax.Array], list[jax.Array], list[Any]]:
+    """:meth:`allreduce_leaves` of flat leaves whose shapes are ``shapes``, with each leaf's state
+    (:meth:`init_state` before the first call): ``(outs, residuals, new_states)``, every new state
+    the same on every device. Default: :meth:`allreduce_leaves`, the states passed through."""
+    del shapes
+    outs, lost = self.allreduce_leaves(parts, axis_name, key, op, exchange)
+    return outs, lost, list(states)
+
+  def leaves_traffic(self, shapes: Sequence[tuple[int, ...]], devices: int,
+                     collective: str = "allreduce") -> tuple[tuple[str, float], ...]:
+    """:meth:`traffic` of the one communication buffer that carries leaves of ``shapes`` (each
+    padded to whole buckets). Default: ``traffic`` of the packed buffer's length."""
+    n = wire.leaves_span([math.prod(s) for s in shapes], self.pad_multiple)
+    return self.traffic(n, devices, collective)
+
+  def leaf_payload_size(self, shape: tuple[int, ...]) -> int:
+    """Bytes this device contributes for one leaf of ``shape`` (its payload, padded to whole
+    buckets); what :func:`jax_qcomm.describe` shows per leaf. Default: :meth:`payload_size`."""
+    return self.payload_size(wire.leaves_span([math.prod(shape)], self.pad_multiple))
+
   def comm_buffer_size(self, devices: int, collective: str = "allreduce") -> int:
     """The most float32 elements one communication buffer of this codec carries in ``collective``
     (``"allreduce"``, or ``"reduce_scatter"`` for the rows of sharded state) over ``devices``
@@ -388,6 +438,12 @@ class Codec(abc.ABC):
     """Bytes each device sends for one reduction of ``n`` elements over ``devices`` devices: the
     sum of :meth:`traffic`, equal to what the compiled program's collectives send."""
     return float(sum(b for _, b in self.traffic(n, devices, collective)))
+
+  def leaves_sent_bytes(self, shapes: Sequence[tuple[int, ...]], devices: int,
+                        collective: str = "allreduce") -> float:
+    """Bytes each device sends for the one communication buffer that carries leaves of
+    ``shapes``: the sum of :meth:`leaves_traffic` (what ``describe`` and the cost model count)."""
+    return float(sum(b for _, b in self.leaves_traffic(shapes, devices, collective)))
 
   # -- array API -----------------------------------------------------------------------------------
   def encode(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:

@@ -54,6 +54,7 @@ class TopK(Codec):
   bits: int = 2
   chunk: int = 4096
   sparse = True  # error feedback carries what is not sent (Codec.sparse)
+  wants_error_feedback = True
 
   def __post_init__(self):
     fraction = check_real("fraction", self.fraction)

@@ -7,8 +7,10 @@ Usage (as root, with iproute2's ``ip`` and ``tc``)::
     python -m jax_qcomm.tools.cluster --cleanup            # remove leftovers of killed runs
 
 What comes after ``--`` is given to this Python interpreter on every node (a script or ``-m
-module``). The repository's benchmarks have their own route, ``python -m benchmarks cluster ... --
-allreduce ...``, which checks the benchmark's options first and sets its ``--link-gbps``.
+module``), or to the one ``--python EXE`` names (another venv's, e.g. a PyTorch peer's: it gets the
+same environment, and need not import jax). The repository's benchmarks have their own route,
+``python -m benchmarks cluster ... -- allreduce ...``, which checks the benchmark's options first
+and sets its ``--link-gbps``.
 
 What it builds (all names start with ``<prefix><pid>``, default prefix ``qcl``, so it never touches
 anything it did not create and two runs never collide):
@@ -167,6 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", default=None,
                       help="pass the program --out TMP and copy rank 0's JSON there to this file, "
                            "with metadata.cluster added")
+  parser.add_argument("--python", default=None, metavar="EXE",
+                      help="the Python interpreter that runs the program on the nodes (default: "
+                           "this one)")
   parser.add_argument("--cleanup", action="store_true",
                       help="only remove leftovers (namespaces, bridge, veths) of runs with --prefix "
                            "whose process is gone, then exit")
@@ -252,6 +257,9 @@ def validate(args: argparse.Namespace) -> list[str]:
   if args.force:
     raise ValueError("--force only goes with --cleanup")
   validate_cluster(args)
+  exe = getattr(args, "python", None)
+  if exe is not None and not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+    raise ValueError(f"--python must be an executable file, got {exe!r}")
   program = list(args.program)
   if program and program[0] == "--":
     program = program[1:]
@@ -675,12 +683,13 @@ def run(args: argparse.Namespace, program: list[str], command: Sequence[str]) ->
   ``args.out`` (if given), tears everything down."""
   tmpdir = tempfile.mkdtemp(prefix="qcomm-cluster-")
   rank0_json = os.path.join(tmpdir, "rank0.json")
-  label = shlex.join(["python", *program])
+  exe = getattr(args, "python", None) or sys.executable
+  label = shlex.join([exe if exe != sys.executable else "python", *program])
   argv = [*program, "--out", rank0_json] if args.out else program
 
   def body(session: Session) -> int:
     meta = session.meta
-    status = session.run_nodes(sys.executable, argv, label=label, launch_command=shlex.join(command))
+    status = session.run_nodes(exe, argv, label=label, launch_command=shlex.join(command))
     last = meta["runs"][-1]
     meta.update(benchmark_wall_s=last["wall_s"], benchmark_command=label, exit_status=status,
                 load_average_before=last["load_average_before"],

@@ -169,7 +169,7 @@ def tree_allreduce_bytes(tree: Any, devices: int, codec: Any = 4, *, policy: Any
   total, messages, coded, buffers = 0.0, 0, 0, []
   for group in packing.plan(leaves, codecs, comm_bucket_size, d):
     n = sum(packing.padded_size(int(math.prod(leaves[i].shape)), group.codec) for i in group.leaves)
-    sent = allreduce_bytes(n, d, group.codec)
+    sent = group.codec.leaves_sent_bytes([tuple(leaves[i].shape) for i in group.leaves], d)
     total += sent
     messages += messages_per_allreduce(d) if n else 0
     if group.codec.lossy:

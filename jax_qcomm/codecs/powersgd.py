@@ -1,0 +1,219 @@
+""":class:`PowerSGD`: low-rank compression of every matrix-shaped leaf (Vogels et al., 2019), one
+step of power iteration per reduction, warm-started from the previous one."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_qcomm._checks import check_int, check_real
+from jax_qcomm.axes import AxisName, axis_size
+from jax_qcomm.codecs.base import Codec, _check_traffic, _ring
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+  """(rows, cols) of the matrix a leaf of ``shape`` is viewed as: the last axis (a flax kernel's
+  output features, ``(..., out)``) against all the others; ``(n, 1)`` for 0-d and 1-D leaves."""
+  shape = tuple(int(d) for d in shape)
+  if len(shape) < 2:
+    return (math.prod(shape), 1)
+  return (math.prod(shape[:-1]), shape[-1])
+
+
+def _orthonormalise(p: jax.Array) -> jax.Array:
+  """float32[m, r] -> the same columns made orthonormal by Gram-Schmidt, in order; a column that is
+  zero (or becomes zero) stays zero instead of dividing by 0."""
+  cols = []
+  for j in range(p.shape[1]):
+    c = p[:, j]
+    for q in cols:
+      c = c - jnp.dot(q, c, precision=_HIGHEST) * q
+    norm = jnp.sqrt(jnp.dot(c, c, precision=_HIGHEST))
+    cols.append(c / jnp.where(norm > 0, norm, 1.0))
+  return jnp.stack(cols, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGD(Codec):
+  """Rank-``rank`` approximation of every matrix-shaped leaf, PowerSGD's algorithm.
+
+  A leaf of shape ``(..., out)`` is the matrix ``M`` of shape ``(out, rest)`` (``rest`` the
+  product of the other axes: a ``Dense`` kernel ``(in, out)``, a convolution ``(H, W, in, out)``;
+  PyTorch's layout puts ``out`` first, the same matrix). With ``Q`` of shape ``(rest, rank)``, one
+  reduction is:
+
+  1. ``P = M Q`` on every device, an allreduce of P (summed), P orthonormalised (Gram-Schmidt);
+  2. ``Q = Mᵀ P`` on every device, an allreduce of Q (averaged);
+  3. the result ``P Qᵀ``, the same bits everywhere; what this device's matrix lost,
+     ``M - P (Mᵀ P)ᵀ``, is its residual (for error feedback).
+
+  Per matrix each device sends ``(out + rest) * rank`` float32 values in two all-reduces, where an
+  exact allreduce sends ``out * rest``. A leaf whose matrix would not shrink at least
+  ``min_compression_rate`` times (``(out + rest) * rank * min_compression_rate >= out * rest``,
+  PyTorch's rule), and 0-d and 1-D leaves, travel exact in the first all-reduce. All the leaves
+  of a communication buffer share the two all-reduces.
+
+  **State.** Q is the state the codec carries between reductions (:meth:`Codec.init_state`):
+  ``qcomm.sync`` keeps the averaged Q of each leaf in ``SyncState.codec_state`` and starts the
+  next step's power iteration from it (warm start; a Q that is not finite is not kept). Before the
+  first step, Q is drawn from a standard normal with the sync's seed. ``qcomm.allreduce`` and
+  ``qcomm.diloco`` draw a fresh Q from their key at every call (pass the same key on every
+  device).
+
+  **Error feedback** is part of the algorithm (:attr:`Codec.wants_error_feedback`): ``qcomm.sync``
+  and ``qcomm.diloco`` turn it on unless given ``error_feedback=False``. A NaN or an infinity in
+  any device's leaf makes that leaf's result non-finite on every device.
+
+  PowerSGD reduces matrices: it has no payload of its own outside the allreduce (``encode`` /
+  ``decode`` raise), no reduce-scatter (``sync(..., shard_state=True)``) and no flat-buffer
+  allreduce (``qcomm.Hierarchical`` axes).
+
+  Args:
+    rank: the approximation's rank, a positive integer.
+    min_compression_rate: compress a matrix only where it shrinks at least this many times
+      (a real >= 1; PyTorch's default 2).
+  """
+
+  rank: int = 1
+  min_compression_rate: float = 2.0
+  wants_error_feedback = True
+
+  def __post_init__(self):
+    object.__setattr__(self, "rank", check_int("rank", self.rank))
+    rate = check_real("min_compression_rate", self.min_compression_rate)
+    if not rate >= 1:
+      raise ValueError(f"min_compression_rate must be a real number >= 1, "
+                       f"got {self.min_compression_rate!r}")
+    object.__setattr__(self, "min_compression_rate", rate)
+
+  @property
+  def name(self) -> str:
+    return f"PowerSGD rank {self.rank}"
+
+  # -- which leaves are compressed, and their sizes ----------------------------------------------
+  def compresses(self, shape: Sequence[int]) -> bool:
+    """True if a leaf of ``shape`` is sent as its rank-``rank`` factors (else exact)."""
+    rest, out = matrix_shape(shape)
+    if len(tuple(shape)) < 2:
+      return False
+    return (rest + out) * self.rank * self.min_compression_rate < rest * out
+
+  def _first_length(self, shape) -> int:
+    """float32 values of a leaf in the first all-reduce: P, or the whole leaf if exact."""
+    rest, out = matrix_shape(shape)
+    return out * self.rank if self.compresses(shape) else rest * out
+
+  def _second_length(self, shape) -> int:
+    """float32 values of a leaf in the second all-reduce: Q (0 for an exact leaf)."""
+    rest, _ = matrix_shape(shape)
+    return rest * self.rank if self.compresses(shape) else 0
+
+  def leaf_payload_size(self, shape: tuple[int, ...]) -> int:
+    return 4 * (self._first_length(shape) + self._second_length(shape))
+
+  def leaves_traffic(self, shapes: Sequence[tuple[int, ...]], devices: int,
+                     collective: str = "allreduce") -> tuple[tuple[str, float], ...]:
+    """Two all-reduces of float32: the P factors and the exact leaves, then the Q factors (the
+    second only where a leaf is compressed)."""
+    _, d, collective = _check_traffic(0, devices, collective)
+    if collective != "allreduce":
+      raise self._no(collective)
+    first = sum(self._first_length(s) for s in shapes)
+    second = sum(self._second_length(s) for s in shapes)
+    return tuple(("all-reduce", _ring(d, 4.0 * k)) for k in (first, second) if k)
+
+  # -- the reduction ------------------------------------------------------------------------------
+  def init_state(self, shape: tuple[int, ...], key: jax.Array) -> Any:
+    """Q, float32 ``(rest, rank)``, standard normal from ``key`` (``()`` for an exact leaf)."""
+    if not self.compresses(shape):
+      return ()
+    rest, _ = matrix_shape(shape)
+    return jax.random.normal(key, (rest, self.rank), jnp.float32)
+
+  def allreduce_leaves_with_state(self, parts, shapes, states, axis_name: AxisName, key,
+                                  op: str = "mean", exchange: str = "auto"):
+    del key, exchange
+    d = axis_size(axis_name)
+    scale = jnp.float32(1.0 / d if op == "mean" else 1.0)
+    mats = [i for i, s in enumerate(shapes) if self.compresses(s)]
+    exact = [i for i in range(len(parts)) if i not in mats]
+    ms = {i: parts[i].reshape(matrix_shape(shapes[i])) for i in mats}  # (rest, out) = Mᵀ
+
+    # 1. P = M Q of every matrix (out, rank) and the exact leaves: one all-reduce.
+    ps = {i: jnp.dot(ms[i].T, states[i], precision=_HIGHEST) for i in mats}
+    first = jnp.concatenate([ps[i].reshape(-1) for i in mats] + [parts[i] for i in exact])
+    first = lax.psum(first, axis_name)
+    outs: list[Any] = [None] * len(parts)
+    lost: list[Any] = [None] * len(parts)
+    new_states = list(states)
+    offset = 0
+    for i in mats:
+      k = ps[i].size
+      ps[i] = _orthonormalise(first[offset:offset + k].reshape(ps[i].shape))
+      offset += k
+    for i in exact:
+      k = parts[i].shape[0]
+      outs[i] = first[offset:offset + k] * scale
+      lost[i] = jnp.zeros_like(parts[i])
+      offset += k
+    if not mats:
+      return outs, lost, new_states
+
+    # 2. Q = Mᵀ P of every matrix (rest, rank): the second all-reduce, averaged.
+    qs = {i: jnp.dot(ms[i], ps[i], precision=_HIGHEST) for i in mats}
+    second = lax.psum(jnp.concatenate([qs[i].reshape(-1) for i in mats]), axis_name)
+    offset = 0
+    for i in mats:
+      k = qs[i].size
+      q_sum = second[offset:offset + k].reshape(qs[i].shape)
+      offset += k
+      # 3. the result P Qᵀ (as (rest, out)), the residual, the warm start of the next call.
+      out = jnp.dot(q_sum, ps[i].T, precision=_HIGHEST)
+      outs[i] = (out * scale if op == "mean" else out).reshape(-1)
+      lost[i] = parts[i] - jnp.dot(qs[i], ps[i].T, precision=_HIGHEST).reshape(-1)
+      q_mean = q_sum * jnp.float32(1.0 / d)
+      new_states[i] = jnp.where(jnp.all(jnp.isfinite(q_mean)), q_mean, states[i])
+    return outs, lost, new_states
+
+  # -- what PowerSGD does not have -----------------------------------------------------------------
+  def _no(self, what: str) -> ValueError:
+    return ValueError(
+        f"qcomm.PowerSGD has no {what}: it reduces each leaf as a matrix, in two all-reduces "
+        f"(qcomm.sync, qcomm.allreduce of an array or pytree, qcomm.diloco); it cannot run with "
+        f"shard_state=True, a qcomm.Hierarchical axis, or as a standalone encode / decode")
+
+  def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
+    raise self._no("allreduce of leaves without their shapes")
+
+  def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    raise self._no("allreduce of a flat buffer")
+
+  def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
+    raise self._no("reduce-scatter")
+
+  def all_gather_flat(self, x, axis_name, key):
+    raise self._no("all-gather")
+
+  def traffic(self, n, devices, collective="allreduce"):
+    _check_traffic(n, devices, collective)
+    raise self._no(f"traffic of a flat buffer ({collective}; its bytes depend on the leaves' "
+                   f"shapes: leaves_traffic)")
+
+  def payload_size(self, n: int) -> int:
+    raise self._no("payload of a flat buffer (leaf_payload_size gives a leaf's bytes)")
+
+  def wire_bits(self, devices: int = 1) -> float:
+    raise self._no("fixed bits per value (its bytes depend on the leaves' shapes)")
+
+  def wire_encode(self, x, key):
+    raise self._no("standalone payload")
+
+  def wire_decode_sum(self, wires, n):
+    raise self._no("standalone payload")
