@@ -78,7 +78,10 @@ BAD_SHAPE = (-5,)
 def _codec_cases(name: str, codec: qcomm.Codec) -> list[Case]:
   """The array API and sizes of one codec (shared code in Codec, sizes per codec class)."""
   key = KEY if codec.needs_key else None
-  payload = codec.encode(X, key)
+  try:
+    payload = codec.encode(X, key)
+  except ValueError:  # no standalone payload (PowerSGD): the arguments are checked before that
+    payload = jnp.zeros((8,), jnp.uint8)
   payloads = jnp.stack([payload, payload])
   c = lambda m, p, run: Case(f"{name}.{m}", p, run)  # noqa: E731
   return [
@@ -126,6 +129,7 @@ if hasattr(qcomm, "Summable"):
 CODEC_INSTANCES["Wire16"] = qcomm.Wire16()
 CODEC_INSTANCES["Auto"] = qcomm.Auto(4)
 CODEC_INSTANCES["TopK"] = qcomm.TopK(0.02, 2)
+CODEC_INSTANCES["PowerSGD"] = qcomm.PowerSGD(1)
 
 
 def _summable_cases() -> list[Case]:
@@ -375,6 +379,10 @@ def _cases() -> list[Case]:
       c("TopK", "bits", lambda: qcomm.TopK(bits=3)),
       c("TopK", "chunk", lambda: qcomm.TopK(chunk=100)),
       c("TopK", "chunk", lambda: qcomm.TopK(chunk=1 << 17)),
+      c("PowerSGD", "rank", lambda: qcomm.PowerSGD(0)),
+      c("PowerSGD", "rank", lambda: qcomm.PowerSGD(1.5)),
+      c("PowerSGD", "min_compression_rate", lambda: qcomm.PowerSGD(1, min_compression_rate=0.5)),
+      c("PowerSGD", "min_compression_rate", lambda: qcomm.PowerSGD(1, min_compression_rate="2")),
       c("self_test", "verbose", lambda: qcomm.self_test(verbose="yes")),
       c("local_params", "opt_state", lambda: (lambda s: qcomm.local_params((s, s), {"w": X}))(
           qcomm.diloco(sgd, axis_name=AX, every=2).init({"w": X}))),

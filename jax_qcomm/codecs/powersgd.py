@@ -185,9 +185,10 @@ class PowerSGD(Codec):
   # -- what PowerSGD does not have -----------------------------------------------------------------
   def _no(self, what: str) -> ValueError:
     return ValueError(
-        f"qcomm.PowerSGD has no {what}: it reduces each leaf as a matrix, in two all-reduces "
-        f"(qcomm.sync, qcomm.allreduce of an array or pytree, qcomm.diloco); it cannot run with "
-        f"shard_state=True, a qcomm.Hierarchical axis, or as a standalone encode / decode")
+        f"qcomm.PowerSGD has no {what}: it must see each leaf as a matrix and reduces it in two "
+        f"all-reduces (qcomm.sync, qcomm.allreduce of an array or pytree, qcomm.diloco); it cannot "
+        f"run with shard_state=True, a qcomm.Hierarchical axis, or as a standalone encode / "
+        f"decode")
 
   def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
     raise self._no("allreduce of leaves without their shapes")
@@ -207,9 +208,11 @@ class PowerSGD(Codec):
                    f"shapes: leaves_traffic)")
 
   def payload_size(self, n: int) -> int:
+    check_int("n", n, 0)
     raise self._no("payload of a flat buffer (leaf_payload_size gives a leaf's bytes)")
 
   def wire_bits(self, devices: int = 1) -> float:
+    check_int("devices", devices)
     raise self._no("fixed bits per value (its bytes depend on the leaves' shapes)")
 
   def wire_encode(self, x, key):
