@@ -84,6 +84,10 @@ CODECS = {
               {"bits": 4}),
     "auto2": ("Auto 2 bits (sync(bits=2)): QSGD or Summable, as the transport decides", "auto",
               {"bits": 2}),
+    "powersgd1": ("PowerSGD rank 1: two psums of the factors (--tree only)", "powersgd",
+                  {"rank": 1}),
+    "powersgd4": ("PowerSGD rank 4: two psums of the factors (--tree only)", "powersgd",
+                  {"rank": 4}),
 }
 #: Timed unless --codecs says otherwise.
 DEFAULT_CODECS = ("fp32", "cast_pmean_bf16", "cast_bf16", "qsgd8", "qsgd4", "qsgd2")
@@ -144,6 +148,8 @@ def make_codec(name: str, bucket: int | None = None, impl: str = "auto"):
     return qcomm.Wire16()
   if kind == "auto":
     return qcomm.Auto(bits=kw["bits"], bucket_size=bucket, impl=impl)
+  if kind == "powersgd":
+    return qcomm.PowerSGD(kw["rank"])
   return qcomm.QSGD(bits=kw["bits"], bucket_size=fixed, scheme="maxmin", impl=impl)
 
 
@@ -377,6 +383,11 @@ def format_tree(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             "" if not r["link_floor_s"] else f"{r['median_s'] / r['link_floor_s']:.2f}x",
             "" if fp32 is None else f"{fp32 / r['median_s']:.2f}x", f"{r['rel_error']:.3g}"]
            for r in rows]
+  if rows and "sync_median_s" in rows[0]:  # --sync: what the user calls, same rounds
+    headers += ["sync ms", "sync/allreduce", "sync rel. error"]
+    for line, r in zip(table, rows):
+      line += [f"{1e3 * r['sync_median_s']:.1f}", f"{r['sync_over_allreduce']:.3f}x",
+               f"{r['sync_rel_error']:.3g}"]
   return "\n".join([f"ResNet50 parameter pytree (161 leaves), {rows[0]['devices'] if rows else 0} "
                     f"devices  |  {_common.machine_line(meta)}", "",
                     _common.format_table(headers, table, align="ll" + "r" * (len(headers) - 2)),
@@ -513,10 +524,12 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
         if d > 1 else 0.0
     _common.log(f"  resnet50 {name:<16} {1e3 * t.median:10.2f} ms  rel. error {err:.3g}")
     extra = {} if not sync else _time_sync(mesh, tree, codec, compiled, repeats=repeats,
-                                           warmup=warmup, comm=comm)
+                                           warmup=warmup, comm=comm, exact=exact,
+                                           local=flat_local)
     if extra:
       _common.log(f"  resnet50 {name:<16} sync {1e3 * extra['sync_median_s']:10.2f} ms "
-                  f"({extra['sync_over_allreduce']:.3f}x the allreduce, same rounds)")
+                  f"({extra['sync_over_allreduce']:.3f}x the allreduce, same rounds), "
+                  f"rel. error {extra['sync_rel_error']:.3g}")
     rows.append(dict(**extra, codec=name, description=CODECS[name][0], runs=codec.resolve(d).name,
                      size=n, devices=d, processes=jax.process_count(), tree="resnet50",
                      comm_bucket_size=(codec.comm_buffer_size(d) if comm is None else comm),
@@ -526,9 +539,12 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
 
 
 def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
-               comm: int | None) -> dict[str, Any]:
+               comm: int | None, exact: np.ndarray, local: Callable) -> dict[str, Any]:
   """The update and apply of ``qcomm.sync(optax.sgd(0.1), codec=codec)`` on ``grads`` (per
-  device), against ``allreduce`` (compiled, the same gradients) in interleaved rounds."""
+  device), against ``allreduce`` (compiled, the same gradients) in interleaved rounds. Also
+  ``sync_rel_error``: ||g - exact|| / ||exact|| of the gradient ``g`` that the sync hands its
+  optimizer at the call after the timed ones (with its defaults: error feedback and a warm start
+  where the codec wants them, so after ``warmup + repeats`` calls on the same gradients)."""
   import optax  # noqa: PLC0415
 
   tx = qcomm.sync(optax.sgd(0.1), codec=codec, comm_bucket_size=comm)
@@ -560,14 +576,27 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
   sync_times = list(_common.collective_timing(_common.Timing(tuple(sync_times))).times)
   ar_times = list(_common.collective_timing(_common.Timing(tuple(ar_times))).times)
   ratios = [a / b for a, b in zip(sync_times, ar_times)]
+
+  def handed(g, s, p):  # what optax.sgd(0.1) was handed: -updates / 0.1
+    updates, _ = tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s, p)
+    return jax.tree_util.tree_map(lambda u: (u * -10.0)[None], updates)
+
+  got = local(jax.jit(jax.shard_map(handed, mesh=mesh, in_specs=(P("data"), spec, P()),
+                                    out_specs=P("data")))(grads, state, params))
+  err = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
   return dict(sync_median_s=statistics.median(sync_times), sync_times_s=sync_times,
-              sync_allreduce_times_s=ar_times, sync_over_allreduce=statistics.median(ratios))
+              sync_allreduce_times_s=ar_times, sync_over_allreduce=statistics.median(ratios),
+              sync_rel_error=err, sync_calls_before_error=warmup + repeats)
 
 
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark of the parsed ``args``; process 0 prints the table and writes the JSON."""
   if args.bucket is not None and (args.bucket < 8 or args.bucket % 8):
     raise SystemExit(f"--bucket must be a positive multiple of 8, got {args.bucket}")
+  low_rank = [c for c in args.codecs if CODECS[c][1] == "powersgd"]
+  if low_rank and not args.tree:
+    raise SystemExit(f"--codecs {' '.join(low_rank)} need --tree: PowerSGD reduces each leaf as "
+                     f"a matrix, not a flat buffer")
   _common.init_devices(args.devices)
 
   mesh, meta = _common.mesh_and_metadata("allreduce", command)

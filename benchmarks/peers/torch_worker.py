@@ -5,9 +5,16 @@ rows beside jax_qcomm's on the simulated cluster. One process per node, gloo, in
     python -m jax_qcomm.tools.cluster --nodes 2 --rate 1gbit --local-devices 1 \\
         --python /work/torchenv/bin/python --out F.json -- benchmarks/peers/torch_worker.py
 
-(``--scale 8 --repeats 2`` for a smoke run). It joins a gloo group from the launcher's environment
-(``QCOMM_COORDINATOR`` host:port of node 0, ``QCOMM_NUM_PROCESSES``, ``QCOMM_PROCESS_ID``, gloo on
-``QCOMM_GLOO_INTERFACE``), or from torchrun's (``MASTER_ADDR``, ``RANK``, ...) without them.
+(``--scale 8 --repeats 2`` for a smoke run; ``--malloc glibc`` before ``--`` runs it without the
+launcher's ``MALLOC_*`` tuning, as under torchrun). The venv, from the CPU wheel on this machine
+(``pip install torch`` would pick 2.14.1, a CUDA build)::
+
+    python3.11 -m venv /work/torchenv
+    /work/torchenv/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+
+It joins a gloo group from the launcher's environment (``QCOMM_COORDINATOR`` host:port of node 0,
+``QCOMM_NUM_PROCESSES``, ``QCOMM_PROCESS_ID``, gloo on ``QCOMM_GLOO_INTERFACE``), or from
+torchrun's (``MASTER_ADDR``, ``RANK``, ...) without them.
 
 The gradient: the 161 parameters of torchvision's ``resnet50()`` (1000 classes; 25,557,032 values),
 shapes written out below in torchvision's order and layout (conv OIHW, fc (out, in), batch-norm
@@ -15,8 +22,8 @@ weight and bias) so that torchvision is not needed; each rank's gradient is stan
 ``torch.Generator().manual_seed(SEED + rank)``. A module holds one parameter per tensor and its
 "loss" is ``sum_i (p_i * g_i).sum()``, so that backward yields exactly ``g`` for little compute.
 
-Rows, as DDP users get them (``DistributedDataParallel``, default ``bucket_cap_mb``, gradients set
-to None before each step as ``zero_grad`` does):
+Rows, as DDP users get them (``DistributedDataParallel``, default ``bucket_cap_mb`` but for
+PowerSGD, gradients set to None before each step as ``zero_grad`` does):
 
 * ``ddp_fp32``: no hook (DDP's built-in float32 allreduce);
 * ``ddp_fp16`` / ``ddp_bf16``: ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook`` (a
@@ -25,6 +32,13 @@ to None before each step as ``zero_grad`` does):
   ``PowerSGDState(matrix_approximation_rank=r, start_powerSGD_iter=2, use_error_feedback=True,
   warm_start=True)``; 2 is the least start torch allows with error feedback or warm start (steps
   0-1 are plain allreduce), so the warm-up is at least 3 steps and every timed step compresses.
+  In ONE bucket (``bucket_cap_mb`` above the gradient's size, as the removed harness did): with
+  several, the hook deadlocks on gloo (torch 2.13). Its P and Q allreduces are started and
+  ``.wait()``-ed inside ``Future.then`` callbacks, which run on the process group's worker threads
+  (gloo has 2); with two buckets in flight both threads block in such a wait and none is left to
+  run the allreduces they wait for (seen with faulthandler: one thread in
+  ``unpack_uncompressed_tensors_and_allreduce_ps``, one in ``compute_qs``, backward waiting).
+  One bucket starts communicating when backward has ended (no overlap; the backward is trivial).
 
 Each step times ``loss.backward()`` alone twice: through DDP (it returns once the hook's future has
 filled ``.grad``) and on the bare module (no communication, ``local``); a step's time is the
@@ -52,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -218,9 +233,12 @@ def powersgd_rank(row: str) -> int | None:
 def run_row(row: str, model: GradientModel, mean: Sequence[torch.Tensor],
             expected: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, Any]:
   """Times one row (see the module docstring); a refused hook gives ``status: "refused"``."""
-  kwargs = {} if args.bucket_cap_mb is None else dict(bucket_cap_mb=args.bucket_cap_mb)
-  ddp = DDP(model, **kwargs)
   r = powersgd_rank(row)
+  cap = args.bucket_cap_mb
+  if r is not None:  # one bucket unless told otherwise (module docstring: gloo deadlocks)
+    values = sum(p.numel() for p in model.params)
+    cap = args.powersgd_bucket_cap_mb or math.ceil(4 * values / 2**20) + 1
+  ddp = DDP(model, **({} if cap is None else dict(bucket_cap_mb=cap)))
   state = None
   if r is not None:
     state = powerSGD_hook.PowerSGDState(
@@ -251,12 +269,14 @@ def run_row(row: str, model: GradientModel, mean: Sequence[torch.Tensor],
       synced.append(t_synced)
   buckets = _bucket_count(ddp)
   del ddp
+  gc.collect()  # the next row's DDP wraps the same parameters: this one's reducer goes first
   local, synced = slowest(local), slowest(synced)
   comm = [s - l for s, l in zip(synced, local)]
   out = dict(status="ok", median_s=statistics.median(comm), times_s=comm,
              synced_median_s=statistics.median(synced), local_median_s=statistics.median(local),
              synced_times_s=synced, local_times_s=local, rel_error=errors[warmup],
-             rel_error_steps=errors, warmup=warmup, repeats=args.repeats, ddp_buckets=buckets)
+             rel_error_steps=errors, warmup=warmup, repeats=args.repeats, bucket_cap_mb=cap,
+             ddp_buckets=buckets)
   if state is not None:
     out.update(rel_error_first_compressed=errors[POWERSGD_START],
                start_powerSGD_iter=POWERSGD_START)
@@ -307,6 +327,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help=f"untimed steps first (default: 3; PowerSGD: at least {POWERSGD_START + 1})")
   p.add_argument("--bucket-cap-mb", type=float, default=None,
                  help="DDP's bucket_cap_mb (default: DDP's own, 25)")
+  p.add_argument("--powersgd-bucket-cap-mb", type=float, default=None,
+                 help="bucket_cap_mb of the PowerSGD rows (default: the whole gradient in one "
+                      "bucket; several deadlock on gloo, see above)")
   p.add_argument("--scale", type=int, default=1,
                  help="smoke runs only: divide every channel count by this (default: 1, ResNet-50)")
   p.add_argument("--out", default=None, help="JSON written by rank 0 (default: its stdout)")

@@ -147,7 +147,9 @@ class PowerSGD(Codec):
     ms = {i: parts[i].reshape(matrix_shape(shapes[i])) for i in mats}  # (rest, out) = Mᵀ
 
     # 1. P = M Q of every matrix (out, rank) and the exact leaves: one all-reduce.
-    ps = {i: jnp.dot(ms[i].T, states[i], precision=_HIGHEST) for i in mats}
+    # Mᵀ-side product as a fused multiply-reduce over the rows: XLA:CPU's dot with the
+    # transposed operand is 5-20x slower (163 ms against 8 ms at rank 1 on ResNet-50's kernels).
+    ps = {i: jnp.sum(ms[i][:, :, None] * states[i][:, None, :], axis=0) for i in mats}
     first = jnp.concatenate([ps[i].reshape(-1) for i in mats] + [parts[i] for i in exact])
     first = lax.psum(first, axis_name)
     outs: list[Any] = [None] * len(parts)
