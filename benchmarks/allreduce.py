@@ -476,8 +476,9 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
   With ``sync``, each row also times what a user calls with the same gradients: the update of
   ``qcomm.sync(optax.sgd(0.1), codec=codec)`` and ``optax.apply_updates`` inside one jitted
   ``shard_map`` (params replicated, the state as :func:`qcomm.state_partition_spec` places it,
-  the state threaded from call to call), in interleaved rounds with the bare allreduce:
-  ``sync_median_s`` and ``sync_over_allreduce`` (the median of the per-round ratios)."""
+  the state threaded from call to call, nothing donated: ``qcomm.data_parallel``'s default), in
+  interleaved rounds with the bare allreduce: ``sync_median_s`` and ``sync_over_allreduce`` (the
+  median of the per-round ratios)."""
   from benchmarks import sharded  # noqa: PLC0415  (flax: only the tree payload needs it)
   from jax_qcomm.tools import efficiency  # noqa: PLC0415
 
@@ -558,8 +559,10 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s
 
+  # Not donated, as qcomm.data_parallel's default: on XLA:CPU a donated state makes XLA copy
+  # the old error-feedback residual before overwriting it (docs/benchmarks.md).
   step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), spec, P()),
-                               out_specs=(P(), spec)), donate_argnums=(1, 2))
+                               out_specs=(P(), spec)))
   for _ in range(warmup):
     params, state = jax.block_until_ready(step(grads, state, params))
   sync_times, ar_times = [], []
