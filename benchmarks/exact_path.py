@@ -1,9 +1,14 @@
-"""The exact path in one process: ``sync(codec=NoCompression())`` (packed buffers) against a
-per-leaf ``lax.pmean`` of the same gradients, on 8 host devices; medians of 15 calls, three rounds
-in one process, ratios per round.
+"""The exact path in one process: ``sync(codec=NoCompression())`` against a per-leaf
+``lax.pmean`` of the same gradients, on 8 host devices; medians of 15 calls, three rounds in one
+process, ratios per round.
 
-    python -m benchmarks.exact_path            # a 161-leaf, 1.0M-element ResNet-shaped tree
-    python -m benchmarks.exact_path --small    # the 12-leaf CNN of examples/nnx_digits.py
+    python -m benchmarks.exact_path                  # every tree below
+    python -m benchmarks.exact_path --trees small    # some of them
+
+Trees: ``small`` (the 12-leaf CNN of examples/nnx_digits.py), ``many`` (161 leaves of 1.0M values
+in all, 6k per leaf: ResNet-shaped but small), ``large`` (42 leaves, 3.7M values: a 2048 x 1000
+dense kernel, six 1x1x256x1024 and two 3x3x64x64 convolutions, 33 biases of 64) and ``resnet50``
+(its 161 real leaves, 25.6M values).
 """
 
 from __future__ import annotations
@@ -28,6 +33,15 @@ SMALL = [(3, 3, 1, 32), (32,), (32,), (32,), (3, 3, 32, 64), (64,), (64,), (64,)
          (128,), (128, 10), (10,)]
 RESNET_LIKE = [s for i in range(53) for s in ((3, 3, 32, 64) if i % 3 else (64, 128), (128,),
                                                (128,))] + [(2048, 100), (100,)]
+LARGE = [(2048, 1000)] + [(1, 1, 256, 1024)] * 6 + [(3, 3, 64, 64)] * 2 + [(64,)] * 33
+TREES = ("small", "many", "large", "resnet50")
+
+
+def _shapes(tree: str) -> list:
+  if tree == "resnet50":
+    from benchmarks import sharded  # noqa: PLC0415  (flax: only this tree needs it)
+    return [tuple(s.shape) for s in jax.tree_util.tree_leaves(sharded.payload("resnet50"))]
+  return {"small": SMALL, "many": RESNET_LIKE, "large": LARGE}[tree]
 
 
 def median_ms(f, *args, n: int = 15) -> float:
@@ -42,8 +56,13 @@ def median_ms(f, *args, n: int = 15) -> float:
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--small", action="store_true", help="the 12-leaf CNN of examples/nnx_digits.py")
-  shapes = SMALL if ap.parse_args(argv).small else RESNET_LIKE
+  ap.add_argument("--trees", nargs="+", choices=TREES, default=list(TREES),
+                  help="the gradient trees to time (default: all)")
+  for tree in ap.parse_args(argv).trees:
+    run(tree, _shapes(tree))
+
+
+def run(name: str, shapes: list) -> None:
   mesh = Mesh(np.array(jax.devices()), (AX,))
   d = mesh.devices.size
   params = {f"l{i:03d}": jnp.zeros(s) for i, s in enumerate(shapes)}
@@ -56,7 +75,8 @@ def main(argv=None) -> None:
                                  mesh=mesh, in_specs=(spec, P(AX)), out_specs=P()))
   f_pmean = jax.jit(jax.shard_map(lambda g: jax.tree.map(lambda a: lax.pmean(a[0], AX), g),
                                   mesh=mesh, in_specs=P(AX), out_specs=P()))
-  print(f"{len(shapes)} leaves, {sum(int(np.prod(s)) for s in shapes):,} elements, {d} devices")
+  print(f"{name}: {len(shapes)} leaves, {sum(int(np.prod(s)) for s in shapes):,} elements, "
+        f"{d} devices")
   ratios = []
   for _ in range(3):
     a, b = median_ms(f_sync, state, grads), median_ms(f_pmean, grads)
