@@ -311,3 +311,30 @@ def test_stateful_transformation_after_accumulating_sync_is_refused():
              optax.chain(optax.clip_by_global_norm(1.0), qcomm.sync(optax.adam(1e-3), accum_steps=2)),
              optax.chain(qcomm.sync(optax.identity()), optax.adam(1e-3))):
     qcomm.state_partition_spec(jax.eval_shape(ok.init, params))
+
+
+def test_exact_path_in_one_process_leaves_large_leaves_unpacked():
+  """In one process (no latency per message) NoCompression reduces leaves of at least
+  UNPACKED_LEAF values as their own operands of one psum and packs the small ones: the result is
+  a per-leaf pmean's, bit for bit, on every device, and no large leaf is copied into a buffer."""
+  from jax_qcomm.codecs.cast import UNPACKED_LEAF
+  d = 3
+  params = {"big": jnp.zeros((UNPACKED_LEAF // 128 + 3, 128)), "mid": jnp.zeros((50, 40)),
+            "b": jnp.zeros((7,))}
+  grads = _grads(d, 5, params)
+  f = lambda fn: jax.jit(jax.shard_map(  # noqa: E731
+      lambda g: jax.tree_util.tree_map(lambda a: lax.pcast(a, AX, to="varying")[None],
+                                       fn(jax.tree_util.tree_map(lambda a: a[0], g))),
+      mesh=_mesh(d), in_specs=P(AX), out_specs=P(AX)))
+  ours = f(lambda g: qcomm.allreduce(g, AX, qcomm.NoCompression()))
+  want = jax.tree_util.tree_map(np.asarray, f(
+      lambda g: jax.tree_util.tree_map(lambda a: lax.pmean(a, AX), g))(grads))
+  got = jax.tree_util.tree_map(np.asarray, ours(grads))
+  for k in params:
+    for r in range(d):
+      np.testing.assert_array_equal(got[k][r].view(np.uint32), want[k][0].view(np.uint32))
+  text = ours.lower(grads).compile().as_text()
+  big = params["big"].size
+  # the big leaf is an operand of the all-reduce as it is (a packed buffer would be longer)
+  shapes = re.findall(r"= \(?([^=]*?)\)? all-reduce\(", text)
+  assert any(f"f32[{big}]" in s for s in shapes), shapes
