@@ -37,6 +37,8 @@ import jax_qcomm
 from jax_qcomm import _ffi
 from jax_qcomm.tools import distributed
 from jax_qcomm.tools import launch
+
+from benchmarks._machine import cpu_model
 from jax_qcomm.tools import malloc as malloc_tools
 from jax_qcomm.tools.launch import ENV_LAUNCH_COMMAND
 from training.timing import Timing, gc_paused, median_time  # noqa: F401  (re-exported)
@@ -108,19 +110,6 @@ def malloc_note(meta: dict[str, Any]) -> str:
 
 
 # -- run metadata and reporting --------------------------------------------------------------------
-
-def cpu_model() -> str:
-  """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where there is none)."""
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() in ("model name", "Model", "cpu model"):
-          return value.strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
 
 def run_metadata(command: Sequence[str]) -> dict[str, Any]:
   """Date, host, CPU, thread counts, versions, backend, kernel ISA, command line and malloc mode."""

@@ -113,6 +113,8 @@ def test_benchmark_route_checks_the_benchmark_and_sets_the_link_rate():
     (["--nodes", "2", "--rate", RATE, "--port", "80", "--", "allreduce"], "--port"),
     (["--nodes", "2", "--rate", RATE, "--timeout", "0", "--", "allreduce"], "--timeout"),
     (["--nodes", "2", "--rate", RATE, "--force", "--", "allreduce"], "--force"),
+    (["--nodes", "2", "--rate", RATE, "--python", "/no/such/python", "--", "allreduce"],
+     "--python must be an executable"),
 ])
 def test_validate_rejects(argv, match):
   with pytest.raises(ValueError, match=match):

@@ -83,6 +83,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+# Run as a script from any directory: the repository root holds the jax-free benchmarks._machine.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks._machine import cpu_model  # noqa: E402
+
 SEED = 7
 RESNET50_TENSORS = 161
 RESNET50_VALUES = 25_557_032
@@ -304,18 +308,6 @@ def check_powersgd(calls: list[tuple[int, int, bool]], state, expected: dict[str
 
 
 # -- command line ------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() in ("model name", "Model", "cpu model"):
-          return value.strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="torch_worker.py", description=__doc__,
