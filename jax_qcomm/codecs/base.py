@@ -371,7 +371,7 @@ class Codec(abc.ABC):
   # -- the leaves' shapes and state carried between reductions (default: neither is needed) -------
   # A codec whose reduction depends on each leaf's shape (a low-rank codec views a leaf as a
   # matrix) or that carries state from one reduction to the next (PowerSGD's warm start)
-  # overrides these three; every other codec inherits defaults built from the methods above.
+  # overrides these four; every other codec inherits defaults built from the methods above.
   def init_state(self, shape: tuple[int, ...], key: jax.Array) -> Any:
     """The state this codec carries from one allreduce of a leaf of ``shape`` to the next, before
     the first (a pytree of arrays; ``key`` a PRNG key that is the same on every device). It must
