@@ -37,6 +37,7 @@ CASES = {
     "cast_bf16": ("allreduce", ("cast",), "flat", "mean"),
     "fp32": ("allreduce", ("none",), "flat", "mean"),
     "tree_qsgd4": ("allreduce_tree", ("qsgd", 4, "maxmin"), "flat", "mean"),
+    "tree_powersgd2": ("allreduce_tree", ("powersgd", 2), "flat", "mean"),
     "tuple_qsgd4": ("allreduce", ("qsgd", 4, "maxmin"), "tuple", "mean"),
     "hier_qsgd4": ("allreduce", ("qsgd", 4, "maxmin"), "hier", "mean"),
     "hier_fp32": ("allreduce", ("none",), "hier", "mean"),
@@ -85,6 +86,8 @@ def make_codec(desc):
     return qcomm.Cast(jnp.bfloat16)
   if desc[0] == "none":
     return qcomm.NoCompression()
+  if desc[0] == "powersgd":
+    return qcomm.PowerSGD(desc[1])
   return None  # the collective's default codec
 
 

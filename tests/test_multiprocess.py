@@ -130,6 +130,34 @@ def test_allreduce(run, case):
     assert np.mean(err) < 0.5 * np.mean(tol), f"{case}: mean error {np.mean(err)} too large"
 
 
+def test_powersgd_tree_across_processes_matches_the_float64_simulation(run):
+  """PowerSGD(2) over gloo between processes: every device the same bits, each leaf the float64
+  simulation's result from the Q that qcomm.allreduce draws from its key (small and 1-D leaves
+  exact)."""
+  import jax
+  from test_powersgd import _oracle
+
+  import jax_qcomm as qcomm
+  from jax_qcomm import collectives
+
+  case, d = "tree_powersgd2", run["devices"]
+  codec = qcomm.PowerSGD(2)
+  shapes = {leaf: np.zeros(shape, np.float32) for leaf, (shape, _) in TREE_SHAPES.items()}
+  states = collectives.init_codec_state(
+      shapes, codec, None, jax.random.fold_in(jax.random.key(1234), 0x7FFFFFFF))
+  policy = qcomm.LeafPolicy()
+  for (leaf, (shape, dtype)), q in zip(sorted(TREE_SHAPES.items()), states):
+    xs = stacked_inputs(run, case, leaf)
+    out = rows(run, case, leaf)
+    assert_identical_rows(out, f"{case}/{leaf}")
+    sent = policy.codec_for(leaf, np.zeros(shape), codec) == codec and codec.compresses(shape)
+    assert isinstance(q, tuple) != sent
+    want, _, _ = _oracle(xs, None if isinstance(q, tuple) else np.asarray(q, np.float64), 2, d)
+    tol = 2.0**-8 * np.abs(want) + 1e-5 if dtype == "bfloat16" else 1e-4 * np.abs(want) + 1e-5
+    err = np.abs(out[0].astype(np.float64) - want)
+    assert np.all(err <= tol), f"{case}/{leaf}: max err/tol {np.max(err / tol):.3f}"
+
+
 def test_allreduce_tree(run):
   case = "tree_qsgd4"
   d = run["devices"]
