@@ -63,7 +63,7 @@ class PowerSGD(Codec):
 
   A leaf of shape ``(..., out)`` is the matrix ``M`` of shape ``(out, rest)`` (``rest`` the
   product of the other axes: a ``Dense`` kernel ``(in, out)``, a convolution ``(H, W, in, out)``;
-  PyTorch's layout puts ``out`` first, the same matrix). With ``Q`` of shape ``(rest, rank)``, one
+  PyTorch's layout puts ``out`` first: the same matrix up to the order of its columns). With ``Q`` of shape ``(rest, rank)``, one
   reduction is:
 
   1. ``P = M Q`` on every device, an allreduce of P (summed), P orthonormalised (Gram-Schmidt);
