@@ -47,6 +47,8 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
   config.scheme = "maxmin"
   config.accum_steps = 2
   config.error_feedback = False
+  config.powersgd = 0                # > 0: qcomm.PowerSGD(rank) instead of the bits codec (error
+                                     # feedback then on, the codec's default)
   # The leaf policy; unset (None): the codec's default (small and 1-D leaves exact, except with
   # a sparse codec such as TopK, which sends every leaf).
   config.min_size = ml_collections.config_dict.placeholder(int)

@@ -238,7 +238,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     bad("num_val_windows", f"divisible by num_devices ({config.num_devices})")
   if config.warmup_steps >= config.num_steps:
     bad("warmup_steps", f"smaller than num_steps ({config.num_steps})")
-  for field in ("learning_rate", "weight_decay", "grad_clip", "time_limit_minutes"):
+  for field in ("learning_rate", "weight_decay", "grad_clip", "time_limit_minutes", "powersgd"):
     if not config[field] >= 0:
       bad(field, ">= 0")
   for field in ("b1", "b2", "end_lr_ratio"):
@@ -257,6 +257,8 @@ def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   if not settings.get("shard_state"):  # replicated runs keep the settings they were recorded with
     settings.pop("shard_state", None)
     settings.pop("gather_bits", None)
+  if not settings.get("powersgd"):
+    settings.pop("powersgd", None)
   return settings
 
 
@@ -581,7 +583,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
     ckpt.close()
 
   result: dict[str, Any] = {
-      "bits": config.bits, "accum_steps": k, "error_feedback": config.error_feedback,
+      "bits": config.bits, "powersgd": config.get("powersgd", 0), "accum_steps": k,
+      "error_feedback": bool(config.error_feedback or config.get("powersgd", 0)),
       "seed": config.seed, "steps": done, "num_steps": config.num_steps,
       "val_loss": None if stopped else meta["curve"][-1][1],
       "train_loss_last": loss if done > start else None,

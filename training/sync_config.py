@@ -31,10 +31,13 @@ def create_sync(config: ml_collections.ConfigDict, inner: optax.GradientTransfor
                                                            rounding="nearest"))
   codec = qcomm.codec_for_bits(config.bits, config.bucket_size, config.scheme,
                                rounding="nearest" if config.error_feedback else "stochastic")
+  error_feedback = config.error_feedback
+  if config.get("powersgd", 0):  # the low-rank codec, with its own default: error feedback on
+    codec, error_feedback = qcomm.PowerSGD(config.powersgd), None
   policy = qcomm.LeafPolicy(min_size=config.min_size, compress_1d=config.compress_1d,
                             exclude=exclude_patterns(config))
   return qcomm.sync(inner, axis_name=axis_name, codec=codec, policy=policy,
-                    accum_steps=config.accum_steps, error_feedback=config.error_feedback,
+                    accum_steps=config.accum_steps, error_feedback=error_feedback,
                     seed=config.seed, **extra)
 
 
