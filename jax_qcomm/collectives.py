@@ -26,7 +26,7 @@ from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_
 from jax_qcomm.codecs import DEFAULT_COMM_BUCKET, QSGD, Codec, reduce_packed
 
 __all__ = ["DEFAULT_COMM_BUCKET", "AxisName", "Hierarchical", "allreduce", "allreduce_flat",
-           "allreduce_tree", "init_codec_state",
+           "allreduce_tree", "init_codec_state", "fresh_state_key",
            "reduce_scatter", "all_gather", "cast_pmean", "axis_names", "axis_size"]
 
 OPS = ("mean", "sum")
@@ -189,6 +189,12 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   return (result, residual) if return_residual else result
 
 
+def fresh_state_key(key: jax.Array | None) -> jax.Array:
+  """The key :func:`allreduce_tree` draws the codecs' state from where it is given none: the
+  call's ``key`` folded with a constant of its own (``key(0)`` for a call without a key)."""
+  return jax.random.key(0) if key is None else jax.random.fold_in(key, 0x7FFFFFFF)
+
+
 def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | None,
                    op: str = "mean", *, policy: packing.LeafPolicy | None = None,
                    comm_bucket_size: int | None = None, exchange: str = "auto",
@@ -204,8 +210,7 @@ def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | N
     raise ValueError("key is required for stochastic rounding: pass key=jax.random.key(...) "
                      "(a new one per call)")
   if codec_state is None:
-    state_key = jax.random.key(0) if key is None else jax.random.fold_in(key, -1 & 0x7FFFFFFF)
-    codec_state = init_codec_state(x, codec, policy, state_key)
+    codec_state = init_codec_state(x, codec, policy, fresh_state_key(key))
   new_state = list(codec_state)
   out: list[Any] = [None] * len(leaves)
   residual: list[Any] = [None] * len(leaves)

@@ -143,8 +143,8 @@ def test_powersgd_tree_across_processes_matches_the_float64_simulation(run):
   case, d = "tree_powersgd2", run["devices"]
   codec = qcomm.PowerSGD(2)
   shapes = {leaf: np.zeros(shape, np.float32) for leaf, (shape, _) in TREE_SHAPES.items()}
-  states = collectives.init_codec_state(
-      shapes, codec, None, jax.random.fold_in(jax.random.key(1234), 0x7FFFFFFF))
+  states = collectives.init_codec_state(shapes, codec, None,
+                                        collectives.fresh_state_key(jax.random.key(1234)))
   policy = qcomm.LeafPolicy()
   for (leaf, (shape, dtype)), q in zip(sorted(TREE_SHAPES.items()), states):
     xs = stacked_inputs(run, case, leaf)

@@ -68,6 +68,7 @@ from tqdm import tqdm
 
 import jax_qcomm as qcomm
 from training.replicas import params_checksum, replicas_identical
+from jax_qcomm.sync import config_of
 from training.sync_config import check_sync_fields, create_sync
 
 AXIS = "data"
@@ -507,6 +508,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
   corpus = load_corpus(config.stdlib_dir)
   mesh = create_mesh(config.num_devices)
   k = config.accum_steps
+  error_feedback = config_of(create_optimizer(config)).error_feedback  # in effect, not as asked
   val = _global(mesh, val_windows(corpus.val, config.num_val_windows, config.seq_len))
   val_bytes = config.num_val_windows * config.seq_len
 
@@ -530,7 +532,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
   if not quiet and jax.process_index() == 0:
     print(f"byte LM, {n_params / 1e3:.0f}k parameters ({config.num_layers} x d{config.d_model}, "
           f"context {config.seq_len}), {mesh.size} devices, {config.batch_size} windows x accum "
-          f"{k}, bits={config.bits}{' + error feedback' if config.error_feedback else ''}, "
+          f"{k}, bits={config.bits}{' + error feedback' if error_feedback else ''}, "
           f"{config.num_steps} optimizer steps" + (f", resuming at step {start}" if start else ""),
           flush=True)
   if start == 0 and not meta["curve"]:
@@ -584,7 +586,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
 
   result: dict[str, Any] = {
       "bits": config.bits, "powersgd": config.get("powersgd", 0), "accum_steps": k,
-      "error_feedback": bool(config.error_feedback or config.get("powersgd", 0)),
+      "error_feedback": error_feedback,
       "seed": config.seed, "steps": done, "num_steps": config.num_steps,
       "val_loss": None if stopped else meta["curve"][-1][1],
       "train_loss_last": loss if done > start else None,

@@ -13,7 +13,7 @@ from jax import lax
 
 from jax_qcomm._checks import check_int, check_real
 from jax_qcomm.axes import AxisName, axis_size
-from jax_qcomm.codecs.base import Codec, _check_traffic, _ring
+from jax_qcomm.codecs.base import Codec, _check_traffic, _ring, split_leaves
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -42,6 +42,11 @@ def _outer(q: jax.Array, p: jax.Array) -> jax.Array:
   for k in range(1, q.shape[1]):
     out = out + q[:, k:k + 1] * p[:, k][None, :]
   return out
+
+
+def _psum_split(pieces: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+  """One ``psum`` of the flat ``pieces`` concatenated, cut into the pieces again."""
+  return split_leaves(lax.psum(jnp.concatenate(pieces), axis_name), [p.shape[0] for p in pieces], 1)
 
 
 def _orthonormalise(p: jax.Array) -> jax.Array:
@@ -79,7 +84,8 @@ class PowerSGD(Codec):
 
   **State.** Q is the state the codec carries between reductions (:meth:`Codec.init_state`):
   ``qcomm.sync`` keeps the averaged Q of each leaf in ``SyncState.codec_state`` and starts the
-  next step's power iteration from it (warm start; a Q that is not finite is not kept). Before the
+  next step's power iteration from it (warm start; after a non-finite step, whose Q makes its
+  result non-finite too, the sync keeps the Q of before it, as all its state). Before the
   first step, Q is drawn from a standard normal with the sync's seed. ``qcomm.allreduce`` and
   ``qcomm.diloco`` draw a fresh Q from their key at every call (pass the same key on every
   device).
@@ -167,38 +173,29 @@ class PowerSGD(Codec):
     # Mᵀ-side product as a fused multiply-reduce over the rows: XLA:CPU's dot with the
     # transposed operand is 5-20x slower (163 ms against 8 ms at rank 1 on ResNet-50's kernels).
     ps = {i: jnp.sum(ms[i][:, :, None] * states[i][:, None, :], axis=0) for i in mats}
-    first = jnp.concatenate([ps[i].reshape(-1) for i in mats] + [parts[i] for i in exact])
-    first = lax.psum(first, axis_name)
+    first = _psum_split([ps[i].reshape(-1) for i in mats] + [parts[i] for i in exact], axis_name)
     outs: list[Any] = [None] * len(parts)
     lost: list[Any] = [None] * len(parts)
     new_states = list(states)
-    offset = 0
-    for i in mats:
-      k = ps[i].size
-      ps[i] = _orthonormalise(first[offset:offset + k].reshape(ps[i].shape))
-      offset += k
-    for i in exact:
-      k = parts[i].shape[0]
-      outs[i] = first[offset:offset + k] * scale
+    for i, p in zip(mats, first):
+      ps[i] = _orthonormalise(p.reshape(ps[i].shape))
+    for i, total in zip(exact, first[len(mats):]):
+      outs[i] = total * scale
       lost[i] = jnp.zeros_like(parts[i])
-      offset += k
     if not mats:
       return outs, lost, new_states
 
     # 2. Q = Mᵀ P of every matrix (rest, rank): the second all-reduce, averaged.
     qs = {i: jnp.dot(ms[i], ps[i], precision=_HIGHEST) for i in mats}
-    second = lax.psum(jnp.concatenate([qs[i].reshape(-1) for i in mats]), axis_name)
-    offset = 0
-    for i in mats:
-      k = qs[i].size
-      q_sum = second[offset:offset + k].reshape(qs[i].shape)
-      offset += k
-      # 3. the result P Qᵀ (as (rest, out)), the residual, the warm start of the next call.
+    second = _psum_split([qs[i].reshape(-1) for i in mats], axis_name)
+    for i, q_sum in zip(mats, second):
+      q_sum = q_sum.reshape(qs[i].shape)
+      # 3. the result P Qᵀ (as (rest, out)), the residual, the warm start of the next call (a
+      # sync keeps the old one after a non-finite step, whose result this makes non-finite too).
       out = _outer(q_sum, ps[i])
       outs[i] = (out * scale if op == "mean" else out).reshape(-1)
       lost[i] = parts[i] - _outer(qs[i], ps[i]).reshape(-1)
-      q_mean = q_sum * jnp.float32(1.0 / d)
-      new_states[i] = jnp.where(jnp.all(jnp.isfinite(q_mean)), q_mean, states[i])
+      new_states[i] = q_sum * jnp.float32(1.0 / d)
     return outs, lost, new_states
 
   # -- what PowerSGD does not have -----------------------------------------------------------------
