@@ -384,9 +384,11 @@ def format_tree(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             "" if fp32 is None else f"{fp32 / r['median_s']:.2f}x", f"{r['rel_error']:.3g}"]
            for r in rows]
   if rows and "sync_median_s" in rows[0]:  # --sync: what the user calls, same rounds
-    headers += ["sync ms", "sync/allreduce", "sync rel. error"]
+    headers += ["sync ms", "sync/allreduce", "sync-local ms", "(sync-local)/allreduce",
+                "sync rel. error"]
     for line, r in zip(table, rows):
       line += [f"{1e3 * r['sync_median_s']:.1f}", f"{r['sync_over_allreduce']:.3f}x",
+               f"{1e3 * r['sync_comm_median_s']:.1f}", f"{r['sync_comm_over_allreduce']:.3f}x",
                f"{r['sync_rel_error']:.3g}"]
   return "\n".join([f"ResNet50 parameter pytree (161 leaves), {rows[0]['devices'] if rows else 0} "
                     f"devices  |  {_common.machine_line(meta)}", "",
@@ -478,7 +480,10 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
   ``shard_map`` (params replicated, the state as :func:`qcomm.state_partition_spec` places it,
   the state threaded from call to call, nothing donated: ``qcomm.data_parallel``'s default), in
   interleaved rounds with the bare allreduce: ``sync_median_s`` and ``sync_over_allreduce`` (the
-  median of the per-round ratios)."""
+  median of the per-round ratios); and, in the same rounds, the step without communication
+  (``optax.sgd(0.1)``'s update and apply on the device's own gradient), ``local_step_median_s``,
+  with ``sync_comm_median_s`` the median of sync - local per round: what communicating adds to a
+  step, as the torch peer reports DDP's backward minus the plain one."""
   from benchmarks import sharded  # noqa: PLC0415  (flax: only the tree payload needs it)
   from jax_qcomm.tools import efficiency  # noqa: PLC0415
 
@@ -529,7 +534,8 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
                                            local=flat_local)
     if extra:
       _common.log(f"  resnet50 {name:<16} sync {1e3 * extra['sync_median_s']:10.2f} ms "
-                  f"({extra['sync_over_allreduce']:.3f}x the allreduce, same rounds), "
+                  f"({extra['sync_over_allreduce']:.3f}x the allreduce, same rounds; "
+                  f"{1e3 * extra['sync_comm_median_s']:.2f} ms over the local step), "
                   f"rel. error {extra['sync_rel_error']:.3g}")
     rows.append(dict(**extra, codec=name, description=CODECS[name][0], runs=codec.resolve(d).name,
                      size=n, devices=d, processes=jax.process_count(), tree="resnet50",
@@ -563,22 +569,39 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
   # the old error-feedback residual before overwriting it (docs/benchmarks.md).
   step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), spec, P()),
                                out_specs=(P(), spec)))
+  # The same step without communication (the plain optimizer on this device's own gradient): what
+  # a step costs anyway, subtracted as the torch peer subtracts the backward without DDP.
+  plain = optax.sgd(0.1)
+
+  def no_comm(g, s, p):
+    updates, s = plain.update(jax.tree_util.tree_map(lambda a: a[0], g), s, p)
+    return jax.tree_util.tree_map(lambda a: a[None], optax.apply_updates(p, updates)), s
+
+  local_state = plain.init(params)
+  local_step = jax.jit(jax.shard_map(no_comm, mesh=mesh, in_specs=(P("data"), P(), P()),
+                                     out_specs=(P("data"), P())))
   for _ in range(warmup):
     params, state = jax.block_until_ready(step(grads, state, params))
-  sync_times, ar_times = [], []
+    jax.block_until_ready(local_step(grads, local_state, params))
+  sync_times, ar_times, local_times = [], [], []
   with _common.gc_paused():
-    for _ in range(repeats):  # one call of each per round: a change of load hits both alike
+    for _ in range(repeats):  # one call of each per round: a change of load hits all alike
       t0 = time.perf_counter()
       params, state = jax.block_until_ready(step(grads, state, params))
       t1 = time.perf_counter()
       jax.block_until_ready(allreduce(grads))
       t2 = time.perf_counter()
+      jax.block_until_ready(local_step(grads, local_state, params))
+      t3 = time.perf_counter()
       sync_times.append(t1 - t0)
       ar_times.append(t2 - t1)
+      local_times.append(t3 - t2)
   # Across processes: round i takes the slowest process's time of round i.
   sync_times = list(_common.collective_timing(_common.Timing(tuple(sync_times))).times)
   ar_times = list(_common.collective_timing(_common.Timing(tuple(ar_times))).times)
+  local_times = list(_common.collective_timing(_common.Timing(tuple(local_times))).times)
   ratios = [a / b for a, b in zip(sync_times, ar_times)]
+  comm = [a - b for a, b in zip(sync_times, local_times)]
 
   def handed(g, s, p):  # what optax.sgd(0.1) was handed: -updates / 0.1
     updates, _ = tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s, p)
@@ -589,6 +612,9 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
   err = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
   return dict(sync_median_s=statistics.median(sync_times), sync_times_s=sync_times,
               sync_allreduce_times_s=ar_times, sync_over_allreduce=statistics.median(ratios),
+              local_step_times_s=local_times, local_step_median_s=statistics.median(local_times),
+              sync_comm_median_s=statistics.median(comm),
+              sync_comm_over_allreduce=statistics.median([c / a for c, a in zip(comm, ar_times)]),
               sync_rel_error=err, sync_calls_before_error=warmup + repeats)
 
 

@@ -27,6 +27,7 @@ from jax_qcomm import _compat, _varying
 from jax_qcomm._checks import check_instance
 from jax_qcomm.axes import AxisName, axis_names, axis_size
 from jax_qcomm.codecs import Codec, codec_for_bits
+from jax_qcomm.codecs.base import nonfinite_mark
 
 
 # ---- counters, keys ---------------------------------------------------------------------------
@@ -55,18 +56,6 @@ def split_key(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # ---- error feedback and the finite guard --------------------------------------------------------
-
-def nonfinite_mark(tree: Any) -> jax.Array:
-  """A float32 scalar: 0 if no leaf of ``tree`` holds a NaN or an infinity, NaN otherwise.
-
-  The sum of ``x * 0`` over every element: a finite value times 0 is a signed zero, an infinity
-  or a NaN times 0 is NaN, and a sum of zeros cannot overflow. XLA:CPU vectorises this float sum;
-  ``all(isfinite(x))`` reduces booleans at a third of the speed (18 against 5 ms for 25.6M
-  values on one core), and a ``max(abs(x))`` misses NaNs there. A scalar that ``psum`` can carry."""
-  leaves = jax.tree_util.tree_leaves(tree)
-  return sum((jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32) for x in leaves),
-             jnp.float32(0))
-
 
 def all_finite(tree: Any) -> jax.Array:
   """True if no leaf of ``tree`` holds a NaN or an infinity (a bool scalar)."""

@@ -24,6 +24,7 @@ from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check
                                check_int_or_none, check_key)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
 from jax_qcomm.codecs import DEFAULT_COMM_BUCKET, QSGD, Codec, reduce_packed
+from jax_qcomm.codecs.base import nonfinite_mark
 
 __all__ = ["DEFAULT_COMM_BUCKET", "AxisName", "Hierarchical", "allreduce", "allreduce_flat",
            "allreduce_tree", "init_codec_state", "fresh_state_key",
@@ -107,16 +108,18 @@ def allreduce_flat(x: jax.Array, axis_name: AxisName, codec: Codec, key: jax.Arr
 
 def _allreduce_leaves(parts: list[jax.Array], shapes: list[tuple[int, ...]], states: list[Any],
                       axis_name: AxisName, codec: Codec, key: jax.Array | None, op: str,
-                      exchange: str) -> tuple[list[jax.Array], list[jax.Array], list[Any]]:
+                      exchange: str
+                      ) -> tuple[list[jax.Array], list[jax.Array], list[Any], jax.Array]:
   """The allreduce of one communication buffer's leaves (flat float32 each, of ``shapes``, with
-  the codec's ``states``), as :meth:`Codec.allreduce_leaves_with_state`; a :class:`Hierarchical`
-  axis reduces their packed buffer (states unchanged)."""
+  the codec's ``states``), as :meth:`Codec.allreduce_leaves_with_state`: ``(outs, residuals,
+  new_states, mark)``; a :class:`Hierarchical` axis reduces their packed buffer (states
+  unchanged)."""
   if sum(p.shape[0] for p in parts) == 0:
-    return parts, parts, states
+    return parts, parts, states, jnp.float32(0)
   if isinstance(axis_name, Hierarchical):
     outs, lost = reduce_packed(
         parts, codec, lambda flat: _hierarchical(flat, axis_name, codec, key, op, exchange))
-    return outs, lost, states
+    return outs, lost, states, nonfinite_mark(outs)
   return codec.allreduce_leaves_with_state(parts, shapes, states, axis_name, key, op, exchange)
 
 
@@ -184,7 +187,7 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   packing.check_float_leaves(x)
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.allreduce")
-  result, residual, _ = allreduce_tree(x, axis_name, codec, key, op, policy=policy,
+  result, residual, _, _ = allreduce_tree(x, axis_name, codec, key, op, policy=policy,
                                        comm_bucket_size=comm_bucket_size, exchange=exchange)
   return (result, residual) if return_residual else result
 
@@ -198,11 +201,13 @@ def fresh_state_key(key: jax.Array | None) -> jax.Array:
 def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | None,
                    op: str = "mean", *, policy: packing.LeafPolicy | None = None,
                    comm_bucket_size: int | None = None, exchange: str = "auto",
-                   codec_state: tuple | None = None) -> tuple[Any, Any, tuple]:
+                   codec_state: tuple | None = None) -> tuple[Any, Any, tuple, jax.Array]:
   """:func:`allreduce` of a checked pytree, with the codecs' state: ``(result, residual,
-  new_codec_state)``. ``codec_state``: :func:`init_codec_state` of ``x`` or what the last call
-  returned (the same on every device); None draws it afresh from ``key`` (a codec without state
-  ignores it). What :func:`qcomm.sync` and :func:`qcomm.diloco` call."""
+  new_codec_state, mark)``, ``mark`` the result's :func:`~jax_qcomm.codecs.base.nonfinite_mark`
+  as the codecs report it (0 where every value is finite, else NaN; the same on every device).
+  ``codec_state``: :func:`init_codec_state` of ``x`` or what the last call returned (the same on
+  every device); None draws it afresh from ``key`` (a codec without state ignores it). What
+  :func:`qcomm.sync` and :func:`qcomm.allreduce` call."""
   with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
   leaves = [jnp.asarray(leaf) for _, leaf in with_path]
   codecs = packing.leaf_codecs(x, codec, policy)
@@ -212,6 +217,7 @@ def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | N
   if codec_state is None:
     codec_state = init_codec_state(x, codec, policy, fresh_state_key(key))
   new_state = list(codec_state)
+  mark = jnp.float32(0)
   out: list[Any] = [None] * len(leaves)
   residual: list[Any] = [None] * len(leaves)
   # the devices the codec reduces over: the outer axis of a Hierarchical one
@@ -219,15 +225,16 @@ def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | N
   for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size, d)):
     group_key = None if key is None else jax.random.fold_in(key, i)
     parts = [leaves[j].reshape(-1).astype(jnp.float32) for j in group.leaves]
-    reduced, lost, states = _allreduce_leaves(
+    reduced, lost, states, group_mark = _allreduce_leaves(
         parts, [leaves[j].shape for j in group.leaves], [codec_state[j] for j in group.leaves],
         axis_name, group.codec, group_key, op, exchange)
     for j, r, l, s in zip(group.leaves, reduced, lost, states):
       out[j] = r.reshape(leaves[j].shape).astype(leaves[j].dtype)
       residual[j] = l.reshape(leaves[j].shape)
       new_state[j] = s
+    mark = mark + group_mark
   return (jax.tree_util.tree_unflatten(treedef, out),
-          jax.tree_util.tree_unflatten(treedef, residual), tuple(new_state))
+          jax.tree_util.tree_unflatten(treedef, residual), tuple(new_state), mark)
 
 
 def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),

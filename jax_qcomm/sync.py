@@ -364,12 +364,12 @@ class _Sync:
     key, sub = _parts.split_key(state.key)
     if cfg.error_feedback:
       grads = _parts.add_residual(grads, state.residual)
-    synced, lost, codec_state = collectives.allreduce_tree(
+    synced, lost, codec_state, mark = collectives.allreduce_tree(
         grads, cfg.axis_name, cfg.codec, sub, "mean", policy=cfg.policy,
         comm_bucket_size=cfg.comm_bucket_size, codec_state=state.codec_state)
-    # Every device holds the same average (bit-identical replicas), so this decision is the same
-    # everywhere without another collective.
-    finite = _parts.all_finite(synced)
+    # The codecs' mark of the average, which every device holds bit-identical (replicas), so this
+    # decision is the same everywhere without another collective.
+    finite = jnp.isfinite(mark)
     # A non-finite window must not poison the residual of later steps.
     residual = _parts.next_residual(finite, lost, state.residual) if cfg.error_feedback else ()
     if params is not None:  # inner sees gradients in the parameters' dtypes

@@ -62,7 +62,7 @@ def _oracle(xs, qs, rank, d):
 
 def _run_allreduce(codec, x, d, states):
   def body(v, st):
-    out, res, new = collectives.allreduce_tree(
+    out, res, new, _ = collectives.allreduce_tree(
         jax.tree_util.tree_map(lambda a: a[0], v), AX, codec, None, policy=ALL, codec_state=st)
     vary = lambda t: jax.tree_util.tree_map(lambda a: lax.pcast(a, AX, to="varying")[None], t)
     return vary(out), jax.tree_util.tree_map(lambda a: a[None], res), vary(new)

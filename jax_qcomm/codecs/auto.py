@@ -136,6 +136,10 @@ class Auto(_Bucketed):
   def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
     return self.resolve(axis_size(axis_name)).allreduce_leaves(parts, axis_name, key, op, exchange)
 
+  def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
+    codec = self.resolve(axis_size(axis_name))
+    return codec.allreduce_leaves_marked(parts, axis_name, key, op, exchange)
+
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     codec = self.resolve(axis_size(axis_name), "reduce_scatter")
     return codec.reduce_scatter_flat(x, axis_name, key, op, exchange)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _exchange, wire
+from jax_qcomm import _compat, _exchange, wire
 from jax_qcomm import transport as _transport
 from jax_qcomm.axes import AxisName, axis_size, device_key
 from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int, check_key,
@@ -113,6 +113,34 @@ def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat
           split_leaves(lost, sizes, codec.pad_multiple))
 
 
+def nonfinite_mark(tree: Any) -> jax.Array:
+  """A float32 scalar: 0 if no leaf of ``tree`` holds a NaN or an infinity, NaN otherwise.
+
+  The sum of ``x - x`` over every element: a finite value minus itself is 0, an infinity or a NaN
+  gives NaN, and a sum of zeros cannot overflow. XLA:CPU vectorises this float sum, with no
+  constant to broadcast; ``all(isfinite(x))`` reduces booleans at a third of the speed, and a
+  ``max(abs(x))`` misses NaNs there. A scalar that ``psum`` can carry. One pass over ``tree``."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  return sum((jnp.sum(x - x, dtype=jnp.float32) for x in leaves), jnp.float32(0))
+
+
+def bounded_mark(bound: jax.Array, exact: Callable[[], jax.Array]) -> jax.Array:
+  """A :func:`nonfinite_mark` from ``bound``, a float32 scalar that is at least every ``|value|``
+  of the results wherever it is finite (NaN or infinite where it cannot say): 0 where ``bound`` is
+  finite, without reading the results; otherwise ``exact()``, their own mark, in a ``lax.cond``,
+  so that it runs only then. ``exact`` should recompute the results from what they were made of
+  (the summed words, the factors) rather than close over them: an operand of the ``cond`` is a
+  buffer XLA must materialise, where the results themselves may be fused into their consumer.
+  How a codec that holds its results' scale reports their finiteness for a scalar's price."""
+  return _compat.cond(jnp.isfinite(bound), (lambda: jnp.float32(0), exact))
+
+
+def abs_max(x: jax.Array) -> jax.Array:
+  """The largest ``|x|`` (float32 scalar), NaN where x holds a NaN: ``max(|x|)`` plus
+  :func:`nonfinite_mark` (XLA:CPU's vectorised max drops NaNs). For small arrays."""
+  return jnp.max(jnp.abs(x)).astype(jnp.float32) + nonfinite_mark(x)
+
+
 def _ring(devices: int, nbytes: float) -> float:
   """Bytes each device sends in a ring all-reduce of a buffer of ``nbytes``: 2 (D-1)/D of it."""
   return 2.0 * (devices - 1) / devices * nbytes
@@ -146,7 +174,8 @@ class Codec(abc.ABC):
     -- :meth:`wire_decode_sum_reencode` (QSGD's kernels); its own collectives, where the SRA is
     not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
     :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
-    :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; where a reduction needs
+    :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; a cheaper finite
+    guard -- :meth:`allreduce_leaves_marked`; where a reduction needs
     each leaf's shape or state carried between calls -- :meth:`init_state`,
     :meth:`allreduce_leaves_with_state`, :meth:`leaves_traffic`, :meth:`leaf_payload_size`.
   * **(c) derived** (never overridden): :attr:`lossy`, :meth:`wire_size`, :meth:`sent_bytes`,
@@ -195,6 +224,12 @@ class Codec(abc.ABC):
     ``allreduce_flat`` on :func:`concat_leaves` of them (each leaf padded to whole buckets),
     split again. The default builds that buffer; a codec may read and write the leaves in place
     of the packed copy instead, with the same bytes on the wire (:class:`Summable` on CPU does).
+  * ``allreduce_leaves_marked(parts, axis_name, key, op, exchange) -> (outs, residuals, mark)``:
+    the same and the results' :func:`nonfinite_mark` (0 where all are finite, else NaN; the same
+    on every device), the finite guard of :func:`jax_qcomm.sync`. The default reads the results
+    once more; a codec whose shared scales bound its results answers from them
+    (:func:`bounded_mark`: :class:`Summable`, :class:`Wire16`, :class:`PowerSGD`), :class:`QSGD`
+    from the headers of the payloads it gathers.
   * ``reduce_scatter_flat(x: float32[D*m], axis_name, key, op, exchange) -> (block: float32[m],
     residual: float32[D*m])``: block i of the reduction lands on the device with axis index i.
     ``exchange`` is the schedule of an all-to-all (``jax_qcomm._exchange``); codecs that use none
@@ -209,12 +244,12 @@ class Codec(abc.ABC):
     ``collective`` is ``"allreduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
     :meth:`sent_bytes` is their sum: the one byte count of the library.
   * ``allreduce_leaves_with_state(parts, shapes, states, axis_name, key, op, exchange) -> (outs,
-    residuals, new_states)``, with :meth:`init_state` ``(shape, key)``: the allreduce of a
-    communication buffer's leaves given their shapes and the state the codec carries between
+    residuals, new_states, mark)``, with :meth:`init_state` ``(shape, key)``: the marked allreduce
+    of a communication buffer's leaves given their shapes and the state the codec carries between
     reductions (the same on every device); :meth:`leaves_traffic` ``(shapes, devices,
     collective)`` and :meth:`leaf_payload_size` ``(shape)`` count its bytes. What
     :func:`jax_qcomm.sync` and :func:`jax_qcomm.allreduce` call. The defaults need neither shapes
-    nor state: :meth:`allreduce_leaves`, :meth:`traffic` of the packed length. :class:`PowerSGD`
+    nor state: :meth:`allreduce_leaves_marked`, :meth:`traffic` of the packed length. :class:`PowerSGD`
     overrides them (a leaf is a matrix; its warm start is the state).
   * ``comm_buffer_size(devices, collective="allreduce") -> int``: the most elements a
     communication buffer of this codec carries in ``collective`` where the caller leaves
@@ -311,6 +346,12 @@ class Codec(abc.ABC):
   def allreduce_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
                      op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
     """float32[n] -> (mean or sum over the axis, this device's residual); see the class doc."""
+    out, residual, _, _ = self._scatter_reduce_allgather(x, axis_name, key, op, exchange)
+    return out, residual
+
+  def _scatter_reduce_allgather(self, x, axis_name, key, op, exchange):
+    """The SRA of :meth:`allreduce_flat`: ``(out, residual, gathered, c)``, ``gathered`` the D
+    reduced chunk payloads of ``c`` values each that every device decodes (the same everywhere)."""
     n = x.shape[0]
     d = axis_size(axis_name)
     x = _pad_to(x, self.buffer_length(n, d))
@@ -322,7 +363,7 @@ class Codec(abc.ABC):
     scale = 1.0 / d if op == "mean" else 1.0
     mine = self.wire_decode_sum_reencode(received, c, device_key(key, axis_name, 1), scale)
     gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, W], the same everywhere
-    return self._decode_rows(gathered, c).reshape(-1)[:n], residual[:n]
+    return self._decode_rows(gathered, c).reshape(-1)[:n], residual[:n], gathered, c
 
   def allreduce_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
                        key: jax.Array | None, op: str = "mean", exchange: str = "auto"
@@ -331,6 +372,16 @@ class Codec(abc.ABC):
     buffer (:func:`concat_leaves`), split per leaf."""
     return reduce_packed(
         parts, self, lambda flat: self.allreduce_flat(flat, axis_name, key, op, exchange))
+
+  def allreduce_leaves_marked(self, parts: Sequence[jax.Array], axis_name: AxisName,
+                              key: jax.Array | None, op: str = "mean", exchange: str = "auto"
+                              ) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
+    """:meth:`allreduce_leaves` and the results' :func:`nonfinite_mark`: ``(outs, residuals,
+    mark)``, the mark a float32 scalar, 0 where every result is finite and NaN otherwise, the same
+    on every device. Default: the mark of the results, one pass over them. A codec that holds a
+    bound on its results (a shared scale) overrides it with :func:`bounded_mark`."""
+    outs, lost = self.allreduce_leaves(parts, axis_name, key, op, exchange)
+    return outs, lost, nonfinite_mark(outs)
 
   def reduce_scatter_flat(self, x: jax.Array, axis_name: AxisName, key: jax.Array | None,
                           op: str = "mean", exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
@@ -383,13 +434,14 @@ class Codec(abc.ABC):
   def allreduce_leaves_with_state(
       self, parts: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]], states: Sequence[Any],
       axis_name: AxisName, key: jax.Array | None, op: str = "mean", exchange: str = "auto"
-  ) -> tuple[list[jax.Array], list[jax.Array], list[Any]]:
-    """:meth:`allreduce_leaves` of flat leaves whose shapes are ``shapes``, with each leaf's state
-    (:meth:`init_state` before the first call): ``(outs, residuals, new_states)``, every new state
-    the same on every device. Default: :meth:`allreduce_leaves`, the states passed through."""
+  ) -> tuple[list[jax.Array], list[jax.Array], list[Any], jax.Array]:
+    """:meth:`allreduce_leaves_marked` of flat leaves whose shapes are ``shapes``, with each
+    leaf's state (:meth:`init_state` before the first call): ``(outs, residuals, new_states,
+    mark)``, every new state and the mark the same on every device. Default:
+    :meth:`allreduce_leaves_marked`, the states passed through."""
     del shapes
-    outs, lost = self.allreduce_leaves(parts, axis_name, key, op, exchange)
-    return outs, lost, list(states)
+    outs, lost, mark = self.allreduce_leaves_marked(parts, axis_name, key, op, exchange)
+    return outs, lost, list(states), mark
 
   def leaves_traffic(self, shapes: Sequence[tuple[int, ...]], devices: int,
                      collective: str = "allreduce") -> tuple[tuple[str, float], ...]:

@@ -17,8 +17,9 @@ from jax import lax
 
 from jax_qcomm import _selftest, wire
 from jax_qcomm.axes import axis_size, device_key
-from jax_qcomm.codecs.base import (IMPLS, Codec, _check_traffic, _pad_to, _ring, concat_leaves,
-                                   seed_words, split_leaves)
+from jax_qcomm.codecs.base import (IMPLS, Codec, _check_traffic, _pad_to, _ring, bounded_mark,
+                                   concat_leaves, nonfinite_mark, seed_words,
+                                   split_leaves)
 
 
 class _Bucketed(Codec):
@@ -91,40 +92,52 @@ class _SummedFields(_Bucketed):
   length x is padded to), ``_stat(x)`` (float32[_field_size(n)] -> per-bucket statistic),
   ``_fields(x, shared, key, devices)`` (-> uint32 words), ``_unfields(words, shared, devices,
   count, n, scale)`` (the sum of ``count`` devices' words -> float32[n] times ``scale``), and
-  ``_words(n, devices)`` (words of n values); ``_stat_bytes`` is the size of one statistic."""
+  ``_words(n, devices)`` (words of n values); ``_stat_bytes`` is the size of one statistic;
+  ``_stat_max(shared)`` is the largest ``|x|`` the shared statistics stand for (a float32 scalar,
+  NaN or infinite where a bucket is not finite), which bounds the result for the finite guard."""
 
   _stat_bytes = 4
 
   def _summed(self, stat, fields, unfields, axis_name, key, op):
     """The reduction, once: one pmax of ``stat()``, ``fields(shared, key, D)`` words, one psum,
     ``unfields(words, shared, D, count, scale)`` of the sum (the result) and of this device's own
-    words (what it contributed, for the residual)."""
+    words (what it contributed, for the residual); and the result's :func:`bounded_mark` from
+    the shared statistics (no pass over the result unless they are not finite)."""
     d = self.check_devices(axis_size(axis_name))
     shared = lax.pmax(stat(), axis_name)  # the same on every device
     words = fields(shared, device_key(key, axis_name, 0), d)
     total = lax.psum(words, axis_name)
-    out = unfields(total, shared, d, d, 1.0 / d if op == "mean" else 1.0)
-    return out, unfields(words, shared, d, 1, 1.0)
+    scale = 1.0 / d if op == "mean" else 1.0
+    out = unfields(total, shared, d, d, scale)
+    # |result| <= D * scale * the largest shared |x| (times 1 + 2**-7 for the rounding of the
+    # step): twice that is a bound.
+    bound = self._stat_max(shared) * jnp.float32(2.0 * d * scale)
+    mark = bounded_mark(bound, lambda: nonfinite_mark(unfields(total, shared, d, d, scale)))
+    return out, unfields(words, shared, d, 1, 1.0), mark
 
   def allreduce_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     """One pmax of the statistics, one psum of the words, one decode; the residual is x minus
     this device's own decode."""
     n = x.shape[0]
     xp = _pad_to(x, self._field_size(n))
-    out, own = self._summed(
+    out, own, _ = self._summed(
         lambda: self._stat(xp), lambda sh, k, d: self._fields(xp, sh, k, d),
         lambda w, sh, d, c, scale: self._unfields(w, sh, d, c, n, scale), axis_name, key, op)
     return out, x - own
 
   def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
+    outs, lost, _ = self.allreduce_leaves_marked(parts, axis_name, key, op, exchange)
+    return outs, lost
+
+  def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
     """:meth:`allreduce_flat` of the leaves' packed buffer, through the ``_*_leaves`` hooks (which
-    a codec may implement on the leaves in place)."""
+    a codec may implement on the leaves in place); the mark from the shared statistics."""
     sizes = [p.shape[0] for p in parts]
-    outs, own = self._summed(
+    outs, own, mark = self._summed(
         lambda: self._stat_leaves(parts), lambda sh, k, d: self._fields_leaves(parts, sh, k, d),
         lambda w, sh, d, c, scale: self._unfields_leaves(w, sh, d, c, sizes, scale),
         axis_name, key, op)
-    return outs, [p - o for p, o in zip(parts, own)]
+    return outs, [p - o for p, o in zip(parts, own)], mark
 
   # The hooks on leaves: by default the packed buffer's (concat_leaves) through the flat hooks.
   def _packed(self, parts):

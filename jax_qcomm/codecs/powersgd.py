@@ -13,7 +13,8 @@ from jax import lax
 
 from jax_qcomm._checks import check_int, check_real
 from jax_qcomm.axes import AxisName, axis_size
-from jax_qcomm.codecs.base import Codec, _check_traffic, _ring, split_leaves
+from jax_qcomm.codecs.base import (Codec, _check_traffic, _ring, abs_max, bounded_mark,
+                                   nonfinite_mark, split_leaves)
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -182,12 +183,17 @@ class PowerSGD(Codec):
     for i, total in zip(exact, first[len(mats):]):
       outs[i] = total * scale
       lost[i] = jnp.zeros_like(parts[i])
+    mark = nonfinite_mark([outs[i] for i in exact])
     if not mats:
-      return outs, lost, new_states
+      return outs, lost, new_states, mark
 
     # 2. Q = Mᵀ P of every matrix (rest, rank): the second all-reduce, averaged.
     qs = {i: jnp.dot(ms[i], ps[i], precision=_HIGHEST) for i in mats}
     second = _psum_split([qs[i].reshape(-1) for i in mats], axis_name)
+    # The finite guard from the factors: |(q pᵀ)_jk| <= rank max|q| max|p|, twice that a bound.
+    bound = jnp.float32(0)
+    for i, q_sum in zip(mats, second):
+      bound = bound + abs_max(q_sum) * abs_max(ps[i]) * (2.0 * self.rank * scale)
     for i, q_sum in zip(mats, second):
       q_sum = q_sum.reshape(qs[i].shape)
       # 3. the result P Qᵀ (as (rest, out)), the residual, the warm start of the next call (a
@@ -196,7 +202,8 @@ class PowerSGD(Codec):
       outs[i] = (out * scale if op == "mean" else out).reshape(-1)
       lost[i] = parts[i] - _outer(qs[i], ps[i]).reshape(-1)
       new_states[i] = q_sum * jnp.float32(1.0 / d)
-    return outs, lost, new_states
+    return outs, lost, new_states, mark + bounded_mark(bound, lambda: nonfinite_mark(
+        [_outer(q.reshape(qs[i].shape), ps[i]) for i, q in zip(mats, second)]))
 
   # -- what PowerSGD does not have -----------------------------------------------------------------
   def _no(self, what: str) -> ValueError:

@@ -6,9 +6,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_qcomm import _ffi, _reference, wire
 from jax_qcomm._checks import check_int, check_int_in
+from jax_qcomm.codecs.base import reduce_packed
 from jax_qcomm.codecs.bucketed import _Bucketed
 
 
@@ -105,6 +107,32 @@ class QSGD(_Bucketed):
     kw = self._fmt
     return self._select(lambda p: _ffi.qsgd_decode_sum(p, n, **kw),
                         lambda p: _reference.decode_sum(p, n, **kw), payloads)
+
+  # -- the finite guard from the gathered payloads' headers ------------------------------------------
+  def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
+    """The scatter-reduce-allgather of the packed buffer; the mark from the headers of the D
+    gathered payloads: a bucket that is not finite stores the canonical NaN in its header words,
+    and every other bucket decodes finite (the decode saturates at the largest float32), so the
+    results are not read again."""
+    marks = []
+
+    def reduce(flat):
+      out, lost, gathered, c = self._scatter_reduce_allgather(flat, axis_name, key, op, exchange)
+      marks.append(self._headers_mark(gathered, c))
+      return out, lost
+
+    outs, lost = reduce_packed(parts, self, reduce)
+    return outs, lost, marks[0]
+
+  def _headers_mark(self, payloads: jax.Array, n: int) -> jax.Array:
+    """0, or NaN where a payload of ``n`` values (rows of ``payloads``) has a non-finite bucket:
+    a header word whose float bits, the step word's low byte (its exponent k) cleared, are NaN or
+    Inf (finite buckets store a finite min and a finite step there)."""
+    words = wire.num_buckets(n, self.bucket_size) * (2 if self.scheme == "maxmin" else 1)
+    head = lax.bitcast_convert_type(
+        payloads[:, :4 * words].reshape(payloads.shape[0], words, 4), jnp.uint32)
+    bad = jnp.any((head & jnp.uint32(0x7FFFFF00)) >= jnp.uint32(0x7F800000))
+    return jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0))
 
   def wire_decode_sum_reencode(self, payloads, n, key, scale=1.0):
     # One kernel on the FFI platforms (CPU, CUDA); the pure-JAX reference composes the three steps.

@@ -129,6 +129,13 @@ class Summable(_SummedFields):
     return jnp.where(finite, jnp.minimum(up, jnp.uint32(0x7F7F)), m >> 16).astype(jnp.uint16)
 
   @staticmethod
+  def _stat_max(shared: jax.Array) -> jax.Array:
+    """The largest shared statistic as float32: the max of the uint16 bfloat16 bits of |x| as
+    integers (exact, and NaN > Inf > finite in that order)."""
+    top = jnp.max(shared).astype(jnp.uint32) << 16
+    return lax.bitcast_convert_type(top, jnp.float32)
+
+  @staticmethod
   def _widen(shared: jax.Array) -> jax.Array:
     """The uint16 statistic -> the int32 scale bits the kernels take."""
     return lax.shift_left(shared.astype(jnp.int32), jnp.int32(16))

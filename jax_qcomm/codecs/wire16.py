@@ -207,10 +207,10 @@ class Wire16(_SummedFields):
       return _BF16.allreduce_flat(x, axis_name, key, op, exchange)
     return super().allreduce_flat(x, axis_name, key, op, exchange)
 
-  def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
+  def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
     if not _fixed16_here():
-      return _BF16.allreduce_leaves(parts, axis_name, key, op, exchange)
-    return super().allreduce_leaves(parts, axis_name, key, op, exchange)
+      return _BF16.allreduce_leaves_marked(parts, axis_name, key, op, exchange)
+    return super().allreduce_leaves_marked(parts, axis_name, key, op, exchange)
 
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     if not _fixed16_here():
@@ -236,6 +236,10 @@ class Wire16(_SummedFields):
 
   def _stat(self, x):
     return self.bucket_max(x)
+
+  @staticmethod
+  def _stat_max(shared):
+    return jnp.max(shared)  # bucket_max holds no NaN (a NaN bucket's statistic is +inf)
 
   def _fields(self, x, shared, key, devices):
     return self.encode_fields(x, shared, key, devices)
