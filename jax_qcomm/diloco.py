@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import _compat, _parts, _varying, collectives, packing
-from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
+from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_instance,
                                check_int, check_int_or_none)
 from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import Codec
