@@ -132,7 +132,7 @@ class Summable(_SummedFields):
   def _stat_max(shared: jax.Array) -> jax.Array:
     """The largest shared statistic as float32: the max of the uint16 bfloat16 bits of |x| as
     integers (exact, and NaN > Inf > finite in that order)."""
-    top = jnp.max(shared).astype(jnp.uint32) << 16
+    top = jnp.max(shared, initial=jnp.uint16(0)).astype(jnp.uint32) << 16
     return lax.bitcast_convert_type(top, jnp.float32)
 
   @staticmethod

@@ -239,7 +239,7 @@ class Wire16(_SummedFields):
 
   @staticmethod
   def _stat_max(shared):
-    return jnp.max(shared)  # bucket_max holds no NaN (a NaN bucket's statistic is +inf)
+    return jnp.max(shared, initial=0.0)  # no NaN there: a NaN bucket's statistic is +inf
 
   def _fields(self, x, shared, key, devices):
     return self.encode_fields(x, shared, key, devices)

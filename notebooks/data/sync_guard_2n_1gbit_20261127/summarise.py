@@ -1,0 +1,36 @@
+"""The headline table of docs/benchmarks.md from the pairs in this folder (median over the runs of
+each run's median, with the lowest and highest; ratios to torch's fp32 DDP of the same runs).
+
+    python notebooks/data/sync_guard_2n_1gbit_20261127/summarise.py 1 2 3
+"""
+import json
+import pathlib
+import statistics
+import sys
+
+HERE = pathlib.Path(__file__).parent
+runs = sys.argv[1:] or ["1", "2", "3"]
+torch = [json.load(open(HERE / f"torch_{i}.json"))["rows"] for i in runs]
+jax = [{r["codec"]: r for r in json.load(open(HERE / f"jax_{i}.json"))["rows"]} for i in runs]
+
+
+def cell(values):
+  values = [1e3 * v for v in values]
+  return statistics.median(values), min(values), max(values)
+
+
+fp32 = statistics.median(1e3 * t["ddp_fp32"]["median_s"] for t in torch)
+print(f"torch fp32 (median of the runs): {fp32:.1f} ms")
+for name in ("ddp_fp32", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4"):
+  m, lo, hi = cell([t[name]["median_s"] for t in torch])
+  print(f"{name:14s} {m:7.1f} ({lo:.1f}-{hi:.1f})  {m / fp32:.3f}x  err {torch[0][name]['rel_error']:.3g}")
+for codec in jax[0]:
+  s = cell([j[codec]["sync_median_s"] for j in jax])
+  c = cell([j[codec]["sync_comm_median_s"] for j in jax])
+  a = cell([j[codec]["median_s"] for j in jax])
+  loc = cell([j[codec]["local_step_median_s"] for j in jax])
+  ratio = statistics.median(j[codec]["sync_over_allreduce"] for j in jax)
+  print(f"{codec:10s} sync {s[0]:7.1f} ({s[1]:.1f}-{s[2]:.1f}) {s[0] / fp32:.3f}x | sync-local "
+        f"{c[0]:7.1f} ({c[1]:.1f}-{c[2]:.1f}) {c[0] / fp32:.3f}x | allreduce {a[0]:7.1f} "
+        f"{a[0] / fp32:.3f}x | local {loc[0]:5.1f} | sync/allreduce {ratio:.3f} | "
+        f"err {jax[0][codec]['sync_rel_error']:.3g} | {jax[0][codec]['runs']}")
