@@ -109,3 +109,46 @@ def test_sync_counts_a_huge_but_finite_step_as_finite():
   assert int(state.total_notfinite) == 0
   u, state = run(jax.device_put(_inputs("nan"), NamedSharding(mesh, P(AX))), state)
   assert int(state.total_notfinite) == 1
+
+
+def _full_sums_outside_conds(jaxpr, size: int) -> int:
+  """Reductions to a scalar of an operand of at least ``size`` elements in ``jaxpr`` and its
+  sub-jaxprs, except inside a ``cond``'s branches (what runs only where a bound cannot answer)."""
+  found = 0
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "reduce_sum" and eqn.outvars[0].aval.shape == ()
+        and np.prod(eqn.invars[0].aval.shape) >= size):
+      found += 1
+    if eqn.primitive.name == "cond":
+      continue
+    for value in eqn.params.values():
+      for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += _full_sums_outside_conds(inner, size)
+  return found
+
+
+@pytest.mark.parametrize("name,reads_results", [
+    ("summable4", False), ("wire16", False), ("qsgd4", False), ("powersgd1", False),
+    ("exact", True)])
+def test_the_guard_of_a_codec_with_a_bound_does_not_read_the_results(name, reads_results):
+  """sync's step: a codec that knows its results' scale sums no full-size array to a scalar
+  outside the fallback branch (the guard costs a scalar); the exact codec reads the results once
+  (the default), which shows that the count sees such a pass."""
+  import optax  # noqa: PLC0415
+
+  mesh = Mesh(np.array(jax.devices()[:D]), (AX,))
+  tx = qcomm.sync(optax.sgd(1.0), codec=CODECS[name], policy=ALL)
+  params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params))
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))(params)
+
+  def step(g, s):
+    return tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s, params)
+
+  run = jax.shard_map(step, mesh=mesh, in_specs=(P(AX), spec), out_specs=(P(), spec))
+  grads = {k: jnp.ones((D,) + s, jnp.float32) for k, s in SHAPES.items()}
+  closed = jax.make_jaxpr(run)(grads, state)
+  found = _full_sums_outside_conds(closed.jaxpr, 800)  # the leaves' sizes: 2000, 864 (and 7)
+  assert (found > 0) == reads_results, found
