@@ -33,8 +33,9 @@ Every name is importable from ``jax_qcomm.codecs`` itself.
 # The package's names, private ones included: other modules import them from here.
 from jax_qcomm.codecs.base import (  # noqa: F401
     COLLECTIVES, DEFAULT_COMM_BUCKET, FLOAT_DTYPES, IMPLS, Codec, Shape, _check_float,
-    _check_out_dtype, _check_payload, _check_traffic, _pad_to, _ring, _sum_in_order,
-    concat_leaves, is_float_dtype, reduce_packed, seed_words, split_leaves)
+    _check_out_dtype, _check_payload, _check_traffic, _pad_to, _ring, _sum_in_order, abs_max,
+    bounded_mark, concat_leaves, is_float_dtype, nonfinite_mark, reduce_packed, seed_words,
+    split_leaves)
 from jax_qcomm.codecs.bucketed import _Bucketed, _SummedFields  # noqa: F401
 from jax_qcomm.codecs.qsgd import QSGD
 from jax_qcomm.codecs.cast import Cast, NoCompression
@@ -49,5 +50,5 @@ __all__ = [
     "COLLECTIVES", "DEFAULT_COMM_BUCKET", "FLOAT_DTYPES", "IMPLS", "Shape",
     "Codec", "QSGD", "Cast", "NoCompression", "Summable", "Wire16", "Auto", "TopK", "PowerSGD",
     "codec_for_bits", "default_bucket", "concat_leaves", "split_leaves", "reduce_packed",
-    "is_float_dtype", "seed_words",
+    "is_float_dtype", "seed_words", "nonfinite_mark", "bounded_mark", "abs_max",
 ]
