@@ -3,7 +3,8 @@
 ``collectives.allreduce_tree`` returns, with the result, a mark that ``sync`` turns into its
 finite guard. Codecs with shared scales (Summable, Wire16, PowerSGD) answer from a bound on their
 results and read the results only where the bound is not finite; the others read the results.
-QSGD reads the headers of the payloads it gathers. Either way the mark must say "not finite" exactly where a result holds a NaN or an infinity, the
+QSGD reads the headers of the payloads it gathers; the exact codec, in one process, has each
+device mark its own 1/D of the results. Either way the mark must say "not finite" exactly where a result holds a NaN or an infinity, the
 same on every device: checked here against the results themselves, for finite data, NaN, +-Inf on
 one device, +Inf and -Inf on two (a NaN sum), and values near the largest float32 (where a bound
 cannot answer, and a sum may overflow), at D = 3 on leaves D does not divide.
@@ -37,6 +38,7 @@ CODECS = {
     "qsgd2_norm": qcomm.QSGD(2, scheme="norm"),
     "qsgd8_nearest": qcomm.QSGD(8, rounding="nearest"),
     "exact": qcomm.NoCompression(),
+    "cast_bf16": qcomm.Cast(jnp.bfloat16),
 }
 
 
@@ -131,11 +133,12 @@ def _full_sums_outside_conds(jaxpr, size: int) -> int:
 
 @pytest.mark.parametrize("name,reads_results", [
     ("summable4", False), ("wire16", False), ("qsgd4", False), ("powersgd1", False),
-    ("exact", True)])
+    ("exact", False), ("cast_bf16", True)])
 def test_the_guard_of_a_codec_with_a_bound_does_not_read_the_results(name, reads_results):
   """sync's step: a codec that knows its results' scale sums no full-size array to a scalar
-  outside the fallback branch (the guard costs a scalar); the exact codec reads the results once
-  (the default), which shows that the count sees such a pass."""
+  outside the fallback branch (the guard costs a scalar); the exact codec in one process marks
+  only its 1/D of each result; Cast keeps the default, a pass over the results, which shows that
+  the count sees one."""
   import optax  # noqa: PLC0415
 
   mesh = Mesh(np.array(jax.devices()[:D]), (AX,))

@@ -229,7 +229,8 @@ class Codec(abc.ABC):
     on every device), the finite guard of :func:`jax_qcomm.sync`. The default reads the results
     once more; a codec whose shared scales bound its results answers from them
     (:func:`bounded_mark`: :class:`Summable`, :class:`Wire16`, :class:`PowerSGD`), :class:`QSGD`
-    from the headers of the payloads it gathers.
+    from the headers of the payloads it gathers; :class:`NoCompression` in one process has each
+    device mark its own 1/D of the results.
   * ``reduce_scatter_flat(x: float32[D*m], axis_name, key, op, exchange) -> (block: float32[m],
     residual: float32[D*m])``: block i of the reduction lands on the device with axis index i.
     ``exchange`` is the schedule of an all-to-all (``jax_qcomm._exchange``); codecs that use none

@@ -15,7 +15,7 @@ from jax_qcomm import transport as _transport
 from jax_qcomm._checks import check_int
 from jax_qcomm.axes import axis_size
 from jax_qcomm.codecs.base import (Codec, _check_traffic, _ring, _sum_in_order, concat_leaves,
-                                   split_leaves)
+                                   nonfinite_mark, split_leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +123,31 @@ class NoCompression(Codec):
       for i, r in zip(small, pieces):
         outs[i] = r
     return outs, [jnp.zeros_like(x) for x in parts]
+
+  def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
+    """Where messages cost no latency, each device marks its own 1/D of every result (they are
+    the same on every device) and one scalar ``psum`` joins the marks: one pass over the results
+    in all instead of one per device. Elsewhere the default (each device reads them all; a
+    message would cost more than the pass)."""
+    outs, lost = self.allreduce_leaves(parts, axis_name, key, op, exchange)
+    d = axis_size(axis_name)
+    if d == 1 or _transport.current(d).latency_s > 0:
+      return outs, lost, nonfinite_mark(outs)
+    index = lax.axis_index(axis_name)
+    mine = []
+    for out in outs:
+      chunk = -(-out.shape[0] // d)  # a last slice that would overrun starts earlier (clamped)
+      mine.append(lax.dynamic_slice_in_dim(out, index * chunk, chunk) if chunk else out)
+    return outs, lost, lax.psum(nonfinite_mark(mine), axis_name)
+
+  def leaves_traffic(self, shapes, devices, collective="allreduce"):
+    """The packed length's :meth:`traffic`; in an allreduce where messages cost no latency, also
+    the scalar all-reduce that joins the devices' finite marks (:meth:`allreduce_leaves_marked`;
+    a bare :func:`jax_qcomm.allreduce`, which uses no mark, leaves it out of its program)."""
+    sent = super().leaves_traffic(shapes, devices, collective)
+    if collective == "allreduce" and devices > 1 and _transport.current(devices).latency_s == 0:
+      sent += (("all-reduce", _ring(devices, 4)),)
+    return sent
 
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     block = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
