@@ -99,7 +99,8 @@ class Description:
   @property
   def sent_bytes_per_sync(self) -> float:
     """Bytes each device sends per synchronisation: the leaves' shares of the buffers, and
-    ``scalar_bytes`` (the sharded mode's one scalar psum)."""
+    ``scalar_bytes`` (the sharded mode's one scalar psum; the scalar all-reduces of a sync's
+    finite guard where a codec's mark sends one, :meth:`Codec.mark_traffic`)."""
     return sum(leaf.sent_bytes for leaf in self.leaves) + self.scalar_bytes
 
   @property
@@ -217,6 +218,8 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
         sizes = [group.codec.leaf_payload_size(shapes[i].shape) for i in members]
         _share(sent, members, sizes,
                group.codec.leaves_sent_bytes([shapes[i].shape for i in members], devices))
+        if getattr(cfg, "uses_mark", False):  # sync's finite guard: what the mark sends, if any
+          extra += sum(b for _, b in group.codec.mark_traffic(devices))
   leaves = []
   collective = "reduce_scatter" if getattr(cfg, "shard_state", False) else "allreduce"
   for (path, _), shape, codec, nbytes in zip(with_path, shapes, codecs, sent):

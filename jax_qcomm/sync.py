@@ -59,6 +59,9 @@ class SyncConfig:
   check_varying: bool = True
   shard_state: bool = False
   gather_codec: Codec | None = None
+  #: The replicated sync's finite guard is the codecs' mark (Codec.allreduce_leaves_marked), so
+  #: describe counts what the mark sends (Codec.mark_traffic).
+  uses_mark = True
 
   def __hash__(self):  # static pytree data must hash; a policy's overrides may hold unhashables
     return hash((type(self).__name__, repr(self.axis_name), self.accum_steps))

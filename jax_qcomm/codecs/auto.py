@@ -140,6 +140,9 @@ class Auto(_Bucketed):
     codec = self.resolve(axis_size(axis_name))
     return codec.allreduce_leaves_marked(parts, axis_name, key, op, exchange)
 
+  def mark_traffic(self, devices):
+    return self.resolve(devices).mark_traffic(devices)
+
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     codec = self.resolve(axis_size(axis_name), "reduce_scatter")
     return codec.reduce_scatter_flat(x, axis_name, key, op, exchange)

@@ -175,7 +175,7 @@ class Codec(abc.ABC):
     not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
     :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
     :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; a cheaper finite
-    guard -- :meth:`allreduce_leaves_marked`; where a reduction needs
+    guard -- :meth:`allreduce_leaves_marked` (and :meth:`mark_traffic`); where a reduction needs
     each leaf's shape or state carried between calls -- :meth:`init_state`,
     :meth:`allreduce_leaves_with_state`, :meth:`leaves_traffic`, :meth:`leaf_payload_size`.
   * **(c) derived** (never overridden): :attr:`lossy`, :meth:`wire_size`, :meth:`sent_bytes`,
@@ -226,7 +226,8 @@ class Codec(abc.ABC):
     of the packed copy instead, with the same bytes on the wire (:class:`Summable` on CPU does).
   * ``allreduce_leaves_marked(parts, axis_name, key, op, exchange) -> (outs, residuals, mark)``:
     the same and the results' :func:`nonfinite_mark` (0 where all are finite, else NaN; the same
-    on every device), the finite guard of :func:`jax_qcomm.sync`. The default reads the results
+    on every device), the finite guard of :func:`jax_qcomm.sync`; :meth:`mark_traffic` the bytes
+    the mark sends, if any. The default reads the results
     once more; a codec whose shared scales bound its results answers from them
     (:func:`bounded_mark`: :class:`Summable`, :class:`Wire16`, :class:`PowerSGD`), :class:`QSGD`
     from the headers of the payloads it gathers; :class:`NoCompression` in one process has each
@@ -373,6 +374,14 @@ class Codec(abc.ABC):
     buffer (:func:`concat_leaves`), split per leaf."""
     return reduce_packed(
         parts, self, lambda flat: self.allreduce_flat(flat, axis_name, key, op, exchange))
+
+  def mark_traffic(self, devices: int) -> tuple[tuple[str, float], ...]:
+    """Bytes each device sends for :meth:`allreduce_leaves_marked`'s mark beyond the reduction's
+    own :meth:`traffic`, per communication buffer (as ``traffic`` gives them). Default: none (the
+    mark is read from what every device holds). Counted by :func:`jax_qcomm.describe` for a
+    ``sync``, whose finite guard uses the mark."""
+    del devices
+    return ()
 
   def allreduce_leaves_marked(self, parts: Sequence[jax.Array], axis_name: AxisName,
                               key: jax.Array | None, op: str = "mean", exchange: str = "auto"

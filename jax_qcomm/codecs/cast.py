@@ -140,14 +140,11 @@ class NoCompression(Codec):
       mine.append(lax.dynamic_slice_in_dim(out, index * chunk, chunk) if chunk else out)
     return outs, lost, lax.psum(nonfinite_mark(mine), axis_name)
 
-  def leaves_traffic(self, shapes, devices, collective="allreduce"):
-    """The packed length's :meth:`traffic`; in an allreduce where messages cost no latency, also
-    the scalar all-reduce that joins the devices' finite marks (:meth:`allreduce_leaves_marked`;
-    a bare :func:`jax_qcomm.allreduce`, which uses no mark, leaves it out of its program)."""
-    sent = super().leaves_traffic(shapes, devices, collective)
-    if collective == "allreduce" and devices > 1 and _transport.current(devices).latency_s == 0:
-      sent += (("all-reduce", _ring(devices, 4)),)
-    return sent
+  def mark_traffic(self, devices):
+    """Where messages cost no latency: the scalar all-reduce that joins the devices' marks."""
+    if devices > 1 and _transport.current(devices).latency_s == 0:
+      return (("all-reduce", _ring(devices, 4)),)
+    return ()
 
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     block = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
