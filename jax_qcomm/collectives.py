@@ -188,7 +188,7 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
   if check_varying:
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.allreduce")
   result, residual, _, _ = allreduce_tree(x, axis_name, codec, key, op, policy=policy,
-                                       comm_bucket_size=comm_bucket_size, exchange=exchange)
+                                          comm_bucket_size=comm_bucket_size, exchange=exchange)
   return (result, residual) if return_residual else result
 
 

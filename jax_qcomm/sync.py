@@ -370,8 +370,8 @@ class _Sync:
     synced, lost, codec_state, mark = collectives.allreduce_tree(
         grads, cfg.axis_name, cfg.codec, sub, "mean", policy=cfg.policy,
         comm_bucket_size=cfg.comm_bucket_size, codec_state=state.codec_state)
-    # The codecs' mark of the average, which every device holds bit-identical (replicas), so this
-    # decision is the same everywhere without another collective.
+    # The codecs' mark of the average (Codec.allreduce_leaves_marked), the same on every device,
+    # so this decision is too.
     finite = jnp.isfinite(mark)
     # A non-finite window must not poison the residual of later steps.
     residual = _parts.next_residual(finite, lost, state.residual) if cfg.error_feedback else ()
