@@ -103,14 +103,14 @@ def split_leaves(flat: jax.Array, sizes: Sequence[int], multiple: int) -> list[j
   return out
 
 
-def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat
-                  ) -> tuple[list[jax.Array], list[jax.Array]]:
-  """``reduce_flat(buffer) -> (out, residual)`` on :func:`concat_leaves` of ``parts``, both split
-  per leaf again: how a reduction of a packed buffer serves the leaves it carries."""
+def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat) -> tuple:
+  """``reduce_flat(buffer) -> (out, residual, *more)`` on :func:`concat_leaves` of ``parts``:
+  ``(outs, residuals, *more)``, out and residual split per leaf again and anything more (a
+  mark) passed through: how a reduction of a packed buffer serves the leaves it carries."""
   sizes = [p.shape[0] for p in parts]
-  out, lost = reduce_flat(concat_leaves(parts, codec))
+  out, lost, *more = reduce_flat(concat_leaves(parts, codec))
   return (split_leaves(out, sizes, codec.pad_multiple),
-          split_leaves(lost, sizes, codec.pad_multiple))
+          split_leaves(lost, sizes, codec.pad_multiple), *more)
 
 
 def nonfinite_mark(tree: Any) -> jax.Array:
@@ -251,8 +251,8 @@ class Codec(abc.ABC):
     reductions (the same on every device); :meth:`leaves_traffic` ``(shapes, devices,
     collective)`` and :meth:`leaf_payload_size` ``(shape)`` count its bytes. What
     :func:`jax_qcomm.sync` and :func:`jax_qcomm.allreduce` call. The defaults need neither shapes
-    nor state: :meth:`allreduce_leaves_marked`, :meth:`traffic` of the packed length. :class:`PowerSGD`
-    overrides them (a leaf is a matrix; its warm start is the state).
+    nor state: :meth:`allreduce_leaves_marked`, :meth:`traffic` of the packed length.
+    :class:`PowerSGD` overrides them (a leaf is a matrix; its warm start is the state).
   * ``comm_buffer_size(devices, collective="allreduce") -> int``: the most elements a
     communication buffer of this codec carries in ``collective`` where the caller leaves
     ``comm_bucket_size=None``; leaves of one codec are packed up to it (:data:`DEFAULT_COMM_BUCKET`

@@ -68,6 +68,12 @@ class Cast(Codec):
 UNPACKED_LEAF = 1 << 15
 
 
+def _shares_the_mark(devices: int) -> bool:
+  """Whether the devices split the exact results' finite mark and join it with a scalar psum:
+  where messages cost no latency (:func:`jax_qcomm.transport.current`) and there are several."""
+  return devices > 1 and _transport.current(devices).latency_s == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class NoCompression(Codec):
   """Exact float32. Reduces with XLA's own ``psum`` / ``psum_scatter`` / ``all_gather`` of the
@@ -131,7 +137,7 @@ class NoCompression(Codec):
     message would cost more than the pass)."""
     outs, lost = self.allreduce_leaves(parts, axis_name, key, op, exchange)
     d = axis_size(axis_name)
-    if d == 1 or _transport.current(d).latency_s > 0:
+    if not _shares_the_mark(d):
       return outs, lost, nonfinite_mark(outs)
     index = lax.axis_index(axis_name)
     mine = []
@@ -142,9 +148,7 @@ class NoCompression(Codec):
 
   def mark_traffic(self, devices):
     """Where messages cost no latency: the scalar all-reduce that joins the devices' marks."""
-    if devices > 1 and _transport.current(devices).latency_s == 0:
-      return (("all-reduce", _ring(devices, 4)),)
-    return ()
+    return (("all-reduce", _ring(devices, 4)),) if _shares_the_mark(devices) else ()
 
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     block = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)

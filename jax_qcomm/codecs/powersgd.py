@@ -69,8 +69,8 @@ class PowerSGD(Codec):
 
   A leaf of shape ``(..., out)`` is the matrix ``M`` of shape ``(out, rest)`` (``rest`` the
   product of the other axes: a ``Dense`` kernel ``(in, out)``, a convolution ``(H, W, in, out)``;
-  PyTorch's layout puts ``out`` first: the same matrix up to the order of its columns). With ``Q`` of shape ``(rest, rank)``, one
-  reduction is:
+  PyTorch's layout puts ``out`` first: the same matrix up to the order of its columns). With ``Q``
+  of shape ``(rest, rank)``, one reduction is:
 
   1. ``P = M Q`` on every device, an allreduce of P (summed), P orthonormalised (Gram-Schmidt);
   2. ``Q = Mᵀ P`` on every device, an allreduce of Q (averaged);
@@ -190,12 +190,11 @@ class PowerSGD(Codec):
     # 2. Q = Mᵀ P of every matrix (rest, rank): the second all-reduce, averaged.
     qs = {i: jnp.dot(ms[i], ps[i], precision=_HIGHEST) for i in mats}
     second = _psum_split([qs[i].reshape(-1) for i in mats], axis_name)
-    # The finite guard from the factors: |(q pᵀ)_jk| <= rank max|q| max|p|, twice that a bound.
     bound = jnp.float32(0)
     for i, q_sum in zip(mats, second):
-      bound = bound + abs_max(q_sum) * abs_max(ps[i]) * (2.0 * self.rank * scale)
-    for i, q_sum in zip(mats, second):
       q_sum = q_sum.reshape(qs[i].shape)
+      # The finite guard from the factors: |(q pᵀ)_jk| <= rank max|q| max|p|, twice that a bound.
+      bound = bound + abs_max(q_sum) * abs_max(ps[i]) * (2.0 * self.rank * scale)
       # 3. the result P Qᵀ (as (rest, out)), the residual, the warm start of the next call (a
       # sync keeps the old one after a non-finite step, whose result this makes non-finite too).
       out = _outer(q_sum, ps[i])

@@ -108,21 +108,17 @@ class QSGD(_Bucketed):
     return self._select(lambda p: _ffi.qsgd_decode_sum(p, n, **kw),
                         lambda p: _reference.decode_sum(p, n, **kw), payloads)
 
-  # -- the finite guard from the gathered payloads' headers ------------------------------------------
+  # -- the finite guard from the gathered payloads' headers -------------------------------------
   def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
     """The scatter-reduce-allgather of the packed buffer; the mark from the headers of the D
     gathered payloads: a bucket that is not finite stores the canonical NaN in its header words,
     and every other bucket decodes finite (the decode saturates at the largest float32), so the
     results are not read again."""
-    marks = []
-
     def reduce(flat):
       out, lost, gathered, c = self._scatter_reduce_allgather(flat, axis_name, key, op, exchange)
-      marks.append(self._headers_mark(gathered, c))
-      return out, lost
+      return out, lost, self._headers_mark(gathered, c)
 
-    outs, lost = reduce_packed(parts, self, reduce)
-    return outs, lost, marks[0]
+    return reduce_packed(parts, self, reduce)
 
   def _headers_mark(self, payloads: jax.Array, n: int) -> jax.Array:
     """0, or NaN where a payload of ``n`` values (rows of ``payloads``) has a non-finite bucket:
