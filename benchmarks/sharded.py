@@ -13,10 +13,10 @@ Four jitted calls, each ``update`` then ``optax.apply_updates`` with the state t
 timed in interleaved rounds (median of ``--repeats``; across processes, call i takes the slowest
 process's time):
 
-* ``replicated``: ``qcomm.sync(adam, codec=QSGD(bits))``: allreduce, Adam on every whole leaf;
-* ``sharded``: ``qcomm.sync(adam, codec=QSGD(bits), shard_state=True,
-  gather_codec=QSGD(gather_bits, rounding="nearest"))``: reduce-scatter, Adam on this device's
-  shards, all-gather of the weight differences;
+* ``replicated``: ``qcomm.sync(adam, bits=bits)``: allreduce, Adam on every whole leaf;
+* ``sharded``: ``qcomm.sync(adam, bits=bits, shard_state=True)`` (with ``--gather-bits g``:
+  ``gather_codec=QSGD(g, rounding="nearest")``): reduce-scatter, Adam on this device's shards,
+  all-gather of the weight differences;
 * ``adam``: Adam alone on the whole tree, no collective: the optimizer's own time, replicated;
 * ``adam_shard``: Adam alone on this device's shards (the sharded mode's layout), no collective.
 
@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
 from jax_qcomm.shard_layout import Layout
+from jax_qcomm.sync import config_of
 from jax_qcomm.tools import distributed
 
 from benchmarks import _common, step
@@ -53,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The benchmark's own options (the common ones come from the registry)."""
   parser.add_argument("--payload", default="resnet50",
                       help="resnet50 (default) or mlp:<n> (two leaves, about n values)")
-  parser.add_argument("--bits", type=int, default=4, help="QSGD bits of the gradients (default: 4)")
-  parser.add_argument("--gather-bits", type=int, default=8,
-                      help="QSGD bits of the weight differences (default: 8)")
+  parser.add_argument("--bits", type=int, default=4,
+                      help="sync's bits= of the gradients, 1..8 (default: 4, the Auto codec)")
+  parser.add_argument("--gather-bits", type=int, default=None,
+                      help="QSGD bits of the weight differences (default: sync's gather_codec)")
   parser.add_argument("--devices", type=int, default=None,
                       help="host devices of a single process (default: 2); under the launcher, "
                            "devices per process")
@@ -154,10 +156,10 @@ def run(args: argparse.Namespace, mesh) -> dict[str, Any]:
   shapes = payload(args.payload)
   n = sum(int(np.prod(s.shape)) for s in jax.tree_util.tree_leaves(shapes))
   adam = optax.adam(1e-3)
-  codec = qcomm.QSGD(args.bits)
-  gather = qcomm.QSGD(args.gather_bits, rounding="nearest")
-  txs = {"replicated": qcomm.sync(adam, codec=codec),
-         "sharded": qcomm.sync(adam, codec=codec, shard_state=True, gather_codec=gather)}
+  gather = (None if args.gather_bits is None
+            else qcomm.QSGD(args.gather_bits, rounding="nearest"))
+  txs = {"replicated": qcomm.sync(adam, bits=args.bits),
+         "sharded": qcomm.sync(adam, bits=args.bits, shard_state=True, gather_codec=gather)}
   layout = Layout.of([tuple(s.shape) for s in jax.tree_util.tree_leaves(shapes)], d,
                      [qcomm.NoCompression()] * len(jax.tree_util.tree_leaves(shapes)), 1 << 30)
   shard_shapes = jax.tree_util.tree_unflatten(
@@ -177,7 +179,8 @@ def run(args: argparse.Namespace, mesh) -> dict[str, Any]:
   comm = {"replicated": t["replicated"] - t["adam"], "sharded": t["sharded"] - t["adam_shard"]}
   result = dict(
       payload=args.payload, parameters=n, leaves=len(layout.leaves), devices=d,
-      processes=jax.process_count(), bits=args.bits, gather_bits=args.gather_bits,
+      processes=jax.process_count(), bits=args.bits,
+      codecs={name: _codec_names(tx, d) for name, tx in txs.items()},
       timings={name: timings[name].as_dict() for name in MODES},
       update_s={name: t[name] for name in txs}, optimizer_s={"replicated": t["adam"],
                                                               "sharded": t["adam_shard"]},
@@ -187,6 +190,15 @@ def run(args: argparse.Namespace, mesh) -> dict[str, Any]:
       state_bytes_per_device={name: desc[name].state_bytes_per_device for name in txs},
       padded_elements_per_device=sum(leaf.size for leaf in layout.leaves) - -(-n // d))
   return result
+
+
+def _codec_names(tx, devices: int) -> str:
+  """What the sync's codecs resolve to at ``devices`` on this transport (Auto's choice)."""
+  cfg = config_of(tx)
+  if cfg.shard_state:
+    return (f"{cfg.codec.resolve(devices, 'reduce_scatter').name} reduce-scatter, "
+            f"{cfg.gather_codec.resolve(devices, 'all_gather').name} all-gather")
+  return f"{cfg.codec.resolve(devices).name} allreduce"
 
 
 def format_result(r: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -202,9 +214,9 @@ def format_result(r: dict[str, Any], meta: dict[str, Any]) -> str:
   head = ["mode", "update ms", "optimizer ms", "communication ms", "sent B/device",
           "state B/device"]
   return "\n".join([
-      f"sharded vs replicated sync: {r['payload']} ({r['parameters']:,} params), QSGD "
-      f"{r['bits']} gradients, {r['gather_bits']}-bit differences, D={r['devices']} in "
-      f"{r['processes']} process(es)  |  {_common.machine_line(meta)}", "",
+      f"sharded vs replicated sync: {r['payload']} ({r['parameters']:,} params), bits="
+      f"{r['bits']}: replicated {r['codecs']['replicated']}; sharded {r['codecs']['sharded']}; "
+      f"D={r['devices']} in {r['processes']} process(es)  |  {_common.machine_line(meta)}", "",
       _common.format_table(head, rows, align="l" + "r" * (len(head) - 1)), "",
       f"median of {meta['config']['repeats']} interleaved rounds after {meta['config']['warmup']} "
       "warmup calls; communication = update - the optimizer's own time (Adam alone, no "
@@ -215,7 +227,7 @@ def format_result(r: dict[str, Any], meta: dict[str, Any]) -> str:
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs the benchmark; process 0 prints the table and writes the JSON."""
   for name in ("bits", "gather_bits"):
-    if not 1 <= getattr(args, name) <= 8:
+    if getattr(args, name) is not None and not 1 <= getattr(args, name) <= 8:
       raise SystemExit(f"--{name.replace('_', '-')} must be 1..8, got {getattr(args, name)}")
   single = args.devices is None and not distributed.under_launcher()
   _common.init_devices(2 if single else args.devices)

@@ -10,13 +10,16 @@ split along axis ``a`` of size ``n`` is padded with zeros to ``D * s`` along it,
 D)``, and device ``j`` owns the slice ``j*s .. (j+1)*s`` of that axis. A 0-d leaf is not split:
 every device holds it whole (its D copies are identical, and the all-gather takes the first).
 
-The collectives work on flat buffers of ``D`` rows: row ``j`` is the concatenation of every leaf's
-shard ``j`` (flattened with the split axis first, padded to the codec's ``pad_multiple`` so that no
-quantisation bucket straddles two leaves). A reduce-scatter of the rows hands device ``j`` the
-reduced row ``j``, its shards; an all-gather of every device's row gives every device all shards.
-Leaves are grouped by codec (and into buffers of at most ``comm_bucket_size`` elements per row,
-None: the codec's ``comm_buffer_size`` for a reduce-scatter) by :func:`jax_qcomm.packing.plan`, as
-the allreduce groups them.
+The collectives work on ``D`` rows per leaf: row ``j`` is the leaf's shard ``j``, flattened in its
+own (row-major) order, so that a shard and its row are the same memory and a leaf split along its
+first axis is its rows without a copy. A reduce-scatter of every leaf's rows hands device ``j`` the
+reduced row ``j`` of each, its shards; an all-gather of every device's rows gives every device all
+shards. How a codec carries a group of leaves' rows (one packed buffer, each segment padded to its
+``pad_multiple`` so that no quantisation bucket straddles two leaves, or a payload per leaf) is its
+own :meth:`~jax_qcomm.Codec.reduce_scatter_leaves` / :meth:`~jax_qcomm.Codec.all_gather_leaves`; the
+bytes are those of the packed buffer either way. Leaves are grouped by codec (and into buffers of at
+most ``comm_bucket_size`` elements per row, None: the codec's ``comm_buffer_size`` for a
+reduce-scatter) by :func:`jax_qcomm.packing.plan`, as the allreduce groups them.
 """
 
 from __future__ import annotations
@@ -76,12 +79,13 @@ class LeafShard:
     return self.shape[:a] + (self.rows_per_device,) + self.shape[a + 1:]
 
   @property
-  def row_shape(self) -> tuple[int, ...]:
-    """A shard with the split axis first: the order of its elements in a row."""
+  def pieces(self) -> tuple[int, int]:
+    """``(pre, chunk)``: a shard is ``pre`` contiguous runs of ``chunk`` elements of the (padded)
+    leaf, ``pre`` the product of the dims before the split axis (1 for a split along dim 0)."""
     if not self.split:
-      return ()
+      return 1, 1
     a = self.axis
-    return (self.rows_per_device,) + self.shape[:a] + self.shape[a + 1:]
+    return math.prod(self.shape[:a]), self.rows_per_device * math.prod(self.shape[a + 1:])
 
   @property
   def size(self) -> int:
@@ -92,8 +96,9 @@ class LeafShard:
 class Layout:
   """The sharding of a pytree's leaves over ``devices`` and the buffers of its collectives.
 
-  ``groups``: :class:`jax_qcomm.packing.Group` s of leaf indices sharing a codec; each group's row
-  holds those leaves' segments, each padded to whole buckets (:meth:`row_size`)."""
+  ``groups``: :class:`jax_qcomm.packing.Group` s of leaf indices sharing a codec, each carried by
+  one reduce-scatter and one all-gather; a device's part of a group is its rows of those leaves,
+  each padded to whole buckets (:meth:`row_size`)."""
 
   leaves: tuple[LeafShard, ...]
   devices: int
@@ -113,70 +118,50 @@ class Layout:
 
   # -- leaves <-> rows ------------------------------------------------------------------------------
   def rows(self, x: jax.Array, i: int) -> jax.Array:
-    """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (split axis first)."""
+    """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (row-major). A reshape for a
+    leaf split along dim 0 that D divides; otherwise a copy (the padding, the ``pre`` runs)."""
     leaf = self.leaves[i]
     if not leaf.split:
       return jnp.broadcast_to(x.reshape(1), (self.devices, 1))
-    x = jnp.moveaxis(x, leaf.axis, 0)
-    pad = self.devices * leaf.rows_per_device - leaf.shape[leaf.axis]
-    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
-    return x.reshape(self.devices, -1)
+    pre, chunk = leaf.pieces
+    x = self._padded(x, leaf)
+    if pre == 1:
+      return x.reshape(self.devices, chunk)
+    return jnp.swapaxes(x.reshape(pre, self.devices, chunk), 0, 1).reshape(self.devices, -1)
 
   def unrows(self, rows: jax.Array, i: int) -> jax.Array:
     """float32[D, size] -> the leaf (its shape; padding dropped; a 0-d leaf from row 0)."""
     leaf = self.leaves[i]
     if not leaf.split:
       return rows[0, 0]
-    row = leaf.row_shape
-    full = rows.reshape((self.devices * row[0],) + row[1:])[:leaf.shape[leaf.axis]]
-    return jnp.moveaxis(full, 0, leaf.axis)
+    pre, chunk = leaf.pieces
+    a, s = leaf.axis, leaf.rows_per_device
+    full = jnp.swapaxes(rows.reshape(self.devices, pre, chunk), 0, 1) if pre > 1 else rows
+    full = full.reshape(leaf.shape[:a] + (self.devices * s,) + leaf.shape[a + 1:])
+    return lax.slice_in_dim(full, 0, leaf.shape[a], axis=a)
 
   def to_shard(self, segment: jax.Array, i: int) -> jax.Array:
-    """float32[*lead, size] (rows' segments of leaf ``i``) -> float32[*lead, *shard_shape]."""
-    leaf = self.leaves[i]
-    lead = segment.shape[:-1]
-    if not leaf.split:
-      return segment.reshape(lead)
-    return jnp.moveaxis(segment.reshape(lead + leaf.row_shape), len(lead), len(lead) + leaf.axis)
+    """float32[*lead, size] (rows of leaf ``i``) -> float32[*lead, *shard_shape]: a reshape."""
+    return segment.reshape(segment.shape[:-1] + self.leaves[i].shard_shape)
 
   def from_shard(self, shard: jax.Array, i: int) -> jax.Array:
-    """A shard of leaf ``i`` (``shard_shape``) -> its segment of a row, float32[size]."""
-    leaf = self.leaves[i]
-    return (jnp.moveaxis(shard, leaf.axis, 0) if leaf.split else shard).reshape(-1)
+    """A shard of leaf ``i`` (``shard_shape``) -> its row, float32[size]: a reshape."""
+    del i
+    return shard.reshape(-1)
+
+  def _padded(self, x: jax.Array, leaf: LeafShard) -> jax.Array:
+    """``x`` padded with zeros along the split axis to ``D * rows_per_device``."""
+    a = leaf.axis
+    pad = self.devices * leaf.rows_per_device - leaf.shape[a]
+    return jnp.pad(x, [(0, pad) if k == a else (0, 0) for k in range(x.ndim)]) if pad else x
 
   def shard_of(self, x: jax.Array, i: int, index: jax.Array) -> jax.Array:
     """Device ``index``'s shard of leaf ``x`` (shape ``shard_shape``)."""
     leaf = self.leaves[i]
     if not leaf.split:
       return x
-    a, s = leaf.axis, leaf.rows_per_device
-    pad = self.devices * s - leaf.shape[a]
-    if pad:
-      x = jnp.pad(x, [(0, pad) if k == a else (0, 0) for k in range(x.ndim)])
-    return lax.dynamic_slice_in_dim(x, index * s, s, axis=a)  # reads 1/D of the leaf
-
-  # -- rows <-> group buffers ---------------------------------------------------------------------
-  def pack(self, group: packing.Group, parts: Sequence[jax.Array], pad_codec: Codec) -> jax.Array:
-    """float32[..., size_i] per leaf of the group -> float32[..., row_size]: the segments, each
-    padded to ``pad_codec``'s buckets with its neutral fill."""
-    out = []
-    for i, part in zip(group.leaves, parts):
-      size = self.leaves[i].size
-      pad = packing.padded_size(size, pad_codec) - size
-      if pad:
-        fill = jax.vmap(pad_codec.pad_fill)(part.reshape(-1, size)).reshape(part.shape[:-1] + (1,))
-        part = jnp.concatenate([part, jnp.broadcast_to(fill, part.shape[:-1] + (pad,))], axis=-1)
-      out.append(part)
-    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
-
-  def unpack(self, group: packing.Group, row: jax.Array, pad_codec: Codec) -> list[jax.Array]:
-    """float32[..., row_size] -> the group's segments float32[..., size_i]."""
-    out, offset = [], 0
-    for i in group.leaves:
-      size = self.leaves[i].size
-      out.append(row[..., offset:offset + size])
-      offset += packing.padded_size(size, pad_codec)
-    return out
+    s = leaf.rows_per_device
+    return lax.dynamic_slice_in_dim(self._padded(x, leaf), index * s, s, axis=leaf.axis)
 
 
 # While a sharded sync runs ``inner``: (axis_name, weight per leaf) -- the weight is 1 for a split

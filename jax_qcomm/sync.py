@@ -554,18 +554,19 @@ class _ShardedSync(_Sync):
     # 1. Reduce-scatter: this device's shard of the mean gradient of every leaf.
     shards, lost = [None] * n, [None] * n
     for k, group in enumerate(layout.groups):
-      rows = layout.pack(group, [layout.rows(g_leaves[i], i) for i in group.leaves], group.codec)
-      block, res = group.codec.reduce_scatter_flat(rows.reshape(-1), cfg.axis_name,
-                                                   jax.random.fold_in(sub, 2 * k), "mean")
-      for i, seg in zip(group.leaves, layout.unpack(group, block, group.codec)):
-        shards[i] = layout.to_shard(seg, i)
-      for i, seg in zip(group.leaves, layout.unpack(group, res.reshape(d, -1), group.codec)):
-        lost[i] = layout.unrows(seg, i)
+      blocks, res = group.codec.reduce_scatter_leaves(
+          [layout.rows(g_leaves[i], i) for i in group.leaves], cfg.axis_name,
+          jax.random.fold_in(sub, 2 * k), "mean")
+      for i, block, r in zip(group.leaves, blocks, res):
+        shards[i], lost[i] = layout.to_shard(block, i), layout.unrows(r, i)
 
     # 2. Whole-model finiteness, the same decision on every device: one scalar psum.
     finite = jnp.isfinite(lax.psum(_parts.nonfinite_mark(shards), names))
 
-    # 3. inner on the shards, against the fp32 master.
+    # 3. inner on the shards, against the fp32 master; a non-finite window keeps both. Written so
+    # that XLA updates the donated state in place: mapped over the state's own leading device axis
+    # (size 1), the new state is computed in the shape it is stored in, and a cond rather than a
+    # select of old and new (which reads the old state beside the new: a copy of every array).
     inner_state = jax.tree_util.tree_map(lambda a: a[0], state.inner_opt_state)
     master = jax.tree_util.tree_map(lambda a: a[0], state.master)
     grad_shards = jax.tree_util.tree_unflatten(treedef, shards)
@@ -573,32 +574,34 @@ class _ShardedSync(_Sync):
     run = lambda g, s, m: self.inner.update(g, s, m, **extra_args)  # noqa: E731
     with _sharded(PROBE):
       _refuse_shard_reductions(jax.make_jaxpr(run)(grad_shards, inner_state, master))
-    with _sharded((names, weights)):
-      updates, new_inner = run(grad_shards, inner_state, master)
-    new_master = optax.apply_updates(master, updates)
-    new_master = _parts.keep_if_finite(finite, new_master, master)
-    new_inner = _parts.keep_if_finite(finite, new_inner, inner_state)
+
+    def step():
+      lead = jax.tree_util.tree_map(lambda a: a[None], grad_shards)
+      with _sharded((names, weights)):
+        updates, new_inner = jax.vmap(run)(lead, state.inner_opt_state, state.master)
+      return optax.apply_updates(state.master, updates), new_inner
+
+    new_master, new_inner = _compat.cond(
+        finite, (step, lambda: (state.master, state.inner_opt_state)))
 
     # 4. All-gather of the quantised differences from the current (replicated) parameters.
-    m_leaves = jax.tree_util.tree_leaves(new_master)
+    m_leaves = [a[0] for a in jax.tree_util.tree_leaves(new_master)]
     diffs = [None] * n
     for k, group in enumerate(layout.groups):
-      codec = self._gather_codec(group.codec)
       parts = [layout.from_shard(
           m_leaves[i] - layout.shard_of(jnp.asarray(p_leaves[i], jnp.float32), i, index), i)
                for i in group.leaves]
-      rows = codec.all_gather_flat(layout.pack(group, parts, codec), cfg.axis_name,
-                                   jax.random.fold_in(sub, 2 * k + 1))
-      for i, seg in zip(group.leaves, layout.unpack(group, rows, codec)):
-        diffs[i] = jnp.where(finite, layout.unrows(seg, i), 0.0).astype(jnp.result_type(p_leaves[i]))
+      rows = self._gather_codec(group.codec).all_gather_leaves(
+          parts, cfg.axis_name, jax.random.fold_in(sub, 2 * k + 1))
+      for i, r in zip(group.leaves, rows):
+        diffs[i] = jnp.where(finite, layout.unrows(r, i), 0.0).astype(jnp.result_type(p_leaves[i]))
 
     residual = ()
     if cfg.error_feedback:
       residual = _parts.next_residual(finite, jax.tree_util.tree_unflatten(treedef, lost),
                                       state.residual)
     return jax.tree_util.tree_unflatten(treedef, diffs), ShardedSyncState(
-        inner_opt_state=jax.tree_util.tree_map(lambda a: a[None], new_inner),
-        master=jax.tree_util.tree_map(lambda a: a[None], new_master),
+        inner_opt_state=new_inner, master=new_master,
         mini_step=_parts.zero(), key=key, acc_grads=state.acc_grads, residual=residual,
         gradient_step=state.gradient_step + 1,
         total_notfinite=_parts.count_notfinite(state.total_notfinite, finite), config=cfg)

@@ -84,3 +84,21 @@ def test_median_time_and_table():
     _common.median_time(lambda: 1, repeats=0)
   table = _common.format_table(("a", "bb"), [("x", 1), ("yyy", 22)], align="lr")
   assert table.splitlines() == ["a    bb", "---  --", "x     1", "yyy  22"]
+
+
+def test_sharded_bench_json(tmp_path):
+  """`benchmarks sharded` times sync's defaults (bits=4, the default gather codec) at a tiny
+  size and names the codecs each mode resolved to."""
+  out = tmp_path / "sharded.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks", "sharded", "--payload", "mlp:20000", "--repeats", "2",
+       "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  r = json.loads(out.read_text())["result"]
+  assert r["bits"] == 4 and r["devices"] == 2
+  assert r["codecs"]["sharded"].endswith("all-gather") and "reduce-scatter" in r["codecs"]["sharded"]
+  assert r["codecs"]["replicated"].endswith("allreduce")
+  for key in ("update_s", "optimizer_s", "comm_s", "sent_bytes_per_device"):
+    for mode in ("replicated", "sharded"):
+      assert math.isfinite(r[key][mode]) and r[key][mode] > 0, (key, mode)
+  assert r["state_bytes_per_device"]["sharded"] < r["state_bytes_per_device"]["replicated"]

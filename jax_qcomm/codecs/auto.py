@@ -150,6 +150,13 @@ class Auto(_Bucketed):
   def all_gather_flat(self, x, axis_name, key):
     return self.resolve(axis_size(axis_name), "all_gather").all_gather_flat(x, axis_name, key)
 
+  def reduce_scatter_leaves(self, rows, axis_name, key, op="mean", exchange="auto"):
+    codec = self.resolve(axis_size(axis_name), "reduce_scatter")
+    return codec.reduce_scatter_leaves(rows, axis_name, key, op, exchange)
+
+  def all_gather_leaves(self, parts, axis_name, key):
+    return self.resolve(axis_size(axis_name), "all_gather").all_gather_leaves(parts, axis_name, key)
+
   def traffic(self, n, devices, collective="allreduce"):
     n, d, collective = _check_traffic(n, devices, collective)
     return self.resolve(d, collective).traffic(n, d, collective)

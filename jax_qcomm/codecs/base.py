@@ -103,6 +103,26 @@ def split_leaves(flat: jax.Array, sizes: Sequence[int], multiple: int) -> list[j
   return out
 
 
+def _split_rows(rows: jax.Array, sizes: Sequence[int], multiple: int) -> list[jax.Array]:
+  """[D, N] rows of a packed buffer -> one [D, sizes[i]] per leaf, padding dropped."""
+  out, offset = [], 0
+  for n in sizes:
+    out.append(rows[:, offset:offset + n])
+    offset += wire.leaves_span([n], multiple)
+  return out
+
+
+def _concat_rows(payloads: Sequence[jax.Array]) -> jax.Array:
+  """[wire[k, W_i]] -> wire[k, sum W_i]: the payloads of a buffer's leaves, one message per row."""
+  return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=1)
+
+
+def _split_payloads(message: jax.Array, payloads: Sequence[jax.Array]) -> list[jax.Array]:
+  """The inverse of :func:`_concat_rows` on a received ``wire[k, sum W_i]``: one ``wire[k, W_i]``
+  per leaf."""
+  return _split_rows(message, [p.shape[1] for p in payloads], 1)
+
+
 def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat) -> tuple:
   """``reduce_flat(buffer) -> (out, residual, *more)`` on :func:`concat_leaves` of ``parts``:
   ``(outs, residuals, *more)``, out and residual split per leaf again and anything more (a
@@ -174,7 +194,10 @@ class Codec(abc.ABC):
     -- :meth:`wire_decode_sum_reencode` (QSGD's kernels); its own collectives, where the SRA is
     not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
     :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
-    :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; a cheaper finite
+    :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; the sharded
+    collectives on the leaves' own rows instead of a packed copy -- :meth:`reduce_scatter_leaves`,
+    :meth:`all_gather_leaves` (same bytes; a payload codec calls :meth:`_reduce_scatter_payloads`,
+    :meth:`_all_gather_payloads`); a cheaper finite
     guard -- :meth:`allreduce_leaves_marked` (and :meth:`mark_traffic`); where a reduction needs
     each leaf's shape or state carried between calls -- :meth:`init_state`,
     :meth:`allreduce_leaves_with_state`, :meth:`leaves_traffic`, :meth:`leaf_payload_size`.
@@ -239,6 +262,14 @@ class Codec(abc.ABC):
   * ``all_gather_flat(x: float[m], axis_name, key) -> float[D, m]``: every device's values,
     decoded, the same bits everywhere (the sender's own row included); x may be any float dtype
     (an exact codec gathers it as it is; lossy ones encode float32 and return float32).
+  * ``reduce_scatter_leaves(rows: [float32[D, m_i]], axis_name, key, op, exchange) -> (blocks:
+    [float32[m_i]], residuals: [float32[D, m_i]])`` and ``all_gather_leaves(parts: [float[m_i]],
+    axis_name, key) -> [float[D, m_i]]``: the same for the leaves of one communication buffer of
+    the sharded mode (row j of leaf i: device j's shard of it), with the bytes of the packed
+    buffer (each leaf padded to whole buckets; ``traffic`` of its length). The defaults build that
+    buffer and call the flat collective; a codec whose flat collective is the payload exchange
+    above encodes each leaf's rows where they lie and sends the payloads of a buffer in one
+    message (:meth:`_reduce_scatter_payloads`, :meth:`_all_gather_payloads`: :class:`QSGD`).
   * ``traffic(n, devices, collective="allreduce") -> ((xla_collective, bytes), ...)``: the bytes
     each device sends for each XLA collective of one such call on a buffer of ``n`` elements, in
     the ring convention of nccl-tests (all-reduce ``2 (D-1)/D`` of its buffer, all-gather and
@@ -413,6 +444,56 @@ class Codec(abc.ABC):
     payload = self.wire_encode(x.astype(jnp.float32), device_key(key, axis_name, 0))
     gathered = lax.all_gather(payload, axis_name, to="invarying")
     return self._decode_rows(gathered, x.shape[0])
+
+  def reduce_scatter_leaves(self, rows: Sequence[jax.Array], axis_name: AxisName,
+                            key: jax.Array | None, op: str = "mean", exchange: str = "auto"
+                            ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """[float32[D, m_i]] -> ([this device's block float32[m_i]], [residual float32[D, m_i]]):
+    :meth:`reduce_scatter_flat` of the packed rows (row j: every leaf's row j, each padded to whole
+    buckets), split per leaf."""
+    sizes = [r.shape[1] for r in rows]
+    packed = jax.vmap(lambda *r: concat_leaves(r, self))(*rows)
+    block, residual = self.reduce_scatter_flat(packed.reshape(-1), axis_name, key, op, exchange)
+    return (split_leaves(block, sizes, self.pad_multiple),
+            _split_rows(residual.reshape(packed.shape), sizes, self.pad_multiple))
+
+  def all_gather_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
+                        key: jax.Array | None) -> list[jax.Array]:
+    """[float[m_i]] -> [float[D, m_i]]: :meth:`all_gather_flat` of :func:`concat_leaves` of the
+    parts, split per leaf."""
+    sizes = [p.shape[0] for p in parts]
+    rows = self.all_gather_flat(concat_leaves(parts, self), axis_name, key)
+    return _split_rows(rows, sizes, self.pad_multiple)
+
+  def _reduce_scatter_payloads(self, rows, axis_name, key, op, exchange):
+    """:meth:`reduce_scatter_leaves` as a payload codec runs it: each leaf's D rows encoded where
+    they lie (a key per leaf and row), the payloads of all leaves in one all-to-all, and each
+    leaf's block decoded from its D payloads. The bytes of :meth:`reduce_scatter_flat` on the packed
+    rows, without the packed copy."""
+    d = axis_size(axis_name)
+    row_key = device_key(key, axis_name, 0)
+    payloads, residuals = [], []
+    for i, r in enumerate(rows):
+      p = self._encode_rows(r, None if row_key is None else jax.random.fold_in(row_key, i))
+      payloads.append(p)
+      residuals.append(r - self._decode_rows(p, r.shape[1]))
+    received = _exchange.exchange(_concat_rows(payloads), axis_name, exchange)
+    scale = jnp.float32(1.0 / d) if op == "mean" else None
+    blocks = []
+    for r, p in zip(rows, _split_payloads(received, payloads)):
+      block = self.wire_decode_sum(p, r.shape[1])
+      blocks.append(block if scale is None else block * scale)
+    return blocks, residuals
+
+  def _all_gather_payloads(self, parts, axis_name, key):
+    """:meth:`all_gather_leaves` as a payload codec runs it: each part encoded where it lies, the
+    payloads in one all-gather, each leaf's D rows decoded from its part of it."""
+    k = device_key(key, axis_name, 0)
+    payloads = [self.wire_encode(x.astype(jnp.float32), None if k is None else
+                                 jax.random.fold_in(k, i))[None] for i, x in enumerate(parts)]
+    gathered = lax.all_gather(_concat_rows(payloads)[0], axis_name, to="invarying")
+    return [self._decode_rows(g, x.shape[0])
+            for x, g in zip(parts, _split_payloads(gathered, payloads))]
 
   def traffic(self, n: int, devices: int,
               collective: str = "allreduce") -> tuple[tuple[str, float], ...]:

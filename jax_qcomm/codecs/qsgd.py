@@ -108,6 +108,13 @@ class QSGD(_Bucketed):
     return self._select(lambda p: _ffi.qsgd_decode_sum(p, n, **kw),
                         lambda p: _reference.decode_sum(p, n, **kw), payloads)
 
+  # -- the sharded mode's collectives: a payload per leaf, read and written where the rows lie --
+  def reduce_scatter_leaves(self, rows, axis_name, key, op="mean", exchange="auto"):
+    return self._reduce_scatter_payloads(rows, axis_name, key, op, exchange)
+
+  def all_gather_leaves(self, parts, axis_name, key):
+    return self._all_gather_payloads(parts, axis_name, key)
+
   # -- the finite guard from the gathered payloads' headers -------------------------------------
   def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
     """The scatter-reduce-allgather of the packed buffer; the mark from the headers of the D
