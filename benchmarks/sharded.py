@@ -9,7 +9,7 @@ every device, Adam inside::
     python -m benchmarks cluster --nodes 2 --rate 1gbit --out notebooks/data/sharded_1gbit.json \\
         -- sharded
 
-Four jitted calls, each ``update`` then ``optax.apply_updates`` with the state threaded (donated),
+Five jitted calls, each ``update`` then ``optax.apply_updates`` with the state threaded (donated),
 timed in interleaved rounds (median of ``--repeats``; across processes, call i takes the slowest
 process's time):
 
@@ -17,6 +17,8 @@ process's time):
 * ``sharded``: ``qcomm.sync(adam, bits=bits, shard_state=True)`` (with ``--gather-bits g``:
   ``gather_codec=QSGD(g, rounding="nearest")``): reduce-scatter, Adam on this device's shards,
   all-gather of the weight differences;
+* ``same_codec``: the replicated sync with the codec the sharded reduce-scatter resolves to (the
+  same collectives; the same bytes where the differences travel at the gradients' width);
 * ``adam``: Adam alone on the whole tree, no collective: the optimizer's own time, replicated;
 * ``adam_shard``: Adam alone on this device's shards (the sharded mode's layout), no collective.
 
@@ -46,7 +48,8 @@ from jax_qcomm.tools import distributed
 from benchmarks import _common, step
 
 DEFAULT_OUT = "bench-results/sharded.json"
-MODES = ("replicated", "sharded", "adam", "adam_shard")
+MODES = ("replicated", "sharded", "same_codec", "adam", "adam_shard")
+SYNCS = ("replicated", "sharded", "same_codec")
 _MLP = re.compile(r"mlp:([1-9][0-9]*)")
 
 
@@ -160,6 +163,10 @@ def run(args: argparse.Namespace, mesh) -> dict[str, Any]:
             else qcomm.QSGD(args.gather_bits, rounding="nearest"))
   txs = {"replicated": qcomm.sync(adam, bits=args.bits),
          "sharded": qcomm.sync(adam, bits=args.bits, shard_state=True, gather_codec=gather)}
+  # The replicated sync with the codec the sharded reduce-scatter runs: the same collectives
+  # (an all-to-all and an all-gather of QSGD payloads), the same bytes with 4-bit differences.
+  txs["same_codec"] = qcomm.sync(adam, codec=config_of(txs["sharded"]).codec.resolve(
+      d, "reduce_scatter"))
   layout = Layout.of([tuple(s.shape) for s in jax.tree_util.tree_leaves(shapes)], d,
                      [qcomm.NoCompression()] * len(jax.tree_util.tree_leaves(shapes)), 1 << 30)
   shard_shapes = jax.tree_util.tree_unflatten(
@@ -176,16 +183,19 @@ def run(args: argparse.Namespace, mesh) -> dict[str, Any]:
 
   desc = {name: qcomm.describe(tx, shapes, devices=d) for name, tx in txs.items()}
   t = {name: timings[name].median for name in MODES}
-  comm = {"replicated": t["replicated"] - t["adam"], "sharded": t["sharded"] - t["adam_shard"]}
+  comm = {"replicated": t["replicated"] - t["adam"], "sharded": t["sharded"] - t["adam_shard"],
+          "same_codec": t["same_codec"] - t["adam"]}
   result = dict(
       payload=args.payload, parameters=n, leaves=len(layout.leaves), devices=d,
       processes=jax.process_count(), bits=args.bits,
       codecs={name: _codec_names(tx, d) for name, tx in txs.items()},
       timings={name: timings[name].as_dict() for name in MODES},
-      update_s={name: t[name] for name in txs}, optimizer_s={"replicated": t["adam"],
-                                                              "sharded": t["adam_shard"]},
+      update_s={name: t[name] for name in txs},
+      optimizer_s={"replicated": t["adam"], "sharded": t["adam_shard"], "same_codec": t["adam"]},
       comm_s=comm, comm_ratio=comm["sharded"] / comm["replicated"],
       update_ratio=t["sharded"] / t["replicated"], optimizer_ratio=t["adam_shard"] / t["adam"],
+      comm_ratio_same_codec=comm["sharded"] / comm["same_codec"],
+      update_ratio_same_codec=t["sharded"] / t["same_codec"],
       sent_bytes_per_device={name: desc[name].sent_bytes_per_sync for name in txs},
       state_bytes_per_device={name: desc[name].state_bytes_per_device for name in txs},
       padded_elements_per_device=sum(leaf.size for leaf in layout.leaves) - -(-n // d))
@@ -203,19 +213,21 @@ def _codec_names(tx, devices: int) -> str:
 
 def format_result(r: dict[str, Any], meta: dict[str, Any]) -> str:
   ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
-  rows = [["replicated", ms(r["update_s"]["replicated"]), ms(r["optimizer_s"]["replicated"]),
-           ms(r["comm_s"]["replicated"]), f"{r['sent_bytes_per_device']['replicated']:,.0f}",
-           f"{r['state_bytes_per_device']['replicated'] or 0:,}"],
-          ["sharded", ms(r["update_s"]["sharded"]), ms(r["optimizer_s"]["sharded"]),
-           ms(r["comm_s"]["sharded"]), f"{r['sent_bytes_per_device']['sharded']:,.0f}",
-           f"{r['state_bytes_per_device']['sharded'] or 0:,}"],
-          ["sharded / replicated", f"{r['update_ratio']:.3f}", f"{r['optimizer_ratio']:.3f}",
-           f"{r['comm_ratio']:.3f}", "", ""]]
+  label = {"replicated": "replicated", "sharded": "sharded",
+           "same_codec": "replicated, the reduce-scatter's codec"}
+  rows = [[label[m], ms(r["update_s"][m]), ms(r["optimizer_s"][m]), ms(r["comm_s"][m]),
+           f"{r['sent_bytes_per_device'][m]:,.0f}", f"{r['state_bytes_per_device'][m] or 0:,}"]
+          for m in SYNCS]
+  rows += [["sharded / replicated", f"{r['update_ratio']:.3f}", f"{r['optimizer_ratio']:.3f}",
+            f"{r['comm_ratio']:.3f}", "", ""],
+           ["sharded / same codec", f"{r['update_ratio_same_codec']:.3f}",
+            f"{r['optimizer_ratio']:.3f}", f"{r['comm_ratio_same_codec']:.3f}", "", ""]]
   head = ["mode", "update ms", "optimizer ms", "communication ms", "sent B/device",
           "state B/device"]
   return "\n".join([
       f"sharded vs replicated sync: {r['payload']} ({r['parameters']:,} params), bits="
       f"{r['bits']}: replicated {r['codecs']['replicated']}; sharded {r['codecs']['sharded']}; "
+      f"same codec {r['codecs']['same_codec']}; "
       f"D={r['devices']} in {r['processes']} process(es)  |  {_common.machine_line(meta)}", "",
       _common.format_table(head, rows, align="l" + "r" * (len(head) - 1)), "",
       f"median of {meta['config']['repeats']} interleaved rounds after {meta['config']['warmup']} "

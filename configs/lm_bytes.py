@@ -55,7 +55,7 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
   config.compress_1d = ml_collections.config_dict.placeholder(bool)
   config.exclude = ""                # comma-separated regexes of parameter paths sent exact
   config.shard_state = False         # sync(shard_state=True): 1/D of the optimizer state per device
-  config.gather_bits = 8             # with shard_state: bits of the weight differences (QSGD)
+  config.gather_bits = 4             # with shard_state: bits of the weight differences (QSGD)
   config.topk = 0.0                  # training/lm_diloco: > 0 sends qcomm.TopK(topk, bits) between
                                      # the replicas (bits 1, 2, 4 or 8) instead of QSGD
   config.fragments = 1               # training/lm_diloco, lm_slow_link: qcomm.diloco(fragments=...),

@@ -125,7 +125,7 @@ def test_quick_mode_fp32_and_4_bits_both_learn_and_agree(quick_runs):
 
 
 def test_sharded_state_learns_like_replicated_and_resumes(quick_runs, tmp_path):
-  """config.shard_state: 4-bit gradients, 8-bit weight differences, 1/8 of the optimizer state per
+  """config.shard_state: 4-bit gradients, 4-bit weight differences, 1/8 of the optimizer state per
   device; the replicas stay identical, the loss follows the replicated 4-bit run's, and a run
   stopped by the time limit resumes to the same result."""
   sharded = lm.train_and_evaluate(_quick(bits=4, shard_state=True), quiet=True)
