@@ -206,13 +206,15 @@ def test_nonfinite_window_is_skipped_everywhere_and_does_not_poison():
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(params))
 
 
+@pytest.mark.parametrize("impl", ["auto", "jax"])
 @pytest.mark.parametrize("d", [2, 3])
 @pytest.mark.parametrize("sizes", [(256, 384), (300, 1, 129)])
-def test_leaves_collectives_equal_the_packed_buffer(sizes, d):
+def test_leaves_collectives_equal_the_packed_buffer(sizes, d, impl):
   """A payload per leaf (QSGD's reduce_scatter_leaves / all_gather_leaves) gives the packed
   buffer's results: bit for bit where every leaf fills whole buckets (rounding to nearest, so no
-  key is involved), within the codec's error otherwise; the residuals are rows minus what was sent."""
-  codec = qcomm.QSGD(4, bucket_size=128, rounding="nearest")
+  key is involved), within the codec's error otherwise; the residuals are rows minus what was sent.
+  The C++ kernels and the pure-JAX reference (what GPUs without the kernels run) alike."""
+  codec = qcomm.QSGD(4, bucket_size=128, rounding="nearest", impl=impl)
   rng = np.random.default_rng(7)
   rows = [rng.standard_normal((d, d, n)).astype(np.float32) for n in sizes]  # [device, D, n]
   packed = functools.partial(qcomm.Codec.reduce_scatter_leaves, codec)

@@ -4,18 +4,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import transport as _transport
 from jax_qcomm._checks import check_int
 from jax_qcomm.axes import axis_size
-from jax_qcomm.codecs.base import (Codec, _check_traffic, _ring, _sum_in_order, concat_leaves,
-                                   nonfinite_mark, split_leaves)
+from jax_qcomm.codecs.base import Codec, _check_traffic, _ring, _sum_in_order, nonfinite_mark
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,28 @@ def _shares_the_mark(devices: int) -> bool:
   return devices > 1 and _transport.current(devices).latency_s == 0
 
 
+def _on_a_list(parts: Sequence[jax.Array], collective) -> list[jax.Array]:
+  """``collective(operands) -> results`` on a list (XLA's float32 collectives take one): every part
+  of at least :data:`UNPACKED_LEAF` values as it is (XLA combines the operands itself; a packed
+  copy would cost two passes over it), the smaller ones packed along their last axis into one
+  operand (many small operands cost more than their copy), split again afterwards."""
+  large = [i for i, x in enumerate(parts) if x.size >= UNPACKED_LEAF]
+  small = [i for i in range(len(parts)) if i not in large]
+  operands = [parts[i] for i in large]
+  if small:
+    operands.append(jnp.concatenate([parts[i] for i in small], axis=-1))
+  results = collective(operands)
+  outs = [None] * len(parts)
+  for i, r in zip(large, results):
+    outs[i] = r
+  offset = 0
+  for i in small:
+    n = parts[i].shape[-1]
+    outs[i] = results[-1][..., offset:offset + n]
+    offset += n
+  return outs
+
+
 @dataclasses.dataclass(frozen=True)
 class NoCompression(Codec):
   """Exact float32. Reduces with XLA's own ``psum`` / ``psum_scatter`` / ``all_gather`` of the
@@ -115,20 +137,8 @@ class NoCompression(Codec):
     Elsewhere (gloo across processes, about 2 ms per message) the whole packed buffer."""
     if len(parts) < 2 or _transport.current(axis_size(axis_name)).latency_s > 0:
       return super().allreduce_leaves(parts, axis_name, key, op, exchange)
-    large = [i for i, x in enumerate(parts) if x.shape[0] >= UNPACKED_LEAF]
-    small = [i for i in range(len(parts)) if i not in large]
-    operands = [parts[i] for i in large]
-    if small:
-      operands.append(concat_leaves([parts[i] for i in small], self))
-    reduced = (lax.pmean if op == "mean" else lax.psum)(operands, axis_name)
-    outs = [None] * len(parts)
-    for i, r in zip(large, reduced):
-      outs[i] = r
-    if small:
-      pieces = split_leaves(reduced[-1], [parts[i].shape[0] for i in small], self.pad_multiple)
-      for i, r in zip(small, pieces):
-        outs[i] = r
-    return outs, [jnp.zeros_like(x) for x in parts]
+    reduce = lambda ops: (lax.pmean if op == "mean" else lax.psum)(ops, axis_name)  # noqa: E731
+    return _on_a_list(parts, reduce), [jnp.zeros_like(x) for x in parts]
 
   def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
     """Where messages cost no latency, each device marks its own 1/D of every result (they are
@@ -158,6 +168,27 @@ class NoCompression(Codec):
 
   def all_gather_flat(self, x, axis_name, key):
     return lax.all_gather(x, axis_name, to="invarying")
+
+  def reduce_scatter_leaves(self, rows, axis_name, key, op="mean", exchange="auto"):
+    """Where messages cost no latency, one ``psum_scatter`` of a list of the leaves' rows, as
+    :meth:`allreduce_leaves` (no packed copy of the large ones); elsewhere the packed buffer."""
+    d = axis_size(axis_name)
+    if len(rows) < 2 or _transport.current(d).latency_s > 0:
+      return super().reduce_scatter_leaves(rows, axis_name, key, op, exchange)
+    scale = 1.0 / d if op == "mean" else 1.0
+
+    def scatter(ops):
+      blocks = lax.psum_scatter(ops, axis_name, scatter_dimension=0, tiled=True)
+      return [b[0] * jnp.float32(scale) if scale != 1.0 else b[0] for b in blocks]
+
+    return _on_a_list(rows, scatter), [jnp.zeros_like(r) for r in rows]
+
+  def all_gather_leaves(self, parts, axis_name, key):
+    """Where messages cost no latency, one ``all_gather`` of a list, as :meth:`allreduce_leaves`;
+    elsewhere the packed buffer."""
+    if len(parts) < 2 or _transport.current(axis_size(axis_name)).latency_s > 0:
+      return super().all_gather_leaves(parts, axis_name, key)
+    return _on_a_list(parts, lambda ops: lax.all_gather(ops, axis_name, to="invarying"))
 
   def traffic(self, n, devices, collective="allreduce"):
     n, d, collective = _check_traffic(n, devices, collective)
