@@ -6,8 +6,7 @@ on a ``data`` axis of all devices (of all processes under the launcher), a diffe
 every device, Adam inside::
 
     python -m benchmarks sharded --devices 2
-    python -m benchmarks cluster --nodes 2 --rate 1gbit --out notebooks/data/sharded_1gbit.json \\
-        -- sharded
+    python -m benchmarks cluster --nodes 2 --rate 1gbit -- sharded [--gather-bits 8]
 
 Five jitted calls, each ``update`` then ``optax.apply_updates`` with the state threaded (donated),
 timed in interleaved rounds (median of ``--repeats``; across processes, call i takes the slowest
