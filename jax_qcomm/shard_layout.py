@@ -11,12 +11,14 @@ D)``, and device ``j`` owns the slice ``j*s .. (j+1)*s`` of that axis. A 0-d lea
 every device holds it whole (its D copies are identical, and the all-gather takes the first).
 
 The collectives work on ``D`` rows per leaf: row ``j`` is the leaf's shard ``j``, flattened in its
-own (row-major) order, so that a shard and its row are the same memory and a leaf split along its
-first axis is its rows without a copy. A reduce-scatter of every leaf's rows hands device ``j`` the
-reduced row ``j`` of each, its shards; an all-gather of every device's rows gives every device all
-shards. How a codec carries a group of leaves' rows (one packed buffer, each segment padded to its
-``pad_multiple`` so that no quantisation bucket straddles two leaves, or a payload per leaf) is its
-own :meth:`~jax_qcomm.Codec.reduce_scatter_leaves` / :meth:`~jax_qcomm.Codec.all_gather_leaves`; the
+own (row-major) order, so that a shard and its row are the same memory. In the leaf itself a shard
+is ``pre`` runs of ``chunk`` elements (``pre`` the product of the dims before the split axis), so
+the reduce-scatter takes each leaf as ``[pre, D, chunk]`` chunks, a reshape (:meth:`Layout.chunks`),
+and a codec reads them where they lie. A reduce-scatter hands device ``j`` the reduced shard ``j``
+of every leaf; an all-gather of every device's rows gives every device all shards. How a codec
+carries a group of leaves (one packed buffer, each segment padded to its ``pad_multiple`` so that
+no quantisation bucket straddles two leaves, or a payload per leaf and chunk) is its own
+:meth:`~jax_qcomm.Codec.reduce_scatter_leaves` / :meth:`~jax_qcomm.Codec.all_gather_leaves`; the
 bytes are those of the packed buffer either way. Leaves are grouped by codec (and into buffers of at
 most ``comm_bucket_size`` elements per row, None: the codec's ``comm_buffer_size`` for a
 reduce-scatter) by :func:`jax_qcomm.packing.plan`, as the allreduce groups them.
@@ -120,24 +122,34 @@ class Layout:
   def rows(self, x: jax.Array, i: int) -> jax.Array:
     """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (row-major). A reshape for a
     leaf split along dim 0 that D divides; otherwise a copy (the padding, the ``pre`` runs)."""
-    leaf = self.leaves[i]
-    if not leaf.split:
-      return jnp.broadcast_to(x.reshape(1), (self.devices, 1))
-    pre, chunk = leaf.pieces
-    x = self._padded(x, leaf)
-    if pre == 1:
-      return x.reshape(self.devices, chunk)
-    return jnp.swapaxes(x.reshape(pre, self.devices, chunk), 0, 1).reshape(self.devices, -1)
+    chunks = self.chunks(x, i)
+    pre, d, chunk = chunks.shape
+    return chunks.reshape(d, chunk) if pre == 1 else jnp.swapaxes(chunks, 0, 1).reshape(d, -1)
 
   def unrows(self, rows: jax.Array, i: int) -> jax.Array:
     """float32[D, size] -> the leaf (its shape; padding dropped; a 0-d leaf from row 0)."""
+    pre, chunk = self.leaves[i].pieces
+    return self.unchunks(jnp.swapaxes(rows.reshape(self.devices, pre, chunk), 0, 1), i)
+
+  def chunks(self, x: jax.Array, i: int) -> jax.Array:
+    """float32 leaf ``x`` -> float32[pre, D, chunk] (:attr:`LeafShard.pieces`): device j's shard
+    is ``[:, j]``, in order. A reshape (and the padding, if any): what the sharded reduce-scatter
+    takes (:meth:`jax_qcomm.Codec.reduce_scatter_leaves`)."""
     leaf = self.leaves[i]
     if not leaf.split:
-      return rows[0, 0]
+      return jnp.broadcast_to(x.reshape(1, 1, 1), (1, self.devices, 1))
     pre, chunk = leaf.pieces
-    a, s = leaf.axis, leaf.rows_per_device
-    full = jnp.swapaxes(rows.reshape(self.devices, pre, chunk), 0, 1) if pre > 1 else rows
-    full = full.reshape(leaf.shape[:a] + (self.devices * s,) + leaf.shape[a + 1:])
+    return self._padded(x, leaf).reshape(pre, self.devices, chunk)
+
+  def unchunks(self, chunks: jax.Array, i: int) -> jax.Array:
+    """float32[pre, D, chunk] -> the leaf (its shape; padding dropped; a 0-d leaf from device 0's
+    chunk)."""
+    leaf = self.leaves[i]
+    if not leaf.split:
+      return chunks[0, 0, 0]
+    a = leaf.axis
+    full = chunks.reshape(leaf.shape[:a] + (self.devices * leaf.rows_per_device,)
+                          + leaf.shape[a + 1:])
     return lax.slice_in_dim(full, 0, leaf.shape[a], axis=a)
 
   def to_shard(self, segment: jax.Array, i: int) -> jax.Array:

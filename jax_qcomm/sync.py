@@ -559,10 +559,10 @@ class _ShardedSync(_Sync):
     shards, lost = [None] * n, [None] * n
     for k, group in enumerate(layout.groups):
       blocks, res = group.codec.reduce_scatter_leaves(
-          [layout.rows(g_leaves[i], i) for i in group.leaves], cfg.axis_name,
+          [layout.chunks(g_leaves[i], i) for i in group.leaves], cfg.axis_name,
           jax.random.fold_in(sub, 2 * k), "mean")
       for i, block, r in zip(group.leaves, blocks, res):
-        shards[i], lost[i] = layout.to_shard(block, i), layout.unrows(r, i)
+        shards[i], lost[i] = layout.to_shard(block, i), layout.unchunks(r, i)
 
     # 2. Whole-model finiteness, the same decision on every device: one scalar psum.
     finite = jnp.isfinite(lax.psum(_parts.nonfinite_mark(shards), names))

@@ -208,34 +208,36 @@ def test_nonfinite_window_is_skipped_everywhere_and_does_not_poison():
 
 @pytest.mark.parametrize("impl", ["auto", "jax"])
 @pytest.mark.parametrize("d", [2, 3])
-@pytest.mark.parametrize("sizes", [(256, 384), (300, 1, 129)])
-def test_leaves_collectives_equal_the_packed_buffer(sizes, d, impl):
-  """A payload per leaf (QSGD's reduce_scatter_leaves / all_gather_leaves) gives the packed
-  buffer's results: bit for bit where every leaf fills whole buckets (rounding to nearest, so no
-  key is involved), within the codec's error otherwise; the residuals are rows minus what was sent.
+@pytest.mark.parametrize("shapes", [((1, 256), (3, 128)), ((1, 300), (1, 1), (3, 129), (2, 384))])
+def test_leaves_collectives_equal_the_packed_buffer(shapes, d, impl):
+  """A payload per leaf and chunk (QSGD's reduce_scatter_leaves / all_gather_leaves) gives the
+  packed buffer's results: bit for bit where every chunk fills whole buckets (rounding to nearest,
+  so no key is involved), within the codec's error otherwise (a chunk of 129 values: encoded as
+  rows); the residuals too. Leaves as P runs of D chunks (P = 3: a kernel split on an inner axis).
   The C++ kernels and the pure-JAX reference (what GPUs without the kernels run) alike."""
+  from jax_qcomm.codecs.base import _rows_of  # noqa: PLC0415
   codec = qcomm.QSGD(4, bucket_size=128, rounding="nearest", impl=impl)
   rng = np.random.default_rng(7)
-  rows = [rng.standard_normal((d, d, n)).astype(np.float32) for n in sizes]  # [device, D, n]
+  chunks = [rng.standard_normal((d, p, d, c)).astype(np.float32) for p, c in shapes]  # [device]
   packed = functools.partial(qcomm.Codec.reduce_scatter_leaves, codec)
 
-  def run(rows):
-    rows = [r[0] for r in rows]
-    got, lost = codec.reduce_scatter_leaves(rows, AX, None, "mean")
-    want, want_lost = packed(rows, AX, None, "mean")
+  def run(chunks):
+    chunks = [x[0] for x in chunks]
+    got, lost = codec.reduce_scatter_leaves(chunks, AX, None, "mean")
+    want, want_lost = packed(chunks, AX, None, "mean")
     g = codec.all_gather_leaves(got, AX, None)
     gw = qcomm.Codec.all_gather_leaves(codec, want, AX, None)
     return [x[None] for x in got + want + lost + want_lost + g + gw]
 
-  out = jax.jit(jax.shard_map(run, mesh=_mesh(d), in_specs=P(AX), out_specs=P(AX)))(rows)
-  k = len(sizes)
+  out = jax.jit(jax.shard_map(run, mesh=_mesh(d), in_specs=P(AX), out_specs=P(AX)))(chunks)
+  k = len(shapes)
   got, want, lost, want_lost, g, gw = (out[i * k:(i + 1) * k] for i in range(6))
-  whole = all(n % 128 == 0 for n in sizes)
-  for i, n in enumerate(sizes):
-    exact_blocks = rows[i].mean(axis=0)  # [D, n]: block j is the mean of every device's row j
+  for i, (p, c) in enumerate(shapes):
+    rows = np.stack([np.asarray(_rows_of(jnp.asarray(x))) for x in chunks[i]])  # [dev, D, P*c]
+    whole = c % 128 == 0 or p == 1 and c * p % 128 == 0
     for j in range(d):
-      step = np.ptp(rows[i][:, j]) / 15 + 1e-6  # maxmin: |error| <= step / 2 per device
-      np.testing.assert_allclose(np.asarray(got[i][j]), exact_blocks[j], atol=step)
+      step = np.ptp(rows[:, j]) / 15 + 1e-6  # maxmin: |error| <= step / 2 per device
+      np.testing.assert_allclose(np.asarray(got[i][j]), rows[:, j].mean(axis=0), atol=step)
       np.testing.assert_allclose(np.asarray(lost[i][j]), np.asarray(want_lost[i][j]),
                                  atol=0 if whole else step)
       np.testing.assert_array_equal(np.asarray(g[i][j]), np.asarray(g[i][0]))  # same everywhere

@@ -112,6 +112,19 @@ def _split_rows(rows: jax.Array, sizes: Sequence[int], multiple: int) -> list[ja
   return out
 
 
+def _rows_of(chunks: jax.Array) -> jax.Array:
+  """float[P, D, c] (P runs of D chunks) -> float[D, P * c]: row j, device j's chunks in order (a
+  reshape where P == 1, else a copy)."""
+  p, d, c = chunks.shape
+  return chunks.reshape(d, c) if p == 1 else jnp.swapaxes(chunks, 0, 1).reshape(d, p * c)
+
+
+def _chunks_of(rows: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
+  """The inverse of :func:`_rows_of`: float[D, P * c] -> float[P, D, c]."""
+  p, d, c = shape
+  return rows.reshape(1, d, c) if p == 1 else jnp.swapaxes(rows.reshape(d, p, c), 0, 1)
+
+
 def _concat_rows(payloads: Sequence[jax.Array]) -> jax.Array:
   """[wire[k, W_i]] -> wire[k, sum W_i]: the payloads of a buffer's leaves, one message per row."""
   return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=1)
@@ -195,7 +208,7 @@ class Codec(abc.ABC):
     not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
     :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
     :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; the sharded
-    collectives on the leaves' own rows instead of a packed copy -- :meth:`reduce_scatter_leaves`,
+    collectives on the leaves' own memory instead of a packed copy -- :meth:`reduce_scatter_leaves`,
     :meth:`all_gather_leaves` (same bytes; a payload codec calls :meth:`_reduce_scatter_payloads`,
     :meth:`_all_gather_payloads`); a cheaper finite
     guard -- :meth:`allreduce_leaves_marked` (and :meth:`mark_traffic`); where a reduction needs
@@ -262,14 +275,17 @@ class Codec(abc.ABC):
   * ``all_gather_flat(x: float[m], axis_name, key) -> float[D, m]``: every device's values,
     decoded, the same bits everywhere (the sender's own row included); x may be any float dtype
     (an exact codec gathers it as it is; lossy ones encode float32 and return float32).
-  * ``reduce_scatter_leaves(rows: [float32[D, m_i]], axis_name, key, op, exchange) -> (blocks:
-    [float32[m_i]], residuals: [float32[D, m_i]])`` and ``all_gather_leaves(parts: [float[m_i]],
-    axis_name, key) -> [float[D, m_i]]``: the same for the leaves of one communication buffer of
-    the sharded mode (row j of leaf i: device j's shard of it), with the bytes of the packed
-    buffer (each leaf padded to whole buckets; ``traffic`` of its length). The defaults build that
-    buffer and call the flat collective; a codec whose flat collective is the payload exchange
-    above encodes each leaf's rows where they lie and sends the payloads of a buffer in one
-    message (:meth:`_reduce_scatter_payloads`, :meth:`_all_gather_payloads`: :class:`QSGD`).
+  * ``reduce_scatter_leaves(chunks: [float32[P_i, D, c_i]], axis_name, key, op, exchange) ->
+    (blocks: [float32[P_i * c_i]], residuals: [float32[P_i, D, c_i]])`` and
+    ``all_gather_leaves(parts: [float[m_i]], axis_name, key) -> [float[D, m_i]]``: the same for
+    the leaves of one communication buffer of the sharded mode. Leaf i comes as P_i runs of D
+    chunks, the leaf's own memory (:meth:`jax_qcomm.shard_layout.Layout.chunks`); device j's row of
+    it, its shard, is ``chunks[i][:, j]`` in order. The bytes are those of the packed rows (each
+    leaf padded to whole buckets; ``traffic`` of their length). The defaults build that buffer
+    and call the flat collective; a codec whose flat collective is the payload exchange above
+    encodes each leaf's chunks where they lie and sends the payloads of a buffer in one message
+    (:meth:`_reduce_scatter_payloads`, :meth:`_all_gather_payloads`: :class:`QSGD`);
+    :class:`NoCompression` where messages cost no latency scatters a list of the chunks.
   * ``traffic(n, devices, collective="allreduce") -> ((xla_collective, bytes), ...)``: the bytes
     each device sends for each XLA collective of one such call on a buffer of ``n`` elements, in
     the ring convention of nccl-tests (all-reduce ``2 (D-1)/D`` of its buffer, all-gather and
@@ -445,17 +461,20 @@ class Codec(abc.ABC):
     gathered = lax.all_gather(payload, axis_name, to="invarying")
     return self._decode_rows(gathered, x.shape[0])
 
-  def reduce_scatter_leaves(self, rows: Sequence[jax.Array], axis_name: AxisName,
+  def reduce_scatter_leaves(self, chunks: Sequence[jax.Array], axis_name: AxisName,
                             key: jax.Array | None, op: str = "mean", exchange: str = "auto"
                             ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """[float32[D, m_i]] -> ([this device's block float32[m_i]], [residual float32[D, m_i]]):
-    :meth:`reduce_scatter_flat` of the packed rows (row j: every leaf's row j, each padded to whole
-    buckets), split per leaf."""
+    """[float32[P_i, D, c_i]] -> ([this device's block float32[P_i * c_i]], [residual
+    float32[P_i, D, c_i]]): leaf i as P_i runs of D chunks (device j's row of it: its chunks
+    ``[:, j]`` in order); :meth:`reduce_scatter_flat` of the packed rows (row j: every leaf's row
+    j, each padded to whole buckets), split per leaf."""
+    rows = [_rows_of(c) for c in chunks]
     sizes = [r.shape[1] for r in rows]
     packed = jax.vmap(lambda *r: concat_leaves(r, self))(*rows)
     block, residual = self.reduce_scatter_flat(packed.reshape(-1), axis_name, key, op, exchange)
+    lost = _split_rows(residual.reshape(packed.shape), sizes, self.pad_multiple)
     return (split_leaves(block, sizes, self.pad_multiple),
-            _split_rows(residual.reshape(packed.shape), sizes, self.pad_multiple))
+            [_chunks_of(r, c.shape) for r, c in zip(lost, chunks)])
 
   def all_gather_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
                         key: jax.Array | None) -> list[jax.Array]:
@@ -465,23 +484,31 @@ class Codec(abc.ABC):
     rows = self.all_gather_flat(concat_leaves(parts, self), axis_name, key)
     return _split_rows(rows, sizes, self.pad_multiple)
 
-  def _reduce_scatter_payloads(self, rows, axis_name, key, op, exchange):
-    """:meth:`reduce_scatter_leaves` as a payload codec runs it: each leaf's D rows encoded where
-    they lie (a key per leaf and row), the payloads of all leaves in one all-to-all, and each
-    leaf's block decoded from its D payloads. The bytes of :meth:`reduce_scatter_flat` on the packed
-    rows, without the packed copy."""
+  def _reduce_scatter_payloads(self, chunks, axis_name, key, op, exchange):
+    """:meth:`reduce_scatter_leaves` as a payload codec runs it: each leaf's chunks encoded where
+    they lie (a key per leaf and chunk; a leaf whose chunks are not whole buckets as its D rows,
+    copied out), the payloads of all leaves in one all-to-all, and each leaf's block decoded from
+    its D payloads. The bytes of :meth:`reduce_scatter_flat` on the packed rows, without the
+    packed copy."""
     d = axis_size(axis_name)
     row_key = device_key(key, axis_name, 0)
-    payloads, residuals = [], []
-    for i, r in enumerate(rows):
-      p = self._encode_rows(r, None if row_key is None else jax.random.fold_in(row_key, i))
-      payloads.append(p)
-      residuals.append(r - self._decode_rows(p, r.shape[1]))
+    shapes, payloads, residuals = [], [], []
+    for i, x in enumerate(chunks):
+      p_, _, c = x.shape
+      if p_ > 1 and c % self.pad_multiple:  # chunks would pad: encode the rows (a copy)
+        p_, c, x = 1, p_ * c, _rows_of(x)[None]
+      k = None if row_key is None else jax.random.fold_in(row_key, i)
+      p = self._encode_rows(x.reshape(p_ * d, c), k).reshape(p_, d, -1)
+      lost = x - self._decode_rows(p.reshape(p_ * d, -1), c).reshape(x.shape)
+      residuals.append(lost if x.shape == chunks[i].shape else _chunks_of(lost[0], chunks[i].shape))
+      payloads.append(_rows_of(p))  # [D, P * W]: device j's message, its chunks' payloads
+      shapes.append((p_, c))
     received = _exchange.exchange(_concat_rows(payloads), axis_name, exchange)
     scale = jnp.float32(1.0 / d) if op == "mean" else None
     blocks = []
-    for r, p in zip(rows, _split_payloads(received, payloads)):
-      block = self.wire_decode_sum(p, r.shape[1])
+    for (p_, c), m in zip(shapes, _split_payloads(received, payloads)):
+      block = jax.vmap(lambda w: self.wire_decode_sum(w, c), in_axes=1)(m.reshape(d, p_, -1))
+      block = block.reshape(-1)
       blocks.append(block if scale is None else block * scale)
     return blocks, residuals
 

@@ -15,7 +15,8 @@ from jax import lax
 from jax_qcomm import transport as _transport
 from jax_qcomm._checks import check_int
 from jax_qcomm.axes import axis_size
-from jax_qcomm.codecs.base import Codec, _check_traffic, _ring, _sum_in_order, nonfinite_mark
+from jax_qcomm.codecs.base import (Codec, _check_traffic, _ring, _rows_of, _sum_in_order,
+                                   nonfinite_mark)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,19 +170,22 @@ class NoCompression(Codec):
   def all_gather_flat(self, x, axis_name, key):
     return lax.all_gather(x, axis_name, to="invarying")
 
-  def reduce_scatter_leaves(self, rows, axis_name, key, op="mean", exchange="auto"):
-    """Where messages cost no latency, one ``psum_scatter`` of a list of the leaves' rows, as
-    :meth:`allreduce_leaves` (no packed copy of the large ones); elsewhere the packed buffer."""
+  def reduce_scatter_leaves(self, chunks, axis_name, key, op="mean", exchange="auto"):
+    """Where messages cost no latency, one ``psum_scatter`` of a list of the leaves' chunks
+    (scattered along their device axis), as :meth:`allreduce_leaves`: no copy of the large ones,
+    the small ones' rows packed; elsewhere the packed buffer."""
     d = axis_size(axis_name)
-    if len(rows) < 2 or _transport.current(d).latency_s > 0:
-      return super().reduce_scatter_leaves(rows, axis_name, key, op, exchange)
+    if len(chunks) < 2 or _transport.current(d).latency_s > 0:
+      return super().reduce_scatter_leaves(chunks, axis_name, key, op, exchange)
     scale = 1.0 / d if op == "mean" else 1.0
 
     def scatter(ops):
-      blocks = lax.psum_scatter(ops, axis_name, scatter_dimension=0, tiled=True)
-      return [b[0] * jnp.float32(scale) if scale != 1.0 else b[0] for b in blocks]
+      blocks = lax.psum_scatter(ops, axis_name, scatter_dimension=1, tiled=True)
+      return [b * jnp.float32(scale) if scale != 1.0 else b for b in blocks]
 
-    return _on_a_list(rows, scatter), [jnp.zeros_like(r) for r in rows]
+    parts = [x if x.size >= UNPACKED_LEAF else _rows_of(x)[None] for x in chunks]
+    return ([b.reshape(-1) for b in _on_a_list(parts, scatter)],
+            [jnp.zeros_like(x) for x in chunks])
 
   def all_gather_leaves(self, parts, axis_name, key):
     """Where messages cost no latency, one ``all_gather`` of a list, as :meth:`allreduce_leaves`;

@@ -1,0 +1,30 @@
+"""The table of docs/benchmarks.md's sharded-state section from the runs in this folder: medians
+over the runs of each width (python summarise.py)."""
+
+import json
+import pathlib
+import statistics
+
+HERE = pathlib.Path(__file__).parent
+MODES = ("replicated", "same_codec", "sharded")
+
+
+def main():
+  for g in (4, 8):
+    runs = [json.loads(p.read_text())["result"] for p in sorted(HERE.glob(f"g{g}_*.json"))]
+    med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
+    print(f"{g}-bit differences, {len(runs)} runs; codecs: {runs[0]['codecs']}")
+    for m in MODES:
+      print(f"  {m:11s} update {1e3 * med(lambda r: r['update_s'][m]):6.1f} ms  optimizer "
+            f"{1e3 * med(lambda r: r['optimizer_s'][m]):5.1f}  communication "
+            f"{1e3 * med(lambda r: r['comm_s'][m]):6.1f}  sent "
+            f"{runs[0]['sent_bytes_per_device'][m] / 1e6:.2f} MB  state "
+            f"{runs[0]['state_bytes_per_device'][m] / 1e6:.1f} MB")
+    for key in ("update_ratio", "comm_ratio", "update_ratio_same_codec", "comm_ratio_same_codec",
+                "optimizer_ratio"):
+      print(f"  {key:24s} {med(lambda r: r[key]):.3f}  (runs: "
+            + ", ".join(f"{r[key]:.3f}" for r in runs) + ")")
+
+
+if __name__ == "__main__":
+  main()
