@@ -1,8 +1,8 @@
 #!/bin/bash
 # The sharded mode against the replicated sync on the 2-node 1 Gbit/s simulated cluster, as
 # sync's defaults run (bits=4) with g-bit weight differences, jax_qcomm under QCOMM_MALLOC=reuse
-# (what tools.distributed.initialize applies itself). Usage: run.sh i g
-D=notebooks/data/sharded_2n_1gbit_20261127
+# (what tools.distributed.initialize applies itself). Usage: [D=folder] run.sh i g
+D=${D:-notebooks/data/sharded_2n_1gbit_20261127}
 i=$1; g=$2
 extra=(--gather-bits "$g"); tag=g$g
 uptime > $D/load_${tag}_$i.txt

@@ -1,11 +1,12 @@
-"""The table of docs/benchmarks.md's sharded-state section from the runs in this folder: medians
-over the runs of each width (python summarise.py)."""
+"""The table of docs/benchmarks.md's sharded-state section from the runs in a folder (default:
+this one): medians over the runs of each width (python summarise.py [folder])."""
 
 import json
 import pathlib
 import statistics
+import sys
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent)
 MODES = ("replicated", "same_codec", "sharded")
 
 
