@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--payload", default="resnet50",
                       help="resnet50 (default) or mlp:<n> (two leaves, about n values)")
   parser.add_argument("--bits", type=int, default=4,
-                      help="sync's bits= of the gradients: 1..8, 16, 32 (default: 4, the Auto codec)")
+                      help="sync's bits= of the gradients: 1..8, 16, 32 (default: 4, Auto)")
   parser.add_argument("--gather-bits", type=int, default=None,
                       help="QSGD bits of the weight differences (default: sync's gather_codec)")
   parser.add_argument("--devices", type=int, default=None,

@@ -120,8 +120,8 @@ class Layout:
 
   # -- leaves <-> rows ------------------------------------------------------------------------------
   def rows(self, x: jax.Array, i: int) -> jax.Array:
-    """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (row-major). A reshape for a
-    leaf split along dim 0 that D divides; otherwise a copy (the padding, the ``pre`` runs)."""
+    """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (row-major). A reshape
+    for a leaf split along dim 0 that D divides; otherwise a copy (the padding, the runs)."""
     chunks = self.chunks(x, i)
     pre, d, chunk = chunks.shape
     return chunks.reshape(d, chunk) if pre == 1 else jnp.swapaxes(chunks, 0, 1).reshape(d, -1)

@@ -96,7 +96,8 @@ def test_sharded_bench_json(tmp_path):
   assert proc.returncode == 0, proc.stdout + proc.stderr
   r = json.loads(out.read_text())["result"]
   assert r["bits"] == 4 and r["devices"] == 2
-  assert r["codecs"]["sharded"].endswith("all-gather") and "reduce-scatter" in r["codecs"]["sharded"]
+  assert r["codecs"]["sharded"].endswith("all-gather")
+  assert "reduce-scatter" in r["codecs"]["sharded"]
   assert r["codecs"]["replicated"].endswith("allreduce")
   for key in ("update_s", "optimizer_s", "comm_s", "sent_bytes_per_device"):
     for mode in ("replicated", "sharded"):

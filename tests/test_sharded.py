@@ -264,7 +264,8 @@ def test_the_step_updates_its_donated_state_in_place():
                               out_specs=(P(), spec)), donate_argnums=(0, 1))
   text = run.lower(PARAMS, state, _grads(d, 0)).compile().as_text()
   names = dict(re.findall(r"(%param[.0-9]*) = [^\n]*?op_name=\"([^\"]*)\"", text))
-  copied = [names.get(p, p) for p in re.findall(r"= f32\[[^\]]*\][^ ]* copy\((%param[.0-9]*)\)", text)]
+  copied = [names.get(p, p)
+            for p in re.findall(r"= f32\[[^\]]*\][^ ]* copy\((%param[.0-9]*)\)", text)]
   assert not [c for c in copied if "master" in c or "inner_opt_state" in c], copied
 
 
