@@ -37,6 +37,7 @@ from jax import lax
 
 from jax_qcomm import packing
 from jax_qcomm.codecs import Codec
+from jax_qcomm.codecs.base import _chunks_of, _rows_of
 
 
 def shard_axis(shape: Sequence[int], devices: int) -> int:
@@ -122,14 +123,12 @@ class Layout:
   def rows(self, x: jax.Array, i: int) -> jax.Array:
     """float32 leaf ``x`` -> float32[D, size]: row j is device j's shard (row-major). A reshape
     for a leaf split along dim 0 that D divides; otherwise a copy (the padding, the runs)."""
-    chunks = self.chunks(x, i)
-    pre, d, chunk = chunks.shape
-    return chunks.reshape(d, chunk) if pre == 1 else jnp.swapaxes(chunks, 0, 1).reshape(d, -1)
+    return _rows_of(self.chunks(x, i))
 
   def unrows(self, rows: jax.Array, i: int) -> jax.Array:
     """float32[D, size] -> the leaf (its shape; padding dropped; a 0-d leaf from row 0)."""
     pre, chunk = self.leaves[i].pieces
-    return self.unchunks(jnp.swapaxes(rows.reshape(self.devices, pre, chunk), 0, 1), i)
+    return self.unchunks(_chunks_of(rows, (pre, self.devices, chunk)), i)
 
   def chunks(self, x: jax.Array, i: int) -> jax.Array:
     """float32 leaf ``x`` -> float32[pre, D, chunk] (:attr:`LeafShard.pieces`): device j's shard

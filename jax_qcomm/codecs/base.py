@@ -94,20 +94,11 @@ def concat_leaves(parts: Sequence[jax.Array], codec: "Codec") -> jax.Array:
 
 
 def split_leaves(flat: jax.Array, sizes: Sequence[int], multiple: int) -> list[jax.Array]:
-  """The inverse of :func:`concat_leaves`: flat[N] -> one array of sizes[i] per leaf, padding
-  dropped."""
+  """The inverse of :func:`concat_leaves`: flat[..., N] -> one array [..., sizes[i]] per leaf,
+  padding dropped (along the last axis: the rows of packed buffers split alike)."""
   out, offset = [], 0
   for n in sizes:
-    out.append(flat[offset:offset + n])
-    offset += wire.leaves_span([n], multiple)
-  return out
-
-
-def _split_rows(rows: jax.Array, sizes: Sequence[int], multiple: int) -> list[jax.Array]:
-  """[D, N] rows of a packed buffer -> one [D, sizes[i]] per leaf, padding dropped."""
-  out, offset = [], 0
-  for n in sizes:
-    out.append(rows[:, offset:offset + n])
+    out.append(flat[..., offset:offset + n])
     offset += wire.leaves_span([n], multiple)
   return out
 
@@ -133,7 +124,7 @@ def _concat_rows(payloads: Sequence[jax.Array]) -> jax.Array:
 def _split_payloads(message: jax.Array, payloads: Sequence[jax.Array]) -> list[jax.Array]:
   """The inverse of :func:`_concat_rows` on a received ``wire[k, sum W_i]``: one ``wire[k, W_i]``
   per leaf."""
-  return _split_rows(message, [p.shape[1] for p in payloads], 1)
+  return split_leaves(message, [p.shape[1] for p in payloads], 1)
 
 
 def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat) -> tuple:
@@ -472,7 +463,7 @@ class Codec(abc.ABC):
     sizes = [r.shape[1] for r in rows]
     packed = jax.vmap(lambda *r: concat_leaves(r, self))(*rows)
     block, residual = self.reduce_scatter_flat(packed.reshape(-1), axis_name, key, op, exchange)
-    lost = _split_rows(residual.reshape(packed.shape), sizes, self.pad_multiple)
+    lost = split_leaves(residual.reshape(packed.shape), sizes, self.pad_multiple)
     return (split_leaves(block, sizes, self.pad_multiple),
             [_chunks_of(r, c.shape) for r, c in zip(lost, chunks)])
 
@@ -482,7 +473,7 @@ class Codec(abc.ABC):
     parts, split per leaf."""
     sizes = [p.shape[0] for p in parts]
     rows = self.all_gather_flat(concat_leaves(parts, self), axis_name, key)
-    return _split_rows(rows, sizes, self.pad_multiple)
+    return split_leaves(rows, sizes, self.pad_multiple)
 
   def _reduce_scatter_payloads(self, chunks, axis_name, key, op, exchange):
     """:meth:`reduce_scatter_leaves` as a payload codec runs it: each leaf's chunks encoded where

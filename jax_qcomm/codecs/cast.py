@@ -16,7 +16,7 @@ from jax_qcomm import transport as _transport
 from jax_qcomm._checks import check_int
 from jax_qcomm.axes import axis_size
 from jax_qcomm.codecs.base import (Codec, _check_traffic, _ring, _rows_of, _sum_in_order,
-                                   nonfinite_mark)
+                                   nonfinite_mark, split_leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +89,9 @@ def _on_a_list(parts: Sequence[jax.Array], collective) -> list[jax.Array]:
   outs = [None] * len(parts)
   for i, r in zip(large, results):
     outs[i] = r
-  offset = 0
-  for i in small:
-    n = parts[i].shape[-1]
-    outs[i] = results[-1][..., offset:offset + n]
-    offset += n
+  if small:
+    for i, r in zip(small, split_leaves(results[-1], [parts[i].shape[-1] for i in small], 1)):
+      outs[i] = r
   return outs
 
 
