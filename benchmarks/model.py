@@ -198,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   cal = calibrate(_load(args.patterns), opt(args.latency), breakdown)
   points = check(cal, breakdown, opt(args.crossover), opt(args.peers))
   codecs = ["fp32"] + [c for c in ("cast_bf16", "qsgd4", "sum4") if c in cal["codec_elems_per_s"]]
-  out = dict(calibration=dict(transport=dataclasses.asdict(cal["transport"]),
+  calibrated = {k: v for k, v in dataclasses.asdict(cal["transport"]).items()
+                if k != "own_operand"}  # the factors and the latency; own_operand is not measured
+  out = dict(calibration=dict(transport=calibrated,
                               codec_elems_per_s=cal["codec_elems_per_s"], link_gbps=cal["link_gbps"],
                               sources={k: str(getattr(args, k)) for k in DEFAULTS if k != "out"}),
              tolerance=TOLERANCE, points=points, extrapolation=extrapolate(cal, codecs))

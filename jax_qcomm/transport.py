@@ -52,18 +52,25 @@ class Transport:
   rate). ``allreduce``: XLA's all-reduce (``psum`` / ``pmax``: exact float32 and the summable
   codecs); ``all_to_all`` and ``all_gather``: the two halves of a scatter-reduce-allgather (SRA);
   ``reduce_scatter``: ``psum_scatter``. The default is the ideal transport. ``latency_s`` is the
-  seconds each message adds. ``python -m benchmarks.model`` measures the factors on a cluster.
+  seconds each message adds. ``own_operand`` is the number of values from which an exact float32
+  leaf is reduced as its own operand of a collective instead of being copied into a packed buffer
+  (:class:`jax_qcomm.NoCompression`): an operand costs about a message's latency, a copy two
+  passes over the leaf. ``python -m benchmarks.model`` measures the factors on a cluster.
   """
   allreduce: float = 1.0
   all_to_all: float = 1.0
   all_gather: float = 1.0
   reduce_scatter: float = 1.0
   latency_s: float = 0.0
+  own_operand: int = 1 << 15
 
   def __post_init__(self):
     for name in ("allreduce", "all_to_all", "all_gather", "reduce_scatter"):
       _factor(name, getattr(self, name))
     _factor("latency_s", self.latency_s, zero_ok=True)
+    if (isinstance(self.own_operand, bool) or not isinstance(self.own_operand, int)
+        or self.own_operand < 1):
+      raise ValueError(f"own_operand must be an int >= 1, got {self.own_operand!r}")
 
   def factor(self, collective: str) -> float:
     """The factor of an XLA collective named as :meth:`jax_qcomm.Codec.traffic` names it
@@ -83,15 +90,23 @@ class Transport:
 
 #: XLA's CPU collectives over gloo between two processes: the all-reduce at the link rate, the
 #: exchange, all-gather and reduce-scatter at about half of it (measured, 2 nodes, 1 Gbit/s).
+#: ``own_operand``: ResNet-50's exact all-reduce took 889-897 ms with its leaves of 2**18 values
+#: and more as their own operands, against 909-921 ms for every leaf packed, 894-919 ms from
+#: 2**15 or 2**16 and 903-915 ms from 2**20 to 2**22 (``python -m benchmarks.exact_path
+#: --processes``, docs/benchmarks.md "The exact path across processes").
 GLOO_PAIR = Transport(allreduce=1.05, all_to_all=1.86, all_gather=1.33, reduce_scatter=1.88,
-                      latency_s=1.9e-3)
+                      latency_s=1.9e-3, own_operand=1 << 18)
 
 #: XLA's CPU collectives over gloo among three or more processes: all near the link rate but the
-#: reduce-scatter (measured, 3 and 4 nodes, 1 Gbit/s).
+#: reduce-scatter (measured, 3 and 4 nodes, 1 Gbit/s). ``own_operand`` is the pair's: the same
+#: latency per message (not measured apart).
 GLOO = Transport(allreduce=1.09, all_to_all=1.13, all_gather=1.08, reduce_scatter=2.09,
-                 latency_s=1.9e-3)
+                 latency_s=1.9e-3, own_operand=1 << 18)
 
 #: Every collective at the link rate, full duplex: NCCL's rings on paper, a single process.
+#: ``own_operand`` 2**15, measured in one process on 8 devices (``python -m benchmarks.exact_path``:
+#: every leaf packed took 0.60x the per-leaf ``pmean`` on a tree of 6k-value leaves but 1.63x on
+#: ResNet-50's 161 leaves; with this rule 0.55x and 1.04x).
 IDEAL = Transport()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -27,6 +28,10 @@ TREE_SHAPES = {"w": ((48, 40), "float32"),   # quantised (2-D, >= 1024 elements)
                "h": ((32, 64), "bfloat16"),  # quantised, returned as bfloat16
                "b": ((40,), "float32"),      # 1-D: exact under the default LeafPolicy
                "s": ((16, 16), "float32")}   # < 1024 elements: exact
+# The exact tree across processes: "big" is at least the gloo transports' own_operand (2**18) and
+# travels as its own all-reduce operand, the other two packed together (300 * 7 + 40 values).
+OWN_TREE_SHAPES = {"big": ((517, 509), "float32"), "mid": ((300, 7), "float32"),
+                   "b": ((40,), "float32")}
 
 # case -> (collective, codec description, axis, op). Axis "flat" is the 1-D mesh "data";
 # "tuple" is ("proc", "local") of the 2-D mesh; "hier" is Hierarchical(inner="local", outer="proc").
@@ -38,6 +43,7 @@ CASES = {
     "fp32": ("allreduce", ("none",), "flat", "mean"),
     "tree_qsgd4": ("allreduce_tree", ("qsgd", 4, "maxmin"), "flat", "mean"),
     "tree_powersgd2": ("allreduce_tree", ("powersgd", 2), "flat", "mean"),
+    "tree_fp32_own": ("allreduce_tree", ("none",), "flat", "mean"),
     "tuple_qsgd4": ("allreduce", ("qsgd", 4, "maxmin"), "tuple", "mean"),
     "hier_qsgd4": ("allreduce", ("qsgd", 4, "maxmin"), "hier", "mean"),
     "hier_fp32": ("allreduce", ("none",), "hier", "mean"),
@@ -68,7 +74,7 @@ def inputs(case: str, g: int, num_devices: int) -> dict[str, np.ndarray]:
     return {"x": draw((AG_LEN,))}
   if kind == "allreduce_tree":
     out = {}
-    for leaf, (shape, dtype) in TREE_SHAPES.items():
+    for leaf, (shape, dtype) in (OWN_TREE_SHAPES if case == "tree_fp32_own" else TREE_SHAPES).items():
       v = draw(shape)
       out[leaf] = v if dtype == "float32" else v.astype(getattr(ml_dtypes, dtype))
     return out
@@ -159,6 +165,10 @@ def main(out_dir: str) -> None:
       counts = {op: text.count(f"stablehlo.{op}") for op in ("collective_permute", "all_to_all")}
       with open(os.path.join(out_dir, f"proc{pid}_hlo.json"), "w") as f:
         json.dump(counts, f)
+    if case == "tree_fp32_own":  # the operands of the compiled all-reduces (test_multiprocess)
+      text = fn.lower(tree).compile().as_text()
+      with open(os.path.join(out_dir, f"proc{pid}_own.json"), "w") as f:
+        json.dump(re.findall(r"= \(?([^=]*?)\)? all-reduce\(", text), f)
     for leaf, arr in out.items():
       for shard in arr.addressable_shards:
         for row, g in enumerate(range(*shard.index[0].indices(d))):

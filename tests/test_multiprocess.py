@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import mp_worker
-from mp_worker import CASES, RS_BLOCK, TREE_SHAPES, inputs
+from mp_worker import CASES, OWN_TREE_SHAPES, RS_BLOCK, TREE_SHAPES, inputs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -178,6 +178,24 @@ def test_allreduce_tree(run):
       tol = tol + 2.0**-8 * np.abs(exact)
     err = np.abs(got - exact)
     assert np.all(err <= tol), f"{case}/{leaf}: max err/tol {np.max(err / tol):.3f}"
+
+
+def test_exact_tree_across_processes_sends_large_leaves_as_their_own_operands(run):
+  """Over gloo the exact path reduces a leaf of at least the transport's own_operand values as its
+  own all-reduce operand and packs the rest: the result is the mean on every device, bit-identical,
+  and the compiled program's operands show the split."""
+  case, d = "tree_fp32_own", run["devices"]
+  for leaf, (shape, _) in OWN_TREE_SHAPES.items():
+    xs = stacked_inputs(run, case, leaf)
+    out = rows(run, case, leaf)
+    assert out.shape == (d,) + shape and out.dtype == np.float32
+    assert_identical_rows(out, f"{case}/{leaf}")
+    np.testing.assert_allclose(out[0], xs.astype(np.float64).mean(0), rtol=1e-6, atol=1e-6)
+  for p in range(run["nproc"]):
+    operands = " ".join(json.loads((run["out"] / f"proc{p}_own.json").read_text()))
+    big = OWN_TREE_SHAPES["big"][0]
+    assert f"f32[{big[0]},{big[1]}]" in operands or f"f32[{big[0] * big[1]}]" in operands, operands
+    assert f"f32[{300 * 7 + 40}]" in operands, operands
 
 
 @pytest.mark.parametrize("case", ["rs_qsgd4", "rs_fp32"])

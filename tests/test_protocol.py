@@ -313,13 +313,17 @@ def test_stateful_transformation_after_accumulating_sync_is_refused():
     qcomm.state_partition_spec(jax.eval_shape(ok.init, params))
 
 
-def test_exact_path_in_one_process_leaves_large_leaves_unpacked():
-  """In one process (no latency per message) NoCompression reduces leaves of at least
-  UNPACKED_LEAF values as their own operands of one psum and packs the small ones: the result is
-  a per-leaf pmean's, bit for bit, on every device, and no large leaf is copied into a buffer."""
-  from jax_qcomm.codecs.cast import UNPACKED_LEAF
+@pytest.mark.parametrize("transport", ["IDEAL", "GLOO_PAIR"])
+def test_exact_path_leaves_the_transports_large_leaves_unpacked(monkeypatch, transport):
+  """NoCompression reduces leaves of at least the transport's ``own_operand`` values as their own
+  operands of one psum and packs the smaller ones: the result is a per-leaf pmean's, bit for bit,
+  on every device, no large leaf is copied into a buffer, and a leaf below the threshold is."""
+  from jax_qcomm import transport as T
+  t = getattr(T, transport)
+  monkeypatch.setattr(T, "current", lambda devices: t)
+  own = t.own_operand
   d = 3
-  params = {"big": jnp.zeros((UNPACKED_LEAF // 128 + 3, 128)), "mid": jnp.zeros((50, 40)),
+  params = {"big": jnp.zeros((own // 128 + 3, 128)), "mid": jnp.zeros((own // 2 // 128, 128)),
             "b": jnp.zeros((7,))}
   grads = _grads(d, 5, params)
   f = lambda fn: jax.jit(jax.shard_map(  # noqa: E731
@@ -334,7 +338,15 @@ def test_exact_path_in_one_process_leaves_large_leaves_unpacked():
     for r in range(d):
       np.testing.assert_array_equal(got[k][r].view(np.uint32), want[k][0].view(np.uint32))
   text = ours.lower(grads).compile().as_text()
-  big = params["big"].size
-  # the big leaf is an operand of the all-reduce as it is (a packed buffer would be longer)
-  shapes = re.findall(r"= \(?([^=]*?)\)? all-reduce\(", text)
-  assert any(f"f32[{big}]" in s for s in shapes), shapes
+  shapes = " ".join(re.findall(r"= \(?([^=]*?)\)? all-reduce\(", text))
+  # the big leaf is an operand as it is; the mid one travels packed with the bias
+  assert f"f32[{params['big'].size}]" in shapes or f"f32[{own // 128 + 3},128]" in shapes, shapes
+  assert f"f32[{params['mid'].size + 7}]" in shapes, shapes
+
+
+def test_transport_own_operand_is_checked():
+  from jax_qcomm import transport as T
+  for bad in (0, -1, 2.5, True, "1"):
+    with pytest.raises(ValueError, match="own_operand must be an int >= 1"):
+      T.Transport(own_operand=bad)
+  assert T.GLOO_PAIR.own_operand > T.IDEAL.own_operand

@@ -62,25 +62,19 @@ class Cast(Codec):
     return _sum_in_order(lax.bitcast_convert_type(wires, self.dtype).astype(jnp.float32))
 
 
-#: Elements from which :class:`NoCompression` leaves a leaf out of the packed buffer where
-#: messages cost no latency (``python -m benchmarks.exact_path``, one process, 8 devices: packing
-#: everything took 0.60x the per-leaf ``pmean`` on a tree of 6k-value leaves but 1.63x on
-#: ResNet-50's 161 leaves; with this rule 0.55x and 1.04x).
-UNPACKED_LEAF = 1 << 15
-
-
 def _shares_the_mark(devices: int) -> bool:
   """Whether the devices split the exact results' finite mark and join it with a scalar psum:
   where messages cost no latency (:func:`jax_qcomm.transport.current`) and there are several."""
   return devices > 1 and _transport.current(devices).latency_s == 0
 
 
-def _on_a_list(parts: Sequence[jax.Array], collective) -> list[jax.Array]:
+def _on_a_list(parts: Sequence[jax.Array], collective, own_operand: int) -> list[jax.Array]:
   """``collective(operands) -> results`` on a list (XLA's float32 collectives take one): every part
-  of at least :data:`UNPACKED_LEAF` values as it is (XLA combines the operands itself; a packed
-  copy would cost two passes over it), the smaller ones packed along their last axis into one
-  operand (many small operands cost more than their copy), split again afterwards."""
-  large = [i for i, x in enumerate(parts) if x.size >= UNPACKED_LEAF]
+  of at least ``own_operand`` values (:attr:`jax_qcomm.transport.Transport.own_operand`) as it is
+  (XLA combines the operands itself; a packed copy would cost two passes over it), the smaller
+  ones packed along their last axis into one operand (many small operands cost more than their
+  copy), split again afterwards."""
+  large = [i for i, x in enumerate(parts) if x.size >= own_operand]
   small = [i for i in range(len(parts)) if i not in large]
   operands = [parts[i] for i in large]
   if small:
@@ -129,15 +123,16 @@ class NoCompression(Codec):
     return out, jnp.zeros_like(x)
 
   def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
-    """Where messages cost no latency (:func:`jax_qcomm.transport.current` says so: one
-    process, NCCL), one ``psum`` of a list: each leaf of at least :data:`UNPACKED_LEAF` values as
-    it is (XLA combines the operands itself; a packed copy would cost two passes over it) and the
-    smaller ones packed into one buffer (many small operands cost more than their copy).
-    Elsewhere (gloo across processes, about 2 ms per message) the whole packed buffer."""
-    if len(parts) < 2 or _transport.current(axis_size(axis_name)).latency_s > 0:
+    """One ``psum`` of a list: each leaf of at least the transport's ``own_operand`` values
+    (:func:`jax_qcomm.transport.current`: 2**15 where messages cost no latency, one process or
+    NCCL; 2**18 over gloo across processes, about 2 ms per operand) as it is (XLA combines the
+    operands itself; a packed copy would cost two passes over it) and the smaller ones packed
+    into one buffer (many small operands cost more than their copy)."""
+    if len(parts) < 2:
       return super().allreduce_leaves(parts, axis_name, key, op, exchange)
     reduce = lambda ops: (lax.pmean if op == "mean" else lax.psum)(ops, axis_name)  # noqa: E731
-    return _on_a_list(parts, reduce), [jnp.zeros_like(x) for x in parts]
+    own = _transport.current(axis_size(axis_name)).own_operand
+    return _on_a_list(parts, reduce, own), [jnp.zeros_like(x) for x in parts]
 
   def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
     """Where messages cost no latency, each device marks its own 1/D of every result (they are
@@ -171,9 +166,11 @@ class NoCompression(Codec):
   def reduce_scatter_leaves(self, chunks, axis_name, key, op="mean", exchange="auto"):
     """Where messages cost no latency, one ``psum_scatter`` of a list of the leaves' chunks
     (scattered along their device axis), as :meth:`allreduce_leaves`: no copy of the large ones,
-    the small ones' rows packed; elsewhere the packed buffer."""
+    the small ones' rows packed; elsewhere the packed buffer (the list is not measured across
+    processes)."""
     d = axis_size(axis_name)
-    if len(chunks) < 2 or _transport.current(d).latency_s > 0:
+    transport = _transport.current(d)
+    if len(chunks) < 2 or transport.latency_s > 0:
       return super().reduce_scatter_leaves(chunks, axis_name, key, op, exchange)
     scale = 1.0 / d if op == "mean" else 1.0
 
@@ -181,16 +178,19 @@ class NoCompression(Codec):
       blocks = lax.psum_scatter(ops, axis_name, scatter_dimension=1, tiled=True)
       return [b * jnp.float32(scale) if scale != 1.0 else b for b in blocks]
 
-    parts = [x if x.size >= UNPACKED_LEAF else _rows_of(x)[None] for x in chunks]
-    return ([b.reshape(-1) for b in _on_a_list(parts, scatter)],
+    own = transport.own_operand
+    parts = [x if x.size >= own else _rows_of(x)[None] for x in chunks]
+    return ([b.reshape(-1) for b in _on_a_list(parts, scatter, own)],
             [jnp.zeros_like(x) for x in chunks])
 
   def all_gather_leaves(self, parts, axis_name, key):
     """Where messages cost no latency, one ``all_gather`` of a list, as :meth:`allreduce_leaves`;
     elsewhere the packed buffer."""
-    if len(parts) < 2 or _transport.current(axis_size(axis_name)).latency_s > 0:
+    transport = _transport.current(axis_size(axis_name))
+    if len(parts) < 2 or transport.latency_s > 0:
       return super().all_gather_leaves(parts, axis_name, key)
-    return _on_a_list(parts, lambda ops: lax.all_gather(ops, axis_name, to="invarying"))
+    return _on_a_list(parts, lambda ops: lax.all_gather(ops, axis_name, to="invarying"),
+                      transport.own_operand)
 
   def traffic(self, n, devices, collective="allreduce"):
     n, d, collective = _check_traffic(n, devices, collective)

@@ -2,14 +2,19 @@
 each run's median, with the lowest and highest; ratios to torch's fp32 DDP of the same runs).
 
     python notebooks/data/sync_guard_2n_1gbit_20261127/summarise.py 1 2 3
+    python notebooks/data/sync_guard_2n_1gbit_20261127/summarise.py OTHER_FOLDER 1 2 3
+
+(the pairs of another folder, made the same way; the torch rows it lacks are left out)
 """
 import json
 import pathlib
 import statistics
 import sys
 
-HERE = pathlib.Path(__file__).parent
-runs = sys.argv[1:] or ["1", "2", "3"]
+args = sys.argv[1:]
+HERE = pathlib.Path(args.pop(0)) if args and pathlib.Path(args[0]).is_dir() else \
+    pathlib.Path(__file__).parent
+runs = args or ["1", "2", "3"]
 torch = [json.load(open(HERE / f"torch_{i}.json"))["rows"] for i in runs]
 jax = [{r["codec"]: r for r in json.load(open(HERE / f"jax_{i}.json"))["rows"]} for i in runs]
 
@@ -22,6 +27,8 @@ def cell(values):
 fp32 = statistics.median(1e3 * t["ddp_fp32"]["median_s"] for t in torch)
 print(f"torch fp32 (median of the runs): {fp32:.1f} ms")
 for name in ("ddp_fp32", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4"):
+  if name not in torch[0]:
+    continue
   m, lo, hi = cell([t[name]["median_s"] for t in torch])
   print(f"{name:14s} {m:7.1f} ({lo:.1f}-{hi:.1f})  {m / fp32:.3f}x  err {torch[0][name]['rel_error']:.3g}")
 for codec in jax[0]:
