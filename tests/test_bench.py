@@ -105,3 +105,25 @@ def test_sharded_bench_json(tmp_path):
     # A difference of two medians: its sign at this tiny size is noise, its definition is not.
     assert r["comm_s"][mode] == pytest.approx(r["update_s"][mode] - r["optimizer_s"][mode])
   assert r["state_bytes_per_device"]["sharded"] < r["state_bytes_per_device"]["replicated"]
+
+
+def test_exact_path_bench_runs(tmp_path):
+  """In one process and across two (the launcher, one device each): every row is printed with a
+  positive finite time, and across processes every threshold's result is the pmean's, bit for bit
+  (the benchmark asserts it before timing)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  one = subprocess.run([sys.executable, "-m", "benchmarks.exact_path", "--trees", "small",
+                        "--rounds", "1"], env=env, capture_output=True, text=True, timeout=300)
+  assert one.returncode == 0, one.stdout + one.stderr
+  ratio = float(one.stdout.split("median ratio")[1].split()[0])
+  assert math.isfinite(ratio) and ratio > 0, one.stdout
+  two = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2",
+                        "--local-devices", "1", "--timeout", "240", "-m", "benchmarks.exact_path",
+                        "--processes", "--trees", "small", "--rounds", "1"],
+                       env=env, capture_output=True, text=True, timeout=300)
+  assert two.returncode == 0, two.stdout + two.stderr
+  rows = [line for line in two.stdout.splitlines() if " median " in line]
+  assert len(rows) == 8, two.stdout  # the transport's rule, 6 thresholds, the per-leaf pmean
+  for line in rows:
+    ms = float(line.split(" median ")[1].split()[0])
+    assert math.isfinite(ms) and ms > 0, line
