@@ -89,6 +89,12 @@ def _on_a_list(parts: Sequence[jax.Array], collective, own_operand: int) -> list
   return outs
 
 
+def _mean_or_sum(sums: Sequence[jax.Array], axis_name, op: str) -> list[jax.Array]:
+  """``sums`` divided by the axis size as ``lax.pmean`` divides (``op="mean"``), or as they are."""
+  d = axis_size(axis_name)
+  return [s / d for s in sums] if op == "mean" else list(sums)
+
+
 @dataclasses.dataclass(frozen=True)
 class NoCompression(Codec):
   """Exact float32. Reduces with XLA's own ``psum`` / ``psum_scatter`` / ``all_gather`` of the
@@ -127,27 +133,34 @@ class NoCompression(Codec):
     (:func:`jax_qcomm.transport.current`: 2**15 where messages cost no latency, one process or
     NCCL; 2**18 over gloo across processes, about 2 ms per operand) as it is (XLA combines the
     operands itself; a packed copy would cost two passes over it) and the smaller ones packed
-    into one buffer (many small operands cost more than their copy)."""
-    if len(parts) < 2:
-      return super().allreduce_leaves(parts, axis_name, key, op, exchange)
-    reduce = lambda ops: (lax.pmean if op == "mean" else lax.psum)(ops, axis_name)  # noqa: E731
+    into one buffer (many small operands cost more than their copy); the mean divides the sums
+    as ``lax.pmean`` does."""
+    return _mean_or_sum(self._sums(parts, axis_name), axis_name, op), \
+        [jnp.zeros_like(x) for x in parts]
+
+  @staticmethod
+  def _sums(parts, axis_name):
     own = _transport.current(axis_size(axis_name)).own_operand
-    return _on_a_list(parts, reduce, own), [jnp.zeros_like(x) for x in parts]
+    return _on_a_list(parts, lambda ops: lax.psum(ops, axis_name), own)
 
   def allreduce_leaves_marked(self, parts, axis_name, key, op="mean", exchange="auto"):
-    """Where messages cost no latency, each device marks its own 1/D of every result (they are
-    the same on every device) and one scalar ``psum`` joins the marks: one pass over the results
-    in all instead of one per device. Elsewhere the default (each device reads them all; a
-    message would cost more than the pass)."""
-    outs, lost = self.allreduce_leaves(parts, axis_name, key, op, exchange)
+    """The mark is read from the sums, before the mean's division (finite exactly where the
+    means are): the division then fuses into the results' consumers rather than being written
+    out for the mark's reduction (XLA:CPU does not fuse it into that reduction). Where messages
+    cost no latency, each device marks its own 1/D of every sum (they are the same on every
+    device) and one scalar ``psum`` joins the marks: one pass over the results in all instead of
+    one per device. Elsewhere each device reads them all (a message would cost more than the
+    pass)."""
+    sums = self._sums(parts, axis_name)
+    outs, lost = _mean_or_sum(sums, axis_name, op), [jnp.zeros_like(x) for x in parts]
     d = axis_size(axis_name)
     if not _shares_the_mark(d):
-      return outs, lost, nonfinite_mark(outs)
+      return outs, lost, nonfinite_mark(sums)
     index = lax.axis_index(axis_name)
     mine = []
-    for out in outs:
-      chunk = -(-out.shape[0] // d)  # a last slice that would overrun starts earlier (clamped)
-      mine.append(lax.dynamic_slice_in_dim(out, index * chunk, chunk) if chunk else out)
+    for total in sums:
+      chunk = -(-total.shape[0] // d)  # a last slice that would overrun starts earlier (clamped)
+      mine.append(lax.dynamic_slice_in_dim(total, index * chunk, chunk) if chunk else total)
     return outs, lost, lax.psum(nonfinite_mark(mine), axis_name)
 
   def mark_traffic(self, devices):
