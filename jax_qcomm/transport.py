@@ -90,10 +90,10 @@ class Transport:
 
 #: XLA's CPU collectives over gloo between two processes: the all-reduce at the link rate, the
 #: exchange, all-gather and reduce-scatter at about half of it (measured, 2 nodes, 1 Gbit/s).
-#: ``own_operand``: ResNet-50's exact all-reduce took 889-897 ms with its leaves of 2**18 values
-#: and more as their own operands, against 909-921 ms for every leaf packed, 894-919 ms from
-#: 2**15 or 2**16 and 903-915 ms from 2**20 to 2**22 (``python -m benchmarks.exact_path
-#: --processes``, docs/benchmarks.md "The exact path across processes").
+#: ``own_operand``: with ResNet-50's leaves of 2**18 values and more as their own operands, its
+#: exact all-reduce and ``sync(bits=32)``'s update took 0-2.5% less than with every leaf packed,
+#: the least of the thresholds from 2**15 to 2**22, or within 1% of it, in five runs (``python -m
+#: benchmarks.exact_path --processes``; docs/benchmarks.md "The exact path", "Across processes").
 GLOO_PAIR = Transport(allreduce=1.05, all_to_all=1.86, all_gather=1.33, reduce_scatter=1.88,
                       latency_s=1.9e-3, own_operand=1 << 18)
 
@@ -106,7 +106,7 @@ GLOO = Transport(allreduce=1.09, all_to_all=1.13, all_gather=1.08, reduce_scatte
 #: Every collective at the link rate, full duplex: NCCL's rings on paper, a single process.
 #: ``own_operand`` 2**15, measured in one process on 8 devices (``python -m benchmarks.exact_path``:
 #: every leaf packed took 0.60x the per-leaf ``pmean`` on a tree of 6k-value leaves but 1.63x on
-#: ResNet-50's 161 leaves; with this rule 0.55x and 1.04x).
+#: ResNet-50's 161 leaves; with this rule 0.56x and 1.06x).
 IDEAL = Transport()
 
 
