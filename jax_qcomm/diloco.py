@@ -95,6 +95,13 @@ class DiLoCoConfig:
     return self.every * self.inner_accum_steps
 
   @property
+  def uses_mark(self) -> bool:
+    """Whether the outer guard is the codecs' mark (Codec.allreduce_leaves_marked), so that
+    describe counts what the mark sends (Codec.mark_traffic): without a delay. A delayed mean is
+    checked when it arrives, by a pass over it."""
+    return self.delay == 0
+
+  @property
   def sync_calls(self) -> int:
     """Calls between two synchronisations: a round, or with fragments a round / ``fragments``
     (each synchronisation then carries one fragment)."""
@@ -401,11 +408,13 @@ class _DiLoCo:
         treedef = jax.tree_util.tree_structure(params)
         delta_leaves = jax.tree_util.tree_leaves(delta)
         delta = {paths[i]: delta_leaves[i] for i in group}
-      mean, lost = collectives.allreduce(
+      # The codecs' mark of the mean (Codec.allreduce_leaves_marked), as sync's guard: from a
+      # codec's own bound where it holds one, without another pass over the mean. The mean is
+      # bit-identical on every replica, and so is the mark, so this decision is too.
+      mean, lost, _, mark = collectives.allreduce_tree(
           delta, _comm_axis(cfg), cfg.codec, sub, "mean", policy=cfg.policy,
-          comm_bucket_size=cfg.comm_bucket_size, return_residual=True, check_varying=False)
-      # The mean is bit-identical on every replica, so this decision is too.
-      finite = _parts.all_finite(mean)
+          comm_bucket_size=cfg.comm_bucket_size)
+      finite = jnp.isfinite(mark)
       if group is None:
         outer_updates, outer_state = self.outer.update(mean, state.outer_opt_state, anchor)
         new_outer = _parts.keep_if_finite(finite, outer_state, state.outer_opt_state)
