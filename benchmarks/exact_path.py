@@ -51,14 +51,15 @@ def _shapes(tree: str) -> list:
   return {"small": SMALL, "many": RESNET_LIKE, "large": LARGE}[tree]
 
 
+def _call_ms(f, *args) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  return 1e3 * (time.perf_counter() - t0)
+
+
 def median_ms(f, *args, n: int = 15) -> float:
   jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
+  return float(np.median([_call_ms(f, *args) for _ in range(n)]))
 
 
 #: The thresholds ``--processes`` times besides the transport's own (``packed``: none travels alone).
@@ -141,12 +142,6 @@ def run_processes(name: str, shapes: list, rounds: int) -> None:
       row = label if label in ("transport's", "per-leaf pmean") else f"own_operand {label}"
       print(f"{row:<22} median {np.median(ts):8.2f} ms   rounds "
             + " ".join(f"{t:.1f}" for t in ts))
-
-
-def _call_ms(f, *args) -> float:
-  t0 = time.perf_counter()
-  jax.block_until_ready(f(*args))
-  return 1e3 * (time.perf_counter() - t0)
 
 
 def run(name: str, shapes: list, rounds: int = 3, calls: int = 15) -> None:
