@@ -1,5 +1,6 @@
 """The runner on the first local device (a GPU where there is one): ``qcomm.sync`` (QSGD 4, Auto 4,
-sharded, accumulating) and ``qcomm.diloco`` (QSGD 4, TopK with error feedback, two fragments) train
+sharded, accumulating, the exact path, Wire16, PowerSGD) and ``qcomm.diloco`` (QSGD 4, TopK with
+error feedback, two fragments, a one-round delay, the default outer optimizer) train
 a linear regression for 30 steps; each line says OK when every loss is finite and the last is
 under half the first. docs/cuda.md records a run.
 """
@@ -31,12 +32,18 @@ def main() -> int:
       "sync auto4": qcomm.sync(optax.adam(3e-2), bits=4),
       "sync auto4 sharded": qcomm.sync(optax.adam(3e-2), bits=4, shard_state=True),
       "sync QSGD4 accum2": qcomm.sync(optax.adam(3e-2), codec=qcomm.QSGD(4), accum_steps=2),
+      "sync bits=32": qcomm.sync(optax.adam(3e-2), bits=32),
+      "sync bits=16": qcomm.sync(optax.adam(3e-2), bits=16),
+      "sync PowerSGD1": qcomm.sync(optax.adam(3e-2), codec=qcomm.PowerSGD(1)),
       "diloco QSGD4": qcomm.diloco(optax.adam(3e-2), axis_name="data", every=5,
                                    codec=qcomm.QSGD(4)),
       "diloco TopK EF": qcomm.diloco(optax.adam(3e-2), axis_name="data", every=5,
                                      codec=qcomm.TopK(0.1, bits=2), error_feedback=True),
       "diloco 2 fragments": qcomm.diloco(optax.adam(3e-2), axis_name="data", every=6,
                                          fragments=2, codec=qcomm.QSGD(4)),
+      "diloco delay=1": qcomm.diloco(optax.adam(3e-2), axis_name="data", every=5,
+                                     codec=qcomm.QSGD(4), delay=1),
+      "diloco default outer": qcomm.diloco(optax.adam(3e-2), axis_name="data", every=5),
   }
   failures = 0
   for name, tx in cases.items():
