@@ -344,6 +344,35 @@ def test_exact_path_leaves_the_transports_large_leaves_unpacked(monkeypatch, tra
   assert f"f32[{params['mid'].size + 7}]" in shapes, shapes
 
 
+@pytest.mark.parametrize("transport", ["IDEAL", "GLOO_PAIR"])
+def test_exact_reduce_scatter_divides_as_pmean(monkeypatch, transport):
+  """NoCompression's reduce-scatter (a list of operands without latency, the packed buffer with
+  it) gives each device its block of the sums divided by D as ``lax.pmean`` divides: the same bits
+  as the replicated exact path's mean, at a D that is not a power of two."""
+  from jax_qcomm import transport as T
+  t = getattr(T, transport)
+  monkeypatch.setattr(T, "current", lambda devices: t)
+  d = 3
+  shapes = [(2, d, t.own_operand // 2 + 5), (1, d, 11), (3, d, 4)]
+  rng = np.random.default_rng(0)
+  chunks = [rng.standard_normal((d,) + s).astype(np.float32) for s in shapes]
+
+  def run(*xs):
+    xs = [x[0] for x in xs]
+    blocks, _ = qcomm.NoCompression().reduce_scatter_leaves(xs, AX, None, "mean")
+    j = lax.axis_index(AX)
+    want = [lax.dynamic_index_in_dim(lax.pmean(x, AX), j, 1, keepdims=False).reshape(-1)
+            for x in xs]
+    return [b[None] for b in blocks], [w[None] for w in want]
+
+  got, want = jax.jit(jax.shard_map(run, mesh=_mesh(d), in_specs=P(AX),
+                                    out_specs=P(AX)))(*chunks)
+  for g, w in zip(got, want):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.shape == w.shape
+    np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
 def test_transport_own_operand_is_checked():
   from jax_qcomm import transport as T
   for bad in (0, -1, 2.5, True, "1"):

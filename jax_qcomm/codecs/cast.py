@@ -169,9 +169,7 @@ class NoCompression(Codec):
 
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
     block = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    if op == "mean":
-      block = block / axis_size(axis_name)
-    return block, jnp.zeros_like(x)
+    return _mean_or_sum([block], axis_name, op)[0], jnp.zeros_like(x)
 
   def all_gather_flat(self, x, axis_name, key):
     return lax.all_gather(x, axis_name, to="invarying")
@@ -185,11 +183,10 @@ class NoCompression(Codec):
     transport = _transport.current(d)
     if len(chunks) < 2 or transport.latency_s > 0:
       return super().reduce_scatter_leaves(chunks, axis_name, key, op, exchange)
-    scale = 1.0 / d if op == "mean" else 1.0
 
     def scatter(ops):
-      blocks = lax.psum_scatter(ops, axis_name, scatter_dimension=1, tiled=True)
-      return [b * jnp.float32(scale) if scale != 1.0 else b for b in blocks]
+      return _mean_or_sum(lax.psum_scatter(ops, axis_name, scatter_dimension=1, tiled=True),
+                          axis_name, op)
 
     own = transport.own_operand
     parts = [x if x.size >= own else _rows_of(x)[None] for x in chunks]
