@@ -10,7 +10,9 @@ launcher's ``MALLOC_*`` tuning, as under torchrun). The venv, from the CPU wheel
 (``pip install torch`` would pick 2.14.1, a CUDA build)::
 
     python3.11 -m venv /work/torchenv
-    /work/torchenv/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+    /work/torchenv/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl numpy
+
+(numpy: torch's PowerSGD hook imports it when its state is made.)
 
 It joins a gloo group from the launcher's environment (``QCOMM_COORDINATOR`` host:port of node 0,
 ``QCOMM_NUM_PROCESSES``, ``QCOMM_PROCESS_ID``, gloo on ``QCOMM_GLOO_INTERFACE``), or from
