@@ -4,7 +4,10 @@ each run's median, with the lowest and highest; ratios to torch's fp32 DDP of th
     python notebooks/data/sync_guard_2n_1gbit_20261127/summarise.py 1 2 3
     python notebooks/data/sync_guard_2n_1gbit_20261127/summarise.py OTHER_FOLDER 1 2 3
 
-(the pairs of another folder, made the same way; the torch rows it lacks are left out)
+(the pairs of another folder, made the same way; the torch rows it lacks are left out). PowerSGD's
+error grows by the step on a fixed gradient (error feedback, warm start), so beside each of ours
+(read at the call after its timed ones) torch's is given at the same compressed step, where its
+run had that many.
 """
 import json
 import pathlib
@@ -31,6 +34,16 @@ for name in ("ddp_fp32", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4"):
     continue
   m, lo, hi = cell([t[name]["median_s"] for t in torch])
   print(f"{name:14s} {m:7.1f} ({lo:.1f}-{hi:.1f})  {m / fp32:.3f}x  err {torch[0][name]['rel_error']:.3g}")
+
+
+def torch_error_at(name, call):
+  """torch's error at its ``call``-th compressed step (None where its run stopped earlier)."""
+  row = torch[0].get(name, {})
+  steps, start = row.get("rel_error_steps", []), row.get("start_powerSGD_iter")
+  k = None if start is None else start + call - 1
+  return steps[k] if k is not None and k < len(steps) else None
+
+
 for codec in jax[0]:
   s = cell([j[codec]["sync_median_s"] for j in jax])
   c = cell([j[codec]["sync_comm_median_s"] for j in jax])
@@ -41,3 +54,8 @@ for codec in jax[0]:
         f"{c[0]:7.1f} ({c[1]:.1f}-{c[2]:.1f}) {c[0] / fp32:.3f}x | allreduce {a[0]:7.1f} "
         f"{a[0] / fp32:.3f}x | local {loc[0]:5.1f} | sync/allreduce {ratio:.3f} | "
         f"err {jax[0][codec]['sync_rel_error']:.3g} | {jax[0][codec]['runs']}")
+  if codec.startswith("powersgd"):
+    call = jax[0][codec]["sync_calls_before_error"] + 1
+    err = torch_error_at("ddp_" + codec, call)
+    print(f"{'':10s} torch's error at its compressed step {call}: "
+          + ("not in its run" if err is None else f"{err:.3g}"))
