@@ -13,6 +13,8 @@ MODES = ("replicated", "same_codec", "sharded")
 def main():
   for g in (4, 8):
     runs = [json.loads(p.read_text())["result"] for p in sorted(HERE.glob(f"g{g}_*.json"))]
+    if not runs:  # a folder may hold one width only
+      continue
     med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
     print(f"{g}-bit differences, {len(runs)} runs; codecs: {runs[0]['codecs']}")
     for m in MODES:
