@@ -85,7 +85,7 @@ def test_exact_sharded_equals_replicated(d, accum):
   kw = dict(axis_name=AX, codec=qcomm.NoCompression(), accum_steps=accum)
   want, _ = _train(qcomm.sync(_inner(), **kw), d, 6)
   got, state = _train(qcomm.sync(_inner(), shard_state=True, gather_codec=qcomm.NoCompression(),
-                                 **kw), d, 6)
+                                 **kw), d, 6, check_identical=True)
   for k in PARAMS:
     np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-6, atol=2e-7)
   assert isinstance(state, qcomm.ShardedSyncState)
