@@ -17,6 +17,9 @@ Patterns (p = ``--row-bytes``, D devices):
   bytes; on CPU it runs at the same rate per byte as float32, see docs/benchmarks.md);
 * ``psum_scatter``: ``lax.psum_scatter`` of uint8[D, p], XLA's reduce-scatter (a ring: each
   device sends (D-1) p bytes);
+* ``exchange``, ``gather``, ``scatter_sum``: the library's all-to-all, all-gather and
+  reduce-scatter (``jax_qcomm._exchange``) as it sends them: rounds on CPU across processes, and
+  rows in pieces where the transport bounds a message (two processes over gloo);
 * ``shift<s>``: one ``lax.ppermute`` of uint8[p], device i to i+s (``shift2`` at D = 4 is made of
   swaps: 0<->2, 1<->3);
 * ``cycle<t>`` (D = 4 only): one ppermute along the t-th Hamiltonian cycle of the rounds schedule.
@@ -44,13 +47,15 @@ from benchmarks import _common
 
 DEFAULT_OUT = "bench-results/patterns.json"
 DEFAULT_PATTERNS = ("all_to_all", "rounds", "all_gather", "shift1", "shift2")
-_PATTERN = re.compile(r"all_to_all|rounds|all_gather|psum_scatter|psum|shift[1-9][0-9]*|cycle[0-5]")
+_PATTERN = re.compile(r"all_to_all|rounds|all_gather|psum_scatter|psum|exchange|gather|scatter_sum|"
+                      r"shift[1-9][0-9]*|cycle[0-5]")
 
 
 def _pattern(text: str) -> str:
   if not _PATTERN.fullmatch(text):
     raise argparse.ArgumentTypeError(
-        f"expected all_to_all, rounds, all_gather, psum, psum_scatter, shift<s> or cycle<0-5>, "
+        f"expected all_to_all, rounds, all_gather, psum, psum_scatter, exchange, gather, "
+        f"scatter_sum, shift<s> or cycle<0-5>, "
         f"got {text!r}")
   return text
 
@@ -82,6 +87,12 @@ def _fn(pattern: str, mesh) -> tuple[Callable, int]:
     body, rows = (lambda a: lax.psum(a[0], "data")), 2 * (d - 1) / d
   elif pattern == "psum_scatter":  # XLA's reduce-scatter of [D, p]: a ring sends D-1 rows of p
     body, rows = (lambda a: lax.psum_scatter(a, "data", scatter_dimension=0, tiled=True)[0]), d - 1
+  elif pattern == "exchange":  # the library's all-to-all: rounds on CPU, in the transport's pieces
+    body, rows = (lambda a: _exchange.exchange(a, "data")), d - 1
+  elif pattern == "gather":
+    body, rows = (lambda a: _exchange.gather(a[0], "data")), d - 1
+  elif pattern == "scatter_sum":
+    body, rows = (lambda a: _exchange.scatter_sum(a.reshape(-1), "data")), d - 1
   else:
     if pattern.startswith("cycle"):
       if d != 4:

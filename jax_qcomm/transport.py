@@ -55,7 +55,10 @@ class Transport:
   seconds each message adds. ``own_operand`` is the number of values from which an exact float32
   leaf is reduced as its own operand of a collective instead of being copied into a packed buffer
   (:class:`jax_qcomm.NoCompression`): an operand costs about a message's latency, a copy two
-  passes over the leaf. ``python -m benchmarks.model`` measures the factors on a cluster.
+  passes over the leaf. ``message_bytes`` is the most bytes one message of an exchange,
+  all-gather or reduce-scatter carries (:mod:`jax_qcomm._exchange`): a longer row travels as
+  pieces of at most this size, one collective each (None: whole rows). ``python -m
+  benchmarks.model`` measures the factors on a cluster.
   """
   allreduce: float = 1.0
   all_to_all: float = 1.0
@@ -63,6 +66,7 @@ class Transport:
   reduce_scatter: float = 1.0
   latency_s: float = 0.0
   own_operand: int = 1 << 15
+  message_bytes: int | None = None
 
   def __post_init__(self):
     for name in ("allreduce", "all_to_all", "all_gather", "reduce_scatter"):
@@ -71,6 +75,10 @@ class Transport:
     if (isinstance(self.own_operand, bool) or not isinstance(self.own_operand, int)
         or self.own_operand < 1):
       raise ValueError(f"own_operand must be an int >= 1, got {self.own_operand!r}")
+    if self.message_bytes is not None and (
+        isinstance(self.message_bytes, bool) or not isinstance(self.message_bytes, int)
+        or self.message_bytes < 1):
+      raise ValueError(f"message_bytes must be None or an int >= 1, got {self.message_bytes!r}")
 
   def factor(self, collective: str) -> float:
     """The factor of an XLA collective named as :meth:`jax_qcomm.Codec.traffic` names it
@@ -94,8 +102,8 @@ class Transport:
 #: exact all-reduce and ``sync(bits=32)``'s update took 0-2.5% less than with every leaf packed,
 #: the least of the thresholds from 2**15 to 2**22, or within 1% of it, in five runs (``python -m
 #: benchmarks.exact_path --processes``; docs/benchmarks.md "The exact path", "Across processes").
-GLOO_PAIR = Transport(allreduce=1.05, all_to_all=1.86, all_gather=1.33, reduce_scatter=1.88,
-                      latency_s=1.9e-3, own_operand=1 << 18)
+GLOO_PAIR = Transport(allreduce=1.05, all_to_all=1.15, all_gather=1.08, reduce_scatter=1.24,
+                      latency_s=1.9e-3, own_operand=1 << 18, message_bytes=1 << 20)
 
 #: XLA's CPU collectives over gloo among three or more processes: all near the link rate but the
 #: reduce-scatter (measured, 3 and 4 nodes, 1 Gbit/s). ``own_operand`` is the pair's: the same

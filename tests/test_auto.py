@@ -20,8 +20,9 @@ from jax_qcomm import transport as T
 
 from tests.test_protocol import AX, PARAMS, _grads, _mesh, _sync_step, hlo_sent_bytes
 
-#: A transport on which the all-reduce is the cheap collective (gloo between two processes, made
-#: stronger), so that Summable wins at every D the tests use.
+#: A transport on which the all-reduce is the cheap collective (gloo between two processes before
+#: its messages were cut into pieces, made stronger), so that Summable wins at every D the tests
+#: use.
 CHEAP_PSUM = T.Transport(allreduce=1.0, all_to_all=4.0, all_gather=4.0, reduce_scatter=4.0)
 
 
@@ -32,15 +33,15 @@ def _use(monkeypatch, transport: T.Transport) -> None:
 def test_the_rule_on_the_measured_transports():
   for bits in range(3, 9):
     a = qcomm.Auto(bits)
-    # gloo between two processes: the one all-reduce beats the half-rate exchange + all-gather
-    assert a.resolve(2, transport=T.GLOO_PAIR) == qcomm.Summable(bits)
-    # gloo from three processes and the ideal transport: QSGD's fewer bytes win
-    for d in (3, 4, 8, 64):
+    # gloo with the exchange and all-gather in pieces near the link rate, from two processes up,
+    # and the ideal transport: QSGD's fewer bytes win
+    for d in (2, 3, 4, 8, 64):
       assert a.resolve(d, transport=T.GLOO) == qcomm.QSGD(bits), (bits, d)
     for d in (2, 3, 8, 64):
       assert a.resolve(d, transport=T.IDEAL) == qcomm.QSGD(bits), (bits, d)
-    # a reduce-scatter over gloo runs at the exchange's rate: QSGD's fewer bytes again
     assert a.resolve(2, "reduce_scatter", T.GLOO_PAIR) == qcomm.QSGD(bits)
+    # where the all-reduce is much the cheapest collective, Summable's one all-reduce wins
+    assert a.resolve(2, transport=CHEAP_PSUM) == qcomm.Summable(bits)
   # 1 and 2 bits have one candidate; one device sends nothing, and QSGD wins the tie
   assert qcomm.Auto(1).resolve(2, transport=CHEAP_PSUM) == qcomm.QSGD(1, 64)
   assert qcomm.Auto(2).candidates == (qcomm.QSGD(2, 64),)  # bucket 64 at 1 and 2 bits
@@ -162,5 +163,5 @@ def test_the_rule_table_runs(capsys):
   from benchmarks import auto_rule
   assert auto_rule.main(["--bits", "4", "--devices", "2", "3"]) == 0
   out = capsys.readouterr().out
-  assert "| 4 | 2 | gloo |" in out and out.count("Summable |") == 1  # only D = 2 over gloo
+  assert "| 4 | 2 | gloo |" in out and out.count("| QSGD |") == 4  # every D, both transports
   assert "| 4 | 8 x 8 |" in out

@@ -402,7 +402,7 @@ class Codec(abc.ABC):
     received = _exchange.exchange(payloads, axis_name, exchange)  # row s: my chunk from device s
     scale = 1.0 / d if op == "mean" else 1.0
     mine = self.wire_decode_sum_reencode(received, c, device_key(key, axis_name, 1), scale)
-    gathered = lax.all_gather(mine, axis_name, to="invarying")  # [D, W], the same everywhere
+    gathered = _exchange.gather(mine, axis_name)  # [D, W], the same everywhere
     return self._decode_rows(gathered, c).reshape(-1)[:n], residual[:n], gathered, c
 
   def allreduce_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
@@ -449,7 +449,7 @@ class Codec(abc.ABC):
                       key: jax.Array | None) -> jax.Array:
     """float[m] -> float32[D, m]: every device's payload, decoded (the SRA's second half)."""
     payload = self.wire_encode(x.astype(jnp.float32), device_key(key, axis_name, 0))
-    gathered = lax.all_gather(payload, axis_name, to="invarying")
+    gathered = _exchange.gather(payload, axis_name)
     return self._decode_rows(gathered, x.shape[0])
 
   def reduce_scatter_leaves(self, chunks: Sequence[jax.Array], axis_name: AxisName,
@@ -509,7 +509,7 @@ class Codec(abc.ABC):
     k = device_key(key, axis_name, 0)
     payloads = [self.wire_encode(x.astype(jnp.float32), None if k is None else
                                  jax.random.fold_in(k, i))[None] for i, x in enumerate(parts)]
-    gathered = lax.all_gather(_concat_rows(payloads)[0], axis_name, to="invarying")
+    gathered = _exchange.gather(_concat_rows(payloads)[0], axis_name)
     return [self._decode_rows(g, x.shape[0])
             for x, g in zip(parts, _split_payloads(gathered, payloads))]
 

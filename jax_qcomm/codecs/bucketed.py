@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _selftest, wire
+from jax_qcomm import _exchange, _selftest, wire
 from jax_qcomm.axes import axis_size, device_key
 from jax_qcomm.codecs.base import (IMPLS, Codec, _check_traffic, _pad_to, _ring, bounded_mark,
                                    concat_leaves, nonfinite_mark, seed_words,
@@ -167,7 +167,7 @@ class _SummedFields(_Bucketed):
     keys = None if row_key is None else jax.random.split(row_key, d)
     words = jax.vmap(lambda r, sh, k: self._fields(r, sh, k, d),
                      in_axes=(0, 0, None if keys is None else 0))(rows_p, shared, keys)
-    mine = lax.psum_scatter(words, axis_name, scatter_dimension=0, tiled=True)[0]
+    mine = _exchange.scatter_sum(words.reshape(-1), axis_name)
     own = lax.dynamic_index_in_dim(shared, lax.axis_index(axis_name), keepdims=False)
     block = self._unfields(mine, own, d, d, m, 1.0 / d if op == "mean" else 1.0)
     mine_decoded = jax.vmap(lambda w, sh: self._unfields(w, sh, d, 1, m))(words, shared)

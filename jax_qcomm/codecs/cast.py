@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import transport as _transport
+from jax_qcomm import _exchange, transport as _transport
 from jax_qcomm._checks import check_int
 from jax_qcomm.axes import axis_size
 from jax_qcomm.codecs.base import (Codec, _check_traffic, _ring, _rows_of, _sum_in_order,
@@ -168,11 +168,11 @@ class NoCompression(Codec):
     return (("all-reduce", _ring(devices, 4)),) if _shares_the_mark(devices) else ()
 
   def reduce_scatter_flat(self, x, axis_name, key, op="mean", exchange="auto"):
-    block = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+    block = _exchange.scatter_sum(x, axis_name)
     return _mean_or_sum([block], axis_name, op)[0], jnp.zeros_like(x)
 
   def all_gather_flat(self, x, axis_name, key):
-    return lax.all_gather(x, axis_name, to="invarying")
+    return _exchange.gather(x, axis_name)
 
   def reduce_scatter_leaves(self, chunks, axis_name, key, op="mean", exchange="auto"):
     """Where messages cost no latency, one ``psum_scatter`` of a list of the leaves' chunks

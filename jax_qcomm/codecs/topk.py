@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_qcomm import _exchange
 from jax_qcomm._checks import check_int, check_real
 from jax_qcomm.axes import AxisName, axis_size
 from jax_qcomm.codecs.base import Codec, _check_traffic, _pad_to, _sum_in_order
@@ -187,7 +188,7 @@ class TopK(Codec):
     d = axis_size(axis_name)
     payload = self.wire_encode(x, None)
     residual = x - self._decode_one(payload, n)
-    gathered = lax.all_gather(payload, axis_name, to="invarying")  # [D, P], the same everywhere
+    gathered = _exchange.gather(payload, axis_name)  # [D, P], the same everywhere
     out = self.wire_decode_sum(gathered, n)
     if op == "mean":
       out = out * jnp.float32(1.0 / d)
