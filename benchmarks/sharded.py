@@ -6,7 +6,7 @@ on a ``data`` axis of all devices (of all processes under the launcher), a diffe
 every device, Adam inside::
 
     python -m benchmarks sharded --devices 2
-    python -m benchmarks cluster --nodes 2 --rate 1gbit -- sharded [--gather-bits 8]
+    python -m benchmarks cluster --nodes 2 --rate 1gbit -- sharded [--gather-bits 8] [--comm-bucket N]
 
 Five jitted calls, each ``update`` then ``optax.apply_updates`` with the state threaded (donated),
 timed in interleaved rounds (median of ``--repeats``; across processes, call i takes the slowest
@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--devices", type=int, default=None,
                       help="host devices of a single process (default: 2); under the launcher, "
                            "devices per process")
+  parser.add_argument("--comm-bucket", type=int, default=None, metavar="N",
+                      help="comm_bucket_size of every sync (per row when sharded; default: the "
+                           "codecs' own comm_buffer_size)")
   parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
 
 
@@ -160,12 +163,14 @@ def run(args: argparse.Namespace, mesh) -> dict[str, Any]:
   adam = optax.adam(1e-3)
   gather = (None if args.gather_bits is None
             else qcomm.QSGD(args.gather_bits, rounding="nearest"))
-  txs = {"replicated": qcomm.sync(adam, bits=args.bits),
-         "sharded": qcomm.sync(adam, bits=args.bits, shard_state=True, gather_codec=gather)}
+  bound = dict(comm_bucket_size=args.comm_bucket)
+  txs = {"replicated": qcomm.sync(adam, bits=args.bits, **bound),
+         "sharded": qcomm.sync(adam, bits=args.bits, shard_state=True, gather_codec=gather,
+                               **bound)}
   # The replicated sync with the codec the sharded reduce-scatter runs: the same collectives
   # (an all-to-all and an all-gather of QSGD payloads), the same bytes with 4-bit differences.
   txs["same_codec"] = qcomm.sync(adam, codec=config_of(txs["sharded"]).codec.resolve(
-      d, "reduce_scatter"))
+      d, "reduce_scatter"), **bound)
   layout = Layout.of([tuple(s.shape) for s in jax.tree_util.tree_leaves(shapes)], d,
                      [qcomm.NoCompression()] * len(jax.tree_util.tree_leaves(shapes)), 1 << 30)
   shard_shapes = jax.tree_util.tree_unflatten(
@@ -186,6 +191,7 @@ def run(args: argparse.Namespace, mesh) -> dict[str, Any]:
           "same_codec": t["same_codec"] - t["adam"]}
   result = dict(
       payload=args.payload, parameters=n, leaves=len(layout.leaves), devices=d,
+      comm_bucket_size=args.comm_bucket,
       processes=jax.process_count(), bits=args.bits,
       codecs={name: _codec_names(tx, d) for name, tx in txs.items()},
       timings={name: timings[name].as_dict() for name in MODES},
@@ -211,6 +217,7 @@ def _codec_names(tx, devices: int) -> str:
 
 
 def format_result(r: dict[str, Any], meta: dict[str, Any]) -> str:
+  buffers = r.get("comm_bucket_size") or "the codecs' own"
   ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
   label = {"replicated": "replicated", "sharded": "sharded",
            "same_codec": "replicated, the reduce-scatter's codec"}
@@ -226,7 +233,7 @@ def format_result(r: dict[str, Any], meta: dict[str, Any]) -> str:
   return "\n".join([
       f"sharded vs replicated sync: {r['payload']} ({r['parameters']:,} params), bits="
       f"{r['bits']}: replicated {r['codecs']['replicated']}; sharded {r['codecs']['sharded']}; "
-      f"same codec {r['codecs']['same_codec']}; "
+      f"same codec {r['codecs']['same_codec']}; buffers {buffers}; "
       f"D={r['devices']} in {r['processes']} process(es)  |  {_common.machine_line(meta)}", "",
       _common.format_table(head, rows, align="l" + "r" * (len(head) - 1)), "",
       f"median of {meta['config']['repeats']} interleaved rounds after {meta['config']['warmup']} "
@@ -245,7 +252,10 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   single = args.devices is None and not distributed.under_launcher()
   _common.init_devices(2 if single else args.devices)
   mesh, meta = _common.mesh_and_metadata("sharded", command)
+  if args.comm_bucket is not None and args.comm_bucket < 1:
+    raise SystemExit(f"--comm-bucket must be a positive integer, got {args.comm_bucket}")
   meta["config"] = dict(payload=args.payload, bits=args.bits, gather_bits=args.gather_bits,
+                        comm_bucket=args.comm_bucket,
                         repeats=args.repeats, warmup=args.warmup, optimizer="adam(1e-3)")
   result = run(args, mesh)
   if jax.process_index() == 0:

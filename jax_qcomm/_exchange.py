@@ -33,12 +33,12 @@ and every replica's result are unchanged by the choice.
 
 **Pieces.** Where the transport bounds a message (:attr:`jax_qcomm.transport.Transport.
 message_bytes`: two processes over gloo), each of the three runs as one collective per piece of
-the rows, in order, each piece at most that many bytes per row. Between two processes every
+the rows, each piece at most that many bytes per row. Between two processes every
 message of these collectives is a swap, and gloo moves a swap of large messages at about half the
-link rate, but of messages up to about 0.5 MB at close to it (the simulated 1 Gbit/s cluster, 2
+link rate, but of messages up to about 1 MB at close to it (the simulated 1 Gbit/s cluster, 2
 nodes, a 14 MB swap: whole 2.07x the link floor, pieces of 2 MB 1.66x, 1 MB 1.18x, 0.5 MB
-1.08-1.11x, 0.25 MB 1.35-1.57x; the all-gather whole 1.52x, 0.5 MB 1.11x; the reduce-scatter whole
-2.07x, 0.5 MB 1.08x). From three processes the rounds are not swaps and pieces changed nothing
+1.08-1.11x, 0.25 MB 1.35-1.57x; the all-gather whole 1.52x, 1 MB 1.07x; the reduce-scatter whole
+2.07x, 1 MB 1.20x). From three processes the rounds are not swaps and pieces changed nothing
 (3 nodes, 6 MB rows: 1.14-1.17x at every piece size), so :data:`jax_qcomm.transport.GLOO` sends
 whole rows. Pieces change no value: each is the same collective on a slice.
 """

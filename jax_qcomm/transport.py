@@ -4,22 +4,23 @@ A :class:`Transport` is what :class:`jax_qcomm.Auto` weighs the candidate codecs
 what the cost model (:mod:`jax_qcomm.tools.efficiency`) turns bytes into seconds with. Each factor
 multiplies the link-floor time of the bytes a collective carries (1.0: at the link rate). Measured
 on the simulated cluster (one process per node, 1 Gbit/s links; ``python -m benchmarks cluster
---nodes N --rate 1gbit -- patterns --patterns psum psum_scatter all_to_all rounds all_gather``,
-docs/benchmarks.md "Transport factors"); the all-to-all is the ppermute rounds that the library
-runs on CPU across processes (``jax_qcomm._exchange``):
+--nodes N --rate 1gbit -- patterns``, docs/benchmarks.md "Transport factors"), each collective as
+the library sends it (``jax_qcomm._exchange``): the all-to-all as ppermute rounds on CPU across
+processes, and between two processes the all-to-all, all-gather and reduce-scatter in pieces of
+at most ``message_bytes``:
 
-==============  ==========  ==========  ==========  ==============
-transport       all-reduce  all-to-all  all-gather  reduce-scatter
-==============  ==========  ==========  ==========  ==============
-``GLOO_PAIR``   1.05        1.86        1.33        1.88
-``GLOO``        1.09        1.13        1.08        2.09
-``IDEAL``       1.0         1.0         1.0         1.0
-==============  ==========  ==========  ==========  ==============
+==============  ==========  ==========  ==========  ==============  =============
+transport       all-reduce  all-to-all  all-gather  reduce-scatter  message_bytes
+==============  ==========  ==========  ==========  ==============  =============
+``GLOO_PAIR``   1.05        1.15        1.08        1.24            2**20
+``GLOO``        1.09        1.13        1.08        2.09            None
+``IDEAL``       1.0         1.0         1.0         1.0             None
+==============  ==========  ==========  ==========  ==============  =============
 
-``GLOO_PAIR`` is XLA's CPU collectives over gloo between two processes (medians of three runs),
-``GLOO`` the same from three processes up (three and four nodes; the reduce-scatter measured 2.85
-at three), ``IDEAL`` every collective at the link rate, full duplex: NCCL's rings on paper, and a
-single process, whose collectives are memory copies.
+``GLOO_PAIR`` is XLA's CPU collectives over gloo between two processes (medians of six runs, rows
+of 3.6 and 14 MB), ``GLOO`` the same from three processes up (three and four nodes; the
+reduce-scatter measured 2.85 at three), ``IDEAL`` every collective at the link rate, full duplex:
+NCCL's rings on paper, and a single process, whose collectives are memory copies.
 
 :func:`current` names the transport the running program's collectives take for D devices.
 """
@@ -96,8 +97,15 @@ class Transport:
     return float(sum(nbytes * self.factor(kind) for kind, nbytes in traffic))
 
 
-#: XLA's CPU collectives over gloo between two processes: the all-reduce at the link rate, the
-#: exchange, all-gather and reduce-scatter at about half of it (measured, 2 nodes, 1 Gbit/s).
+#: XLA's CPU collectives over gloo between two processes (measured, 2 nodes, 1 Gbit/s): every
+#: message between them is a swap, and gloo moves a swap of messages over about 1 MB at about half
+#: the link rate (the exchange 1.86-2.09x the link floor, the all-gather 1.33-1.53x, the
+#: reduce-scatter 1.88-2.13x, rows of 3.6 and 14 MB); in pieces of at most ``message_bytes`` the
+#: three run at 1.15x, 1.08x and 1.24x, the all-reduce (gloo's own ring) at 1.05x either way.
+#: ``message_bytes``: 2**20 against 2**19 in ``sync(bits=4)``'s update on ResNet-50 (QSGD), one run
+#: each: 202.6 against 207.0 ms at the default buffers, 191.6 against 211.2 ms at 3.2M-value
+#: buffers, though alone a swap in pieces of 0.5 MB ran at 1.08-1.11x against 1.18x at 1 MB: each
+#: piece is a collective, and the two processes meet at each.
 #: ``own_operand``: with ResNet-50's leaves of 2**18 values and more as their own operands, its
 #: exact all-reduce and ``sync(bits=32)``'s update took 0-2.5% less than with every leaf packed,
 #: the least of the thresholds from 2**15 to 2**22, or within 1% of it, in five runs (``python -m

@@ -88,14 +88,19 @@ def test_median_time_and_table():
 
 def test_sharded_bench_json(tmp_path):
   """`benchmarks sharded` times sync's defaults (bits=4, the default gather codec) at a tiny
-  size and names the codecs each mode resolved to."""
+  size, with every sync's buffers bounded by --comm-bucket, and names the codecs each mode
+  resolved to; a bound below 1 is refused."""
   out = tmp_path / "sharded.json"
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks", "sharded", "--payload", "mlp:20000", "--repeats", "2",
-       "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+  cmd = [sys.executable, "-m", "benchmarks", "sharded", "--payload", "mlp:20000", "--repeats", "2",
+         "--warmup", "1", "--out", str(out)]
+  bad = subprocess.run(cmd + ["--comm-bucket", "0"], capture_output=True, text=True, timeout=300)
+  assert bad.returncode != 0 and "--comm-bucket must be a positive integer, got 0" in bad.stderr
+  proc = subprocess.run(cmd + ["--comm-bucket", "4096"], capture_output=True, text=True,
+                        timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "buffers 4096;" in proc.stdout
   r = json.loads(out.read_text())["result"]
-  assert r["bits"] == 4 and r["devices"] == 2
+  assert r["bits"] == 4 and r["devices"] == 2 and r["comm_bucket_size"] == 4096
   assert r["codecs"]["sharded"].endswith("all-gather")
   assert "reduce-scatter" in r["codecs"]["sharded"]
   assert r["codecs"]["replicated"].endswith("allreduce")

@@ -10,6 +10,10 @@ they put a transport with tiny messages in its place.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import optax
 import pytest
@@ -114,3 +118,19 @@ def test_describe_counts_the_bytes_sent_in_pieces(monkeypatch, d):
   assert len(_COLLECTIVE.findall(text)) > 10  # the rows went in pieces
   desc = qcomm.describe(tx, PARAMS, devices=d)
   assert desc.sent_bytes_per_sync == pytest.approx(hlo_sent_bytes(text, d), rel=1e-9)
+
+
+@pytest.mark.multiprocess
+def test_pieces_across_two_processes():
+  """2 processes x 1 device over gloo (GLOO_PAIR): replicated, sharded and exact sharded sync with
+  every row in pieces give the bits of whole rows, the same on both processes after every step
+  (tests/pieces_mp_worker.py)."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pieces_mp_worker.py")
+  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2",
+                         "--local-devices", "1", "--timeout", "240", worker], env=env,
+                        capture_output=True, text=True, timeout=270,
+                        cwd=os.path.dirname(os.path.dirname(worker)))
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert proc.stdout.count(": OK") == 2, proc.stdout[-4000:]
