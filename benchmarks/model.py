@@ -199,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   points = check(cal, breakdown, opt(args.crossover), opt(args.peers))
   codecs = ["fp32"] + [c for c in ("cast_bf16", "qsgd4", "sum4") if c in cal["codec_elems_per_s"]]
   calibrated = {k: v for k, v in dataclasses.asdict(cal["transport"]).items()
-                if k != "own_operand"}  # the factors and the latency; own_operand is not measured
+                if k not in ("own_operand", "message_bytes")}  # the factors and the latency: what
+  # the patterns measure (own_operand and the pieces' bound are not calibrated here)
   out = dict(calibration=dict(transport=calibrated,
                               codec_elems_per_s=cal["codec_elems_per_s"], link_gbps=cal["link_gbps"],
                               sources={k: str(getattr(args, k)) for k in DEFAULTS if k != "out"}),
