@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--devices", type=int, default=None,
                       help="host devices of a single process (default: 2); under the launcher, "
                            "devices per process")
-  parser.add_argument("--comm-bucket", type=int, default=None, metavar="N",
+  parser.add_argument("--comm-bucket", type=_common.parse_size, default=None, metavar="N",
                       help="comm_bucket_size of every sync (per row when sharded; default: the "
                            "codecs' own comm_buffer_size)")
   parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
@@ -252,8 +252,6 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   single = args.devices is None and not distributed.under_launcher()
   _common.init_devices(2 if single else args.devices)
   mesh, meta = _common.mesh_and_metadata("sharded", command)
-  if args.comm_bucket is not None and args.comm_bucket < 1:
-    raise SystemExit(f"--comm-bucket must be a positive integer, got {args.comm_bucket}")
   meta["config"] = dict(payload=args.payload, bits=args.bits, gather_bits=args.gather_bits,
                         comm_bucket=args.comm_bucket,
                         repeats=args.repeats, warmup=args.warmup, optimizer="adam(1e-3)")

@@ -173,11 +173,10 @@ def exchange(rows: jax.Array, axis_name: AxisName, method: str = "auto") -> jax.
   d must be the size of ``axis_name``."""
   check_method(method)
   d = rows.shape[0]
-  if method == "all_to_all":
-    one = lambda r: lax.all_to_all(r, axis_name, 0, 0, tiled=True)  # noqa: E731
-  elif method == "rounds":
+  if method == "rounds":
     one = lambda r: exchange_rounds(r, axis_name)  # noqa: E731
-  elif jax.process_count() == 1:  # in-process collectives: memory copies, one all-to-all is cheaper
+  # "auto" in one process, where collectives are memory copies: one all-to-all is cheaper
+  elif method == "all_to_all" or jax.process_count() == 1:
     one = lambda r: lax.all_to_all(r, axis_name, 0, 0, tiled=True)  # noqa: E731
   else:
     one = lambda r: lax.platform_dependent(  # noqa: E731

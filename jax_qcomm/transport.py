@@ -33,6 +33,8 @@ from typing import Any, Iterable
 
 import jax
 
+from jax_qcomm._checks import check_int_or_none
+
 __all__ = ["Transport", "GLOO_PAIR", "GLOO", "IDEAL", "current"]
 
 
@@ -76,10 +78,7 @@ class Transport:
     if (isinstance(self.own_operand, bool) or not isinstance(self.own_operand, int)
         or self.own_operand < 1):
       raise ValueError(f"own_operand must be an int >= 1, got {self.own_operand!r}")
-    if self.message_bytes is not None and (
-        isinstance(self.message_bytes, bool) or not isinstance(self.message_bytes, int)
-        or self.message_bytes < 1):
-      raise ValueError(f"message_bytes must be None or an int >= 1, got {self.message_bytes!r}")
+    check_int_or_none("message_bytes", self.message_bytes)
 
   def factor(self, collective: str) -> float:
     """The factor of an XLA collective named as :meth:`jax_qcomm.Codec.traffic` names it

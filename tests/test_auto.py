@@ -33,9 +33,10 @@ def _use(monkeypatch, transport: T.Transport) -> None:
 def test_the_rule_on_the_measured_transports():
   for bits in range(3, 9):
     a = qcomm.Auto(bits)
-    # gloo with the exchange and all-gather in pieces near the link rate, from two processes up,
-    # and the ideal transport: QSGD's fewer bytes win
-    for d in (2, 3, 4, 8, 64):
+    # gloo between two processes (the exchange and all-gather in pieces, near the link rate),
+    # gloo from three processes and the ideal transport: QSGD's fewer bytes win
+    assert a.resolve(2, transport=T.GLOO_PAIR) == qcomm.QSGD(bits)
+    for d in (3, 4, 8, 64):
       assert a.resolve(d, transport=T.GLOO) == qcomm.QSGD(bits), (bits, d)
     for d in (2, 3, 8, 64):
       assert a.resolve(d, transport=T.IDEAL) == qcomm.QSGD(bits), (bits, d)

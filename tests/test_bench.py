@@ -94,7 +94,8 @@ def test_sharded_bench_json(tmp_path):
   cmd = [sys.executable, "-m", "benchmarks", "sharded", "--payload", "mlp:20000", "--repeats", "2",
          "--warmup", "1", "--out", str(out)]
   bad = subprocess.run(cmd + ["--comm-bucket", "0"], capture_output=True, text=True, timeout=300)
-  assert bad.returncode != 0 and "--comm-bucket must be a positive integer, got 0" in bad.stderr
+  assert bad.returncode != 0 and "argument --comm-bucket: size must be a positive integer, got '0'" \
+      in bad.stderr
   proc = subprocess.run(cmd + ["--comm-bucket", "4096"], capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -43,7 +43,7 @@ def _collectives(fn, *args) -> list[str]:
 
 def test_message_bytes_is_checked():
   for bad in (0, -3, 2.5, True, "1"):
-    with pytest.raises(ValueError, match="message_bytes must be None or an int >= 1"):
+    with pytest.raises(ValueError, match="message_bytes must be None or an integer >= 1"):
       T.Transport(message_bytes=bad)
   assert T.IDEAL.message_bytes is None and T.GLOO.message_bytes is None
   assert T.GLOO_PAIR.message_bytes == 1 << 20
