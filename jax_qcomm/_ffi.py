@@ -206,6 +206,18 @@ def summable_encode_leaves(leaves, shared: jax.Array, seed: jax.Array, *, bits: 
                       **_attrs(bits, bucket_size, rounding=rounding, devices=np.int32(devices)))
 
 
+def qsgd_encode_leaves(leaves, seeds: jax.Array, n: int, *, bits: int, bucket_size: int,
+                       scheme: str, rounding: str) -> jax.Array:
+  """float32 leaves, seeds: uint32[rows, 2] -> uint8[rows, payload_bytes(n)]: ``qsgd_encode`` of
+  each row of n values (a multiple of ``bucket_size``) of the leaves' packed buffer (each leaf
+  padded to whole buckets with its last value for maxmin, 0 for norm, as ``concat_leaves`` pads
+  it), zeros after the leaves up to rows * n; read in place."""
+  rows = seeds.shape[0]
+  size = wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
+  return _call_leaves("qcomm_qsgd_encode_leaves", jax.ShapeDtypeStruct((rows, size), jnp.uint8),
+                      seeds, *leaves, **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n)))
+
+
 def summable_decode_leaves(words: jax.Array, shared: jax.Array, sizes, *, bits: int,
                            bucket_size: int, devices: int, count: int, scale: float) -> list:
   """The words of a packed buffer -> float32[sizes[i]] per leaf (as ``summable_decode``, padding

@@ -18,6 +18,10 @@ namespace qcomm::cpu {
   void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* out);  \
   void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p, \
                   float* out);                                                                    \
+  void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,         \
+                           float scale, const uint32_t seed[2], const Params& p, uint8_t* out);   \
+  void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n,                       \
+                     const uint32_t* seeds, const Params& p, uint8_t* payloads);                  \
   void summable_encode(const Leaves<const float>& x, const int32_t* shared,                       \
                        const uint32_t seed[2], const SummableParams& p, uint32_t* words);         \
   void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,    \
@@ -95,6 +99,17 @@ void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, 
   generic::encode(x, n, seed, p, payload);
 }
 
+void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, const uint32_t* seeds,
+                   const Params& p, uint8_t* payloads) {
+  FlushDenormals ftz;
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::encode_leaves(x, rows, n, seeds, p, payloads);
+  if (which == Isa::kAvx2) return avx2::encode_leaves(x, rows, n, seeds, p, payloads);
+#endif
+  generic::encode_leaves(x, rows, n, seeds, p, payloads);
+}
+
 void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
                 float* out) {
   FlushDenormals ftz;
@@ -143,14 +158,13 @@ void decode(const uint8_t* payload, int64_t n, const Params& p, float* out) {
 
 void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
                          const uint32_t seed[2], const Params& p, uint8_t* payload) {
-  std::unique_ptr<float[]> reduced(new float[n > 0 ? n : 1]);
-  decode_sum(payloads, k, stride, n, p, reduced.get());
-  if (scale != 1.0f) {
-    FlushDenormals ftz;  // as XLA CPU computes `reduced * scale`
-    float* __restrict r = reduced.get();
-    for (int64_t i = 0; i < n; ++i) r[i] *= scale;
-  }
-  encode(reduced.get(), n, seed, p, payload);
+  FlushDenormals ftz;  // as XLA CPU computes `reduced * scale`, and as the two kernels run
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::decode_sum_reencode(payloads, k, stride, n, scale, seed, p, payload);
+  if (which == Isa::kAvx2) return avx2::decode_sum_reencode(payloads, k, stride, n, scale, seed, p, payload);
+#endif
+  generic::decode_sum_reencode(payloads, k, stride, n, scale, seed, p, payload);
 }
 
 }  // namespace qcomm::cpu

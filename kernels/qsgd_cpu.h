@@ -71,6 +71,14 @@ void summable_scale(const Leaves<const float>& x, int32_t bucket, int32_t* out);
 void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,
                      int32_t count, float scale, const SummableParams& p);
 
+// ---- QSGD on leaves, read in place of a packed buffer --------------------------------------------
+// payloads[rows, payload_bytes(n)] = encode of each row of n values (seed seeds + 2 r for row r) of
+// the buffer that `x` packs, extended with zeros to rows * n elements (x.length() <= rows * n);
+// n is a multiple of the bucket. A leaf's span is padded with its last value (maxmin) or 0
+// (norm), as jax_qcomm's concat_leaves pads a leaf; the bytes are those of encode on that buffer.
+void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, const uint32_t* seeds,
+                   const Params& p, uint8_t* payloads);
+
 // Name of the instruction set the kernels run ("avx512", "avx2" or "generic").
 const char* isa();
 // The widest instruction set this CPU supports (and this build has kernels for).

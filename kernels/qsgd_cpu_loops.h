@@ -101,10 +101,55 @@ inline void pack_codes(const uint8_t* __restrict codes, int64_t bucket, uint8_t*
   }
 }
 
+// Encodes one whole bucket: xb[0, B) (padding already in place), its values' indices start,
+// start + 1, ... (the stochastic rounding's counter), into its header words and packed codes.
+template <int BITS, int SCHEME>
+inline void encode_bucket(const float* __restrict xb, int64_t B, int64_t start, const uint32_t seed[2],
+                          bool stochastic, uint8_t* __restrict codes, int64_t valid,
+                          uint8_t* header, uint8_t* __restrict packed) {
+  constexpr uint32_t levels = SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
+  const qcomm::EncodeScales s = bucket_scales<SCHEME>(xb, B, levels);
+  if (stochastic) {
+    bucket_codes<BITS, SCHEME, true>(xb, static_cast<uint32_t>(B), s, seed[0], seed[1],
+                                     static_cast<uint32_t>(start), codes);
+  } else {
+    bucket_codes<BITS, SCHEME, false>(xb, static_cast<uint32_t>(B), s, seed[0], seed[1],
+                                      static_cast<uint32_t>(start), codes);
+  }
+  if (valid < B) std::fill(codes + valid, codes + B, uint8_t{0});  // padding codes are 0
+  if constexpr (SCHEME == qcomm::kMaxMin) {
+    const uint32_t words[2] = {qcomm::float_bits(s.min), s.word};
+    memcpy(header, words, 8);
+  } else {
+    memcpy(header, &s.word, 4);
+  }
+  pack_codes<BITS>(codes, B, packed);
+}
+
+// The padding of a last, partial bucket (values [valid, B) of xb): its first value (maxmin), 0
+// (norm), so that the bucket's scales stay those of its values.
+template <int SCHEME>
+inline void pad_bucket(float* xb, int64_t valid, int64_t B) {
+  std::fill(xb + valid, xb + B, SCHEME == qcomm::kMaxMin ? xb[0] : 0.0f);
+}
+
+// A bucket-sized scratch buffer: on the stack up to kMaxBucketOnStack elements, else on the heap.
+template <typename T>
+struct BucketScratch {
+  T stack[kMaxBucketOnStack];
+  std::unique_ptr<T[]> heap;
+  T* data;
+  explicit BucketScratch(int64_t B) : data(stack) {
+    if (B > kMaxBucketOnStack) {
+      heap.reset(new T[B]);
+      data = heap.get();
+    }
+  }
+};
+
 template <int BITS, int SCHEME>
 void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cpu::Params& p,
               uint8_t* payload) {
-  constexpr uint32_t levels = SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
   const int64_t B = p.bucket;
   const int64_t nb = qcomm::num_buckets(n, B);
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
@@ -112,19 +157,8 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
   uint8_t* packed = payload + 4 * S * nb;
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
   const bool stochastic = p.rounding == qcomm::kStochastic;
-
-  uint8_t codes_stack[kMaxBucketOnStack];
-  float pad_stack[kMaxBucketOnStack];
-  std::unique_ptr<uint8_t[]> codes_heap;
-  std::unique_ptr<float[]> pad_heap;
-  uint8_t* codes = codes_stack;
-  float* pad = pad_stack;
-  if (B > kMaxBucketOnStack) {
-    codes_heap.reset(new uint8_t[B]);
-    pad_heap.reset(new float[B]);
-    codes = codes_heap.get();
-    pad = pad_heap.get();
-  }
+  BucketScratch<uint8_t> codes(B);
+  BucketScratch<float> pad(B);
 
   // Each bucket is read twice: the min/max scan brings it from memory, the code loop finds it in
   // L1. Alone, the scan waits on memory while the code loop leaves the bus idle; prefetching the
@@ -137,28 +171,59 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
     const int64_t ahead_end = std::min<int64_t>(start + kPrefetchFloats + B, n);
     for (int64_t e = start + kPrefetchFloats; e < ahead_end; e += 16) __builtin_prefetch(x + e, 0, 3);
     if (valid < B) {
-      // Padding that leaves the scales unchanged: the bucket's first value (maxmin), 0 (norm).
-      const float fill = SCHEME == qcomm::kMaxMin ? xb[0] : 0.0f;
-      std::copy(xb, xb + valid, pad);
-      std::fill(pad + valid, pad + B, fill);
-      xb = pad;
+      std::copy(xb, xb + valid, pad.data);
+      pad_bucket<SCHEME>(pad.data, valid, B);
+      xb = pad.data;
     }
-    const qcomm::EncodeScales s = bucket_scales<SCHEME>(xb, B, levels);
-    if (stochastic) {
-      bucket_codes<BITS, SCHEME, true>(xb, static_cast<uint32_t>(B), s, seed[0], seed[1],
-                                       static_cast<uint32_t>(start), codes);
-    } else {
-      bucket_codes<BITS, SCHEME, false>(xb, static_cast<uint32_t>(B), s, seed[0], seed[1],
-                                        static_cast<uint32_t>(start), codes);
+    encode_bucket<BITS, SCHEME>(xb, B, start, seed, stochastic, codes.data, valid,
+                                header + 4 * S * b, packed + b * code_bytes);
+  }
+}
+
+// encode_t of each row of the buffer that x packs (qsgd_cpu.h, encode_leaves): a bucket inside a
+// leaf is read where it lies, the last bucket of a leaf is padded with the leaf's last value
+// (maxmin) or 0 (norm), a bucket past the leaves is zeros. Every bucket is whole (n and the
+// leaves' spans are multiples of B), so its codes are those of encode_t on the packed row.
+template <int BITS, int SCHEME>
+void encode_leaves_t(const qcomm::cpu::Leaves<const float>& x, int64_t rows, int64_t n,
+                     const uint32_t* seeds, const qcomm::cpu::Params& p, uint8_t* payloads) {
+  const int64_t B = p.bucket;
+  const int64_t nb = n / B;
+  const int64_t S = qcomm::scales_per_bucket(SCHEME);
+  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
+  const int64_t bytes = qcomm::payload_bytes(n, B, BITS, SCHEME);
+  const bool stochastic = p.rounding == qcomm::kStochastic;
+  const int64_t length = x.length();
+  BucketScratch<uint8_t> codes(B);
+  BucketScratch<float> pad(B);
+  constexpr int64_t kPrefetchFloats = 1024;  // as encode_t
+  int64_t leaf = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* header = payloads + r * bytes;
+    uint8_t* packed = header + 4 * S * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t e = r * n + b * B;  // the bucket's first element in the packed buffer
+      const float* xb = pad.data;
+      if (e >= length) {
+        std::fill(pad.data, pad.data + B, 0.0f);
+      } else {
+        leaf = x.find(e, leaf);
+        const int64_t off = e - x.start[leaf], size = x.size[leaf];
+        const float* data = x.data[leaf];
+        const int64_t valid = std::min<int64_t>(B, size - off);
+        if (valid == B) {
+          xb = data + off;
+          const int64_t ahead_end = std::min<int64_t>(off + kPrefetchFloats + B, size);
+          for (int64_t a = off + kPrefetchFloats; a < ahead_end; a += 16)
+            __builtin_prefetch(data + a, 0, 3);
+        } else {
+          std::copy(data + off, data + size, pad.data);
+          std::fill(pad.data + valid, pad.data + B, SCHEME == qcomm::kMaxMin ? data[size - 1] : 0.0f);
+        }
+      }
+      encode_bucket<BITS, SCHEME>(xb, B, b * B, seeds + 2 * r, stochastic, codes.data, B,
+                                  header + 4 * S * b, packed + b * code_bytes);
     }
-    if (valid < B) std::fill(codes + valid, codes + B, uint8_t{0});  // padding codes are 0
-    if constexpr (SCHEME == qcomm::kMaxMin) {
-      const uint32_t words[2] = {qcomm::float_bits(s.min), s.word};
-      memcpy(header + 8 * b, words, 8);
-    } else {
-      memcpy(header + 4 * b, &s.word, 4);
-    }
-    pack_codes<BITS>(codes, B, packed + b * code_bytes);
   }
 }
 
@@ -196,41 +261,69 @@ inline void decode_bucket(const uint8_t* header, const uint8_t* __restrict codes
   }
 }
 
+// Decodes bucket b of each of the k payloads into ob[0, B) (the first written, the rest added,
+// in order j = 0, 1, ...).
+template <int BITS, int SCHEME>
+inline void decode_sum_bucket(const uint8_t* payloads, int64_t k, int64_t stride, int64_t nb,
+                              int64_t b, int64_t B, uint8_t* __restrict codes, float* __restrict ob) {
+  const int64_t S = qcomm::scales_per_bucket(SCHEME);
+  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
+  for (int64_t j = 0; j < k; ++j) {
+    const uint8_t* pj = payloads + j * stride;
+    const uint8_t* header = pj + 4 * S * b;
+    const uint8_t* packed = pj + 4 * S * nb + b * code_bytes;
+    unpack_codes<BITS>(packed, B, codes);
+    if (j == 0) {
+      decode_bucket<BITS, SCHEME, false>(header, codes, B, ob);
+    } else {
+      decode_bucket<BITS, SCHEME, true>(header, codes, B, ob);
+    }
+  }
+}
+
 template <int BITS, int SCHEME>
 void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
                   const qcomm::cpu::Params& p, float* out) {
   const int64_t B = p.bucket;
   const int64_t nb = qcomm::num_buckets(n, B);
-  const int64_t S = qcomm::scales_per_bucket(SCHEME);
-  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
-  float tail_stack[kMaxBucketOnStack];
-  uint8_t codes_stack[kMaxBucketOnStack];
-  std::unique_ptr<float[]> tail_heap;
-  std::unique_ptr<uint8_t[]> codes_heap;
-  float* tail = tail_stack;
-  uint8_t* codes = codes_stack;
-  if (B > kMaxBucketOnStack) {
-    tail_heap.reset(new float[B]);
-    codes_heap.reset(new uint8_t[B]);
-    tail = tail_heap.get();
-    codes = codes_heap.get();
-  }
+  BucketScratch<float> tail(B);
+  BucketScratch<uint8_t> codes(B);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, n - start);
-    float* ob = valid == B ? out + start : tail;
-    for (int64_t j = 0; j < k; ++j) {
-      const uint8_t* pj = payloads + j * stride;
-      const uint8_t* header = pj + 4 * S * b;
-      const uint8_t* packed = pj + 4 * S * nb + b * code_bytes;
-      unpack_codes<BITS>(packed, B, codes);
-      if (j == 0) {
-        decode_bucket<BITS, SCHEME, false>(header, codes, B, ob);
-      } else {
-        decode_bucket<BITS, SCHEME, true>(header, codes, B, ob);
-      }
+    float* ob = valid == B ? out + start : tail.data;
+    decode_sum_bucket<BITS, SCHEME>(payloads, k, stride, nb, b, B, codes.data, ob);
+    if (valid < B) std::copy(tail.data, tail.data + valid, out + start);
+  }
+}
+
+// encode_t(decode_sum_t(payloads) * scale) bucket by bucket: each bucket's sum is made in a
+// bucket-sized buffer that stays in L1 and is encoded from there, so the reduced values never go
+// to memory. The same bytes as the steps apart: the same operations on every value, the same
+// padding of the last bucket, the same stochastic-rounding counter (the value's index).
+template <int BITS, int SCHEME>
+void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
+                           const uint32_t seed[2], const qcomm::cpu::Params& p, uint8_t* payload) {
+  const int64_t B = p.bucket;
+  const int64_t nb = qcomm::num_buckets(n, B);
+  const int64_t S = qcomm::scales_per_bucket(SCHEME);
+  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
+  const bool stochastic = p.rounding == qcomm::kStochastic;
+  BucketScratch<float> sum(B);
+  BucketScratch<uint8_t> codes(B);
+  uint8_t* header = payload;
+  uint8_t* packed = payload + 4 * S * nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, n - start);
+    float* __restrict xb = sum.data;
+    decode_sum_bucket<BITS, SCHEME>(payloads, k, stride, nb, b, B, codes.data, xb);
+    if (scale != 1.0f) {
+      for (int64_t i = 0; i < valid; ++i) xb[i] *= scale;
     }
-    if (valid < B) std::copy(tail, tail + valid, out + start);
+    if (valid < B) pad_bucket<SCHEME>(xb, valid, B);
+    encode_bucket<BITS, SCHEME>(xb, B, start, seed, stochastic, codes.data, valid,
+                                header + 4 * S * b, packed + b * code_bytes);
   }
 }
 
@@ -259,6 +352,20 @@ struct EncodeF {
   }
 };
 template <int BITS, int SCHEME>
+struct EncodeLeavesF {
+  static void run(const qcomm::cpu::Leaves<const float>* x, int64_t rows, int64_t n,
+                  const uint32_t* seeds, const qcomm::cpu::Params* p, uint8_t* payloads) {
+    encode_leaves_t<BITS, SCHEME>(*x, rows, n, seeds, *p, payloads);
+  }
+};
+template <int BITS, int SCHEME>
+struct DecodeSumReencodeF {
+  static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
+                  const uint32_t* seed, const qcomm::cpu::Params* p, uint8_t* payload) {
+    decode_sum_reencode_t<BITS, SCHEME>(payloads, k, stride, n, scale, seed, *p, payload);
+  }
+};
+template <int BITS, int SCHEME>
 struct DecodeSumF {
   static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
                   const qcomm::cpu::Params* p, float* out) {
@@ -277,6 +384,16 @@ void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, 
 void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
                 float* out) {
   dispatch<DecodeSumF>(p, payloads, k, stride, n, &p, out);
+}
+
+void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, const uint32_t* seeds,
+                   const Params& p, uint8_t* payloads) {
+  dispatch<EncodeLeavesF>(p, &x, rows, n, seeds, &p, payloads);
+}
+
+void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
+                         const uint32_t seed[2], const Params& p, uint8_t* payload) {
+  dispatch<DecodeSumReencodeF>(p, payloads, k, stride, n, scale, seed, &p, payload);
 }
 
 }  // namespace qcomm::cpu::QCOMM_ISA

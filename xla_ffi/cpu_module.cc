@@ -203,6 +203,30 @@ ffi::Error InputLeaves(const ffi::RemainingArgs& args, int64_t bucket, LeafList<
   return ffi::Error::Success();
 }
 
+// seed[rows, 2] u32, leaves... f32 -> payloads[rows, P] u8: QSGD's encode of the rows of n values
+// of the packed buffer that the leaves span (each padded to whole buckets), zeros after them.
+ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::U32> seed, ffi::RemainingArgs leaves,
+                                ffi::ResultBuffer<ffi::U8> payloads, int32_t bits,
+                                int32_t bucket_size, int32_t scheme, int32_t rounding, int64_t n) {
+  const common::Params p{bits, bucket_size, scheme, rounding};
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
+  if (n <= 0 || n % bucket_size != 0)
+    return ffi::Error::InvalidArgument("n must be a positive multiple of bucket_size");
+  LeafList<const float> x;
+  if (ffi::Error e = InputLeaves(leaves, bucket_size, &x); e.failure()) return e;
+  const int64_t bytes = qcomm::payload_bytes(n, bucket_size, bits, scheme);
+  if (common::LastDim(payloads->dimensions()) != bytes)
+    return ffi::Error::InvalidArgument("payload size does not match n");
+  const int64_t rows = payloads->element_count() / bytes;
+  if (x.start.back() > rows * n)
+    return ffi::Error::InvalidArgument("the leaves hold more than rows * n elements");
+  if (seed.element_count() != 2 * rows)
+    return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per row");
+  qcomm::cpu::encode_leaves(x.leaves(), rows, n, seed.typed_data(), CpuParams(p),
+                            payloads->typed_data());
+  return ffi::Error::Success();
+}
+
 // The words and the shared statistics of the packed buffer that the leaves span.
 template <typename T>
 ffi::Error CheckLeavesWords(const LeafList<T>& leaves, int32_t bits, int32_t bucket_size,
@@ -325,6 +349,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecodeLeaves, SummableDecodeLeavesImp
                                                       .Arg<ffi::Buffer<ffi::S32>>()
                                                       .RemainingRets()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeLeaves, QsgdEncodeLeavesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("scheme")
+                                  .Attr<int32_t>("rounding")
+                                  .Attr<int64_t>("n"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
                               common::BindEncode(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSum, DecodeSumImpl,
@@ -338,6 +372,7 @@ NB_MODULE(_qcomm_cpu, m) {
     nb::dict d;
     d["qcomm_qsgd_encode"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncode));
     d["qcomm_qsgd_decode_sum"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSum));
+    d["qcomm_qsgd_encode_leaves"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeLeaves));
     d["qcomm_qsgd_decode_sum_reencode"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencode));
     d["qcomm_summable_encode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableEncode));

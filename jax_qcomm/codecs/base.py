@@ -394,16 +394,46 @@ class Codec(abc.ABC):
     reduced chunk payloads of ``c`` values each that every device decodes (the same everywhere)."""
     n = x.shape[0]
     d = axis_size(axis_name)
-    x = _pad_to(x, self.buffer_length(n, d))
-    c = x.shape[0] // d
-    chunks = x.reshape(d, c)
-    payloads = self._encode_rows(chunks, device_key(key, axis_name, 0))
+    chunks = _pad_to(x, self.buffer_length(n, d)).reshape(d, -1)
+    out, residual, gathered, c = self._sra_rows(
+        chunks, lambda k: self._encode_rows(chunks, k), axis_name, key, op, exchange)
+    return out[:n], residual[:n], gathered, c
+
+  def _scatter_reduce_allgather_leaves(self, parts, axis_name, key, op, exchange):
+    """:meth:`_scatter_reduce_allgather` of the parts' packed buffer (:func:`concat_leaves`), its
+    rows encoded by :meth:`_encode_packed_rows` (in place where the codec can), out and residual
+    split per leaf: ``(outs, residuals, gathered, c)``, the bytes of the packed path."""
+    sizes = [p.shape[0] for p in parts]
+    d = axis_size(axis_name)
+    c = self.buffer_length(wire.leaves_span(sizes, self.pad_multiple), d) // d
+    # The packed rows themselves only for the residual (dropped by XLA where nothing reads it).
+    chunks = self._packed_rows(parts, d, c)
+    out, residual, gathered, c = self._sra_rows(
+        chunks, lambda k: self._encode_packed_rows(parts, d, c, k), axis_name, key, op, exchange)
+    m = self.pad_multiple
+    return split_leaves(out, sizes, m), split_leaves(residual, sizes, m), gathered, c
+
+  def _sra_rows(self, chunks, encode, axis_name, key, op, exchange):
+    """The SRA of rows ``chunks`` float32[D, c] whose payloads ``encode(key)`` makes: ``(out
+    float32[D * c], residual float32[D * c], gathered, c)``."""
+    d, c = chunks.shape
+    payloads = encode(device_key(key, axis_name, 0))
     residual = (chunks - self._decode_rows(payloads, c)).reshape(-1)
     received = _exchange.exchange(payloads, axis_name, exchange)  # row s: my chunk from device s
     scale = 1.0 / d if op == "mean" else 1.0
     mine = self.wire_decode_sum_reencode(received, c, device_key(key, axis_name, 1), scale)
     gathered = _exchange.gather(mine, axis_name)  # [D, W], the same everywhere
-    return self._decode_rows(gathered, c).reshape(-1)[:n], residual[:n], gathered, c
+    return self._decode_rows(gathered, c).reshape(-1), residual, gathered, c
+
+  def _packed_rows(self, parts: Sequence[jax.Array], d: int, c: int) -> jax.Array:
+    """[float32[n_i]] -> float32[d, c]: :func:`concat_leaves` of the parts, zeros to d * c."""
+    return _pad_to(concat_leaves(parts, self), d * c).reshape(d, c)
+
+  def _encode_packed_rows(self, parts: Sequence[jax.Array], d: int, c: int,
+                          key: jax.Array | None) -> jax.Array:
+    """wire[d, W]: :meth:`_encode_rows` of :meth:`_packed_rows`. A codec whose kernel reads the
+    leaves where they lie overrides it with the same bytes (QSGD on CPU)."""
+    return self._encode_rows(self._packed_rows(parts, d, c), key)
 
   def allreduce_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
                        key: jax.Array | None, op: str = "mean", exchange: str = "auto"

@@ -32,16 +32,23 @@ class _Bucketed(Codec):
     """The lowering platforms ("cpu", "cuda") with a compiled kernel of this codec."""
     raise NotImplementedError
 
-  def _select(self, ffi_fn, jax_fn, *args):
+  def _select(self, ffi_fn, jax_fn, *args, only: tuple[str, ...] | None = None):
     """Runs ffi_fn on platforms with a compiled kernel, jax_fn elsewhere (chosen per lowering by
     ``lax.platform_dependent``); impl="auto" uses a platform's kernels once they passed their
     known-answer test there (:mod:`jax_qcomm._selftest`); impl="jax": always jax_fn;
-    impl="ffi": the kernels, untested, with no fallback."""
+    impl="ffi": the kernels, untested, with no fallback. ``only``: the platforms of a kernel that
+    exists on fewer of them than the codec's others (one on the leaves in place, CPU only);
+    elsewhere jax_fn, which composes the codec's other kernels there."""
     platforms = self._kernel_platforms()
     if self.impl == "auto":  # only kernels that passed their known-answer test on this platform
       platforms = tuple(p for p in platforms if _selftest.trusted(p))
     if self.impl == "jax" or not platforms:
       return jax_fn(*args)
+    if only is not None:
+      platforms = tuple(p for p in platforms if p in only)
+      if not platforms:
+        return jax_fn(*args)
+      return lax.platform_dependent(*args, default=jax_fn, **{p: ffi_fn for p in platforms})
     branches = {p: ffi_fn for p in platforms}
     if self.impl == "ffi":
       backend = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())

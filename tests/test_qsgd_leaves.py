@@ -1,0 +1,111 @@
+"""QSGD's first encode on the leaves in place (CPU): the kernel that reads the rows of a pytree's
+packed buffer from the leaves themselves gives the bytes of the packed rows' encode, and the
+allreduce of a tree through it equals the pure-JAX reference on the packed buffer bit for bit, the
+same on every device, with no packed copy in the compiled program."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_qcomm as qcomm
+from jax_qcomm import _ffi, wire
+from jax_qcomm.codecs import concat_leaves, seed_words
+
+AX = "d"
+
+needs_kernels = pytest.mark.skipif(not _ffi.has_cpu_kernels(), reason="no CPU kernels built")
+
+# (bits, bucket, scheme, rounding): a bucket above the kernels' stack scratch (4096) included.
+CONFIGS = [(4, 128, "maxmin", "stochastic"), (3, 24, "norm", "stochastic"),
+           (1, 8, "maxmin", "nearest"), (8, 4104, "maxmin", "stochastic"),
+           (2, 64, "norm", "nearest")]
+
+
+def _leaves(sizes, seed):
+  r = np.random.default_rng(seed)
+  out = [(r.standard_normal(n) * np.exp(r.uniform(-3, 3))).astype(np.float32) for n in sizes]
+  if sizes[0] > 3:
+    out[0][3] = np.nan  # a non-finite value: its bucket's header says so, as in the packed path
+  return [jnp.asarray(x) for x in out]
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("rows,extra", [(1, 0), (3, 0), (3, 2)], ids=["1row", "3rows", "zero-rows"])
+def test_encode_leaves_equals_the_packed_rows(config, rows, extra):
+  """The kernel's payloads equal the FFI and the reference encode of the packed rows (each leaf
+  padded to whole buckets with its last value (maxmin) or 0 (norm), zeros to rows * n), rows
+  past the leaves included; leaves of 0, 1, B - 1, B and B + 1 values."""
+  bits, b, scheme, rounding = config
+  sizes = [5 * b + 3, 0, 1, b - 1 if b > 1 else 1, b, b + 1]
+  parts = _leaves(sizes, seed=bits)
+  span = wire.leaves_span(sizes, b)
+  n = -(-span // (rows * b)) * b + extra * b  # whole buckets per row; `extra` more of zeros
+  keys = jax.random.split(jax.random.key(7), rows)
+  seeds = jax.vmap(seed_words)(keys)
+  kw = dict(bits=bits, bucket_size=b, scheme=scheme, rounding=rounding)
+  got = np.asarray(jax.jit(lambda s, ps: _ffi.qsgd_encode_leaves(ps, s, n, **kw))(seeds, parts))
+  for impl in ("ffi", "jax"):
+    codec = qcomm.QSGD(bits, b, scheme, rounding, impl=impl)
+    packed = jnp.pad(concat_leaves(parts, codec), (0, rows * n - span)).reshape(rows, n)
+    want = np.asarray(jax.jit(jax.vmap(codec.wire_encode))(packed, keys))
+    np.testing.assert_array_equal(got, want, err_msg=impl)
+
+
+@needs_kernels
+def test_encode_leaves_rejects_bad_sizes():
+  """n must be a positive multiple of the bucket, and the rows must hold every leaf."""
+  parts = _leaves([300], seed=0)
+  seeds = jnp.zeros((2, 2), jnp.uint32)
+  kw = dict(bits=4, bucket_size=128, scheme="maxmin", rounding="nearest")
+  with pytest.raises(Exception, match="multiple of bucket_size"):
+    jax.block_until_ready(_ffi.qsgd_encode_leaves(parts, seeds, 100, **kw))
+  with pytest.raises(Exception, match="more than rows"):
+    jax.block_until_ready(_ffi.qsgd_encode_leaves(parts, seeds[:1], 128, **kw))
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [2, 3])
+@pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
+def test_allreduce_of_leaves_in_place_equals_the_packed_reference(d, residual):
+  """``qcomm.allreduce`` of a tree with QSGD: results (and residuals) bit for bit those of the
+  pure-JAX reference on the packed buffer, the same on every device; the compiled program reads
+  the leaves in place (no packed copy where no residual is asked for)."""
+  shapes = {"a": (7, 300), "b": (5000,), "c": (33, 129), "d": (128,), "e": (1,), "g": (2, 3, 200)}
+  r = np.random.default_rng(d)
+  tree = {k: (r.standard_normal((d,) + s) * np.exp(r.uniform(-3, 3))).astype(np.float32)
+          for k, s in shapes.items()}
+  tree["b"][1, 17] = np.inf
+  policy = qcomm.LeafPolicy(min_size=0, compress_1d=True)  # every leaf compressed
+  mesh = Mesh(np.array(jax.devices("cpu")[:d]), (AX,))
+  got = {}
+  for impl in ("ffi", "jax"):
+    codec = qcomm.QSGD(4, 128, impl=impl)
+
+    def body(t, codec=codec):
+      out = qcomm.allreduce(jax.tree_util.tree_map(lambda a: a[0], t), AX, codec=codec,
+                            key=jax.random.key(9), policy=policy, return_residual=residual)
+      return jax.tree_util.tree_map(lambda a: a[None], out)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AX), out_specs=P(AX)))
+    got[impl] = jax.tree_util.tree_map(np.asarray, f(tree))
+    if impl == "ffi":
+      hlo = f.lower(tree).compile().as_text()
+      assert "qcomm_qsgd_encode_leaves" in hlo
+      if not residual:
+        # no packed copy (the exchange's concatenates of uint8 payload rows are not one)
+        assert not re.search(r"= f32\[[0-9,]*\]\{[0-9,]*\} concatenate\(", hlo)
+  for a, b in zip(jax.tree_util.tree_leaves(got["ffi"]), jax.tree_util.tree_leaves(got["jax"])):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+  out = got["ffi"][0] if residual else got["ffi"]
+  for leaf in jax.tree_util.tree_leaves(out):
+    for j in range(1, d):
+      np.testing.assert_array_equal(leaf[j].view(np.uint32), leaf[0].view(np.uint32))
+  assert np.all(np.isnan(out["b"][:, :128])) and np.all(np.isfinite(out["b"][:, 128:]))
