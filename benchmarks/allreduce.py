@@ -30,7 +30,8 @@ Columns:
 ``--breakdown`` also times, on one device without any communication, the codec work a device does
 inside one compressed allreduce (encode D chunks, decode-and-sum D payloads, re-encode one chunk --
 or, for QSGD, the fused decode-sum-reencode kernel the allreduce runs instead -- decode D payloads),
-and the transfer alone (the same exchange + all_gather of uint8 payloads, no codec), to
+and the transfer alone (the same exchange + all-gather of uint8 payloads as the allreduce sends
+them, no codec), to
 separate codec cost from transfer.
 
 ``--exchange rounds all_to_all`` times each SRA codec with both all-to-all schedules of
@@ -254,12 +255,13 @@ def _relative_to_fp32(rows: list[dict[str, Any]]) -> None:
 
 
 def _transfer_fn(mesh, exchange: str = "auto") -> Callable:
-  """The SRA's communication alone: the exchange (all-to-all, schedule ``exchange``) of uint8[D, p]
-  and all_gather of uint8[p]."""
+  """The SRA's communication alone, as the allreduce sends it: the library's exchange (all-to-all,
+  schedule ``exchange``) of uint8[D, p] and its all-gather of uint8[p] (both in the transport's
+  pieces)."""
   def per_device(a):
     rows = a[0]  # [D, p]
     received = _exchange.exchange(rows, "data", exchange)
-    gathered = lax.all_gather(received[0], "data")
+    gathered = _exchange.gather(received[0], "data")
     return received[None], gathered[None]
 
   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"),
@@ -275,8 +277,8 @@ def bench_breakdown(n: int, mesh, names: Sequence[str], *, bucket: int, impl: st
     payloads, re-encode the reduced chunk, decode the D gathered payloads; for a codec with a
     fused ``decode_sum_reencode`` (QSGD), also that kernel, which the allreduce runs instead of the
     two middle stages (``codec_total_s`` then counts it, not them);
-  * transfer alone: the same exchange (``exchange`` method) + all_gather of uint8 payload bytes,
-    no codec.
+  * transfer alone: the same exchange (``exchange`` method) + all-gather of uint8 payload bytes
+    (the library's, in the transport's pieces), no codec.
   """
   d = mesh.devices.size
   dev = jax.local_devices()[0]
@@ -461,7 +463,7 @@ def format_results(rows: Sequence[dict[str, Any]], breakdown: Sequence[dict[str,
            f"{1e3 * med.get((r['size'], r['codec']), float('nan')):.1f}"] for r in breakdown]
     lines += ["", "breakdown: codec work per allreduce of one device of each process, without "
               "communication (processes at once), and the transfer alone (the same exchange, "
-              f"method {breakdown[0]['exchange']}, + all_gather of uint8 payloads, no codec); fused = decode_sum_reencode, which the "
+              f"method {breakdown[0]['exchange']}, + the library's all-gather of uint8 payloads, no codec); fused = decode_sum_reencode, which the "
               "allreduce runs instead of decode_sum + re-encode (codec total counts it then):",
               _common.format_table(bh, bt, align="rl" + "r" * (len(bh) - 2))]
   lines.append(_common.malloc_note(meta["malloc"]))
