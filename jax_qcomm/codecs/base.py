@@ -195,7 +195,8 @@ class Codec(abc.ABC):
   * **(b) optional overrides**: the stated attributes where the defaults (lossy, no key, no
     padding, ``uint8`` words, the class name) do not hold -- :attr:`exact`, :attr:`wire_dtype`,
     :attr:`needs_key`, :attr:`pad_multiple`, :meth:`pad_fill`, :attr:`name`; a fused middle step
-    -- :meth:`wire_decode_sum_reencode` (QSGD's kernels); its own collectives, where the SRA is
+    -- :meth:`wire_decode_sum_reencode` (QSGD's kernels); the SRA's first encode from the leaves
+    where they lie -- :meth:`_encode_packed_rows` (QSGD's CPU kernel); its own collectives, where the SRA is
     not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
     :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
     :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; the sharded
