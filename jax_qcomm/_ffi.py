@@ -206,16 +206,32 @@ def summable_encode_leaves(leaves, shared: jax.Array, seed: jax.Array, *, bits: 
                       **_attrs(bits, bucket_size, rounding=rounding, devices=np.int32(devices)))
 
 
-def qsgd_encode_leaves(leaves, seeds: jax.Array, n: int, *, bits: int, bucket_size: int,
-                       scheme: str, rounding: str) -> jax.Array:
-  """float32 leaves, seeds: uint32[rows, 2] -> uint8[rows, payload_bytes(n)]: ``qsgd_encode`` of
-  each row of n values (a multiple of ``bucket_size``) of the leaves' packed buffer (each leaf
-  padded to whole buckets with its last value for maxmin, 0 for norm, as ``concat_leaves`` pads
-  it), zeros after the leaves up to rows * n; read in place."""
+def qsgd_encode_leaves(leaves, seeds: jax.Array, n: int, skip: jax.Array, *, bits: int,
+                       bucket_size: int, scheme: str, rounding: str) -> jax.Array:
+  """float32 leaves, seeds: uint32[rows, 2], skip: int32[] -> uint8[rows, payload_bytes(n)]:
+  ``qsgd_encode`` of each row of n values (a multiple of ``bucket_size``) of the leaves' packed
+  buffer (each leaf padded to whole buckets with its last value for maxmin, 0 for norm, as
+  ``concat_leaves`` pads it), zeros after the leaves up to rows * n; read in place. Row ``skip``
+  (-1: none) is zeros."""
   rows = seeds.shape[0]
   size = wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
   return _call_leaves("qcomm_qsgd_encode_leaves", jax.ShapeDtypeStruct((rows, size), jnp.uint8),
-                      seeds, *leaves, **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n)))
+                      seeds, skip, *leaves,
+                      **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n)))
+
+
+def qsgd_decode_sum_reencode_own(payloads: jax.Array, seed: jax.Array, slot: jax.Array, leaves,
+                                 row: jax.Array, n: int, scale: float, *, bits: int,
+                                 bucket_size: int, scheme: str, rounding: str) -> jax.Array:
+  """payloads: uint8[k, P], seed: uint32[2], slot, row: int32[], float32 leaves -> uint8[P] =
+  encode((v_0 + ... + v_{k-1}) * scale), summed in order, v_j the decode of payload j but
+  v_slot row ``row`` (n values, a multiple of ``bucket_size``) of the leaves' packed buffer, read
+  in place and exact."""
+  size = wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
+  return _call_leaves("qcomm_qsgd_decode_sum_reencode_own",
+                      jax.ShapeDtypeStruct((size,), jnp.uint8), payloads, seed, slot, row,
+                      *leaves, **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n),
+                                        scale=np.float32(scale)))
 
 
 def summable_decode_leaves(words: jax.Array, shared: jax.Array, sizes, *, bits: int,

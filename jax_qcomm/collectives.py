@@ -150,7 +150,7 @@ def allreduce(x: Any, axis_name: AxisName, codec: Codec = QSGD(), key: jax.Array
     x: an array or a pytree of float32 / bfloat16 / float16 arrays (this device's values).
     axis_name: a mesh axis name, a tuple of names, or :class:`Hierarchical`.
     codec: any :class:`jax_qcomm.Codec`: ``QSGD(...)`` (scatter-reduce-allgather, each value
-      quantised twice), ``Summable(...)`` (one ``psum`` of summable words), ``Cast(dtype)``
+      quantised twice, once on the device that reduces it), ``Summable(...)`` (one ``psum`` of summable words), ``Cast(dtype)``
       (narrow floats on the wire, float32 sums) or ``NoCompression()`` (``lax.psum``).
     key: a JAX PRNG key, required where the codec rounds stochastically. Use a new key for every
       call (the device index is folded in here, so all devices may pass the same key).

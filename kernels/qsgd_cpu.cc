@@ -20,8 +20,12 @@ namespace qcomm::cpu {
                   float* out);                                                                    \
   void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,         \
                            float scale, const uint32_t seed[2], const Params& p, uint8_t* out);   \
-  void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n,                       \
+  void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, int64_t skip,         \
                      const uint32_t* seeds, const Params& p, uint8_t* payloads);                  \
+  void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,  \
+                               const Leaves<const float>& own, int64_t row, int64_t n,            \
+                               float scale, const uint32_t seed[2], const Params& p,              \
+                               uint8_t* payload);                                                 \
   void summable_encode(const Leaves<const float>& x, const int32_t* shared,                       \
                        const uint32_t seed[2], const SummableParams& p, uint32_t* words);         \
   void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,    \
@@ -99,15 +103,31 @@ void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, 
   generic::encode(x, n, seed, p, payload);
 }
 
-void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, const uint32_t* seeds,
-                   const Params& p, uint8_t* payloads) {
+void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, int64_t skip,
+                   const uint32_t* seeds, const Params& p, uint8_t* payloads) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
-  if (which == Isa::kAvx512) return avx512::encode_leaves(x, rows, n, seeds, p, payloads);
-  if (which == Isa::kAvx2) return avx2::encode_leaves(x, rows, n, seeds, p, payloads);
+  if (which == Isa::kAvx512) return avx512::encode_leaves(x, rows, n, skip, seeds, p, payloads);
+  if (which == Isa::kAvx2) return avx2::encode_leaves(x, rows, n, skip, seeds, p, payloads);
 #endif
-  generic::encode_leaves(x, rows, n, seeds, p, payloads);
+  generic::encode_leaves(x, rows, n, skip, seeds, p, payloads);
+}
+
+void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
+                             const Leaves<const float>& own, int64_t row, int64_t n, float scale,
+                             const uint32_t seed[2], const Params& p, uint8_t* payload) {
+  FlushDenormals ftz;  // as XLA CPU adds and scales (DAZ: a subnormal own value adds as 0)
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512)
+    return avx512::decode_sum_reencode_own(payloads, k, stride, slot, own, row, n, scale, seed, p,
+                                           payload);
+  if (which == Isa::kAvx2)
+    return avx2::decode_sum_reencode_own(payloads, k, stride, slot, own, row, n, scale, seed, p,
+                                         payload);
+#endif
+  generic::decode_sum_reencode_own(payloads, k, stride, slot, own, row, n, scale, seed, p, payload);
 }
 
 void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
@@ -161,8 +181,10 @@ void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int
   FlushDenormals ftz;  // as XLA CPU computes `reduced * scale`, and as the two kernels run
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
-  if (which == Isa::kAvx512) return avx512::decode_sum_reencode(payloads, k, stride, n, scale, seed, p, payload);
-  if (which == Isa::kAvx2) return avx2::decode_sum_reencode(payloads, k, stride, n, scale, seed, p, payload);
+  if (which == Isa::kAvx512)
+    return avx512::decode_sum_reencode(payloads, k, stride, n, scale, seed, p, payload);
+  if (which == Isa::kAvx2)
+    return avx2::decode_sum_reencode(payloads, k, stride, n, scale, seed, p, payload);
 #endif
   generic::decode_sum_reencode(payloads, k, stride, n, scale, seed, p, payload);
 }

@@ -71,13 +71,21 @@ void summable_scale(const Leaves<const float>& x, int32_t bucket, int32_t* out);
 void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,
                      int32_t count, float scale, const SummableParams& p);
 
-// ---- QSGD on leaves, read in place of a packed buffer --------------------------------------------
+// ---- QSGD on leaves, read in place of a packed buffer ------------------------------------------
 // payloads[rows, payload_bytes(n)] = encode of each row of n values (seed seeds + 2 r for row r) of
 // the buffer that `x` packs, extended with zeros to rows * n elements (x.length() <= rows * n);
 // n is a multiple of the bucket. A leaf's span is padded with its last value (maxmin) or 0
 // (norm), as jax_qcomm's concat_leaves pads a leaf; the bytes are those of encode on that buffer.
-void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, const uint32_t* seeds,
-                   const Params& p, uint8_t* payloads);
+// Row `skip` (-1: none) is not encoded: its payload is zeros.
+void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, int64_t skip,
+                   const uint32_t* seeds, const Params& p, uint8_t* payloads);
+// payload = encode((v_0 + v_1 + ... + v_{k-1}) * scale, seed), summed in that order, where v_j is
+// decode(payloads + j * stride) but v_slot is row `row` (n values) of the buffer that `own` packs
+// (as encode_leaves reads it), exact: the middle of an allreduce in which a device's own chunk is
+// never quantised before the sum. n is a multiple of the bucket.
+void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
+                             const Leaves<const float>& own, int64_t row, int64_t n, float scale,
+                             const uint32_t seed[2], const Params& p, uint8_t* payload);
 
 // Name of the instruction set the kernels run ("avx512", "avx2" or "generic").
 const char* isa();

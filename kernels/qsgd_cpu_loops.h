@@ -104,10 +104,11 @@ inline void pack_codes(const uint8_t* __restrict codes, int64_t bucket, uint8_t*
 // Encodes one whole bucket: xb[0, B) (padding already in place), its values' indices start,
 // start + 1, ... (the stochastic rounding's counter), into its header words and packed codes.
 template <int BITS, int SCHEME>
-inline void encode_bucket(const float* __restrict xb, int64_t B, int64_t start, const uint32_t seed[2],
-                          bool stochastic, uint8_t* __restrict codes, int64_t valid,
-                          uint8_t* header, uint8_t* __restrict packed) {
-  constexpr uint32_t levels = SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
+inline void encode_bucket(const float* __restrict xb, int64_t B, int64_t start,
+                          const uint32_t seed[2], bool stochastic, uint8_t* __restrict codes,
+                          int64_t valid, uint8_t* header, uint8_t* __restrict packed) {
+  constexpr uint32_t levels =
+      SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
   const qcomm::EncodeScales s = bucket_scales<SCHEME>(xb, B, levels);
   if (stochastic) {
     bucket_codes<BITS, SCHEME, true>(xb, static_cast<uint32_t>(B), s, seed[0], seed[1],
@@ -180,47 +181,58 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
   }
 }
 
-// encode_t of each row of the buffer that x packs (qsgd_cpu.h, encode_leaves): a bucket inside a
-// leaf is read where it lies, the last bucket of a leaf is padded with the leaf's last value
-// (maxmin) or 0 (norm), a bucket past the leaves is zeros. Every bucket is whole (n and the
-// leaves' spans are multiples of B), so its codes are those of encode_t on the packed row.
+// The B values from element e (a multiple of B) of the buffer that x packs (qsgd_cpu.h, Leaves):
+// where the bucket lies whole inside a leaf, a pointer into it (its next values prefetched);
+// otherwise `pad` filled as the packed buffer holds it: the leaf's last values padded with its
+// last value (maxmin) or 0 (norm), or zeros past the leaves. `leaf` is the search hint.
+template <int SCHEME>
+inline const float* leaves_bucket(const qcomm::cpu::Leaves<const float>& x, int64_t e, int64_t B,
+                                  int64_t* leaf, float* __restrict pad) {
+  constexpr int64_t kPrefetchFloats = 1024;  // as encode_t
+  if (e >= x.length()) {
+    std::fill(pad, pad + B, 0.0f);
+    return pad;
+  }
+  *leaf = x.find(e, *leaf);
+  const int64_t off = e - x.start[*leaf], size = x.size[*leaf];
+  const float* data = x.data[*leaf];
+  const int64_t valid = std::min<int64_t>(B, size - off);
+  if (valid < B) {
+    std::copy(data + off, data + size, pad);
+    const float fill = SCHEME == qcomm::kMaxMin ? data[size - 1] : 0.0f;
+    std::fill(pad + valid, pad + B, fill);
+    return pad;
+  }
+  const int64_t ahead_end = std::min<int64_t>(off + kPrefetchFloats + B, size);
+  for (int64_t a = off + kPrefetchFloats; a < ahead_end; a += 16) __builtin_prefetch(data + a, 0, 3);
+  return data + off;
+}
+
+// encode_t of each row of the buffer that x packs (qsgd_cpu.h, encode_leaves), but row `skip`,
+// whose payload is zeros. Every bucket is whole (n and the leaves' spans are multiples of B), so
+// its codes are those of encode_t on the packed row.
 template <int BITS, int SCHEME>
 void encode_leaves_t(const qcomm::cpu::Leaves<const float>& x, int64_t rows, int64_t n,
-                     const uint32_t* seeds, const qcomm::cpu::Params& p, uint8_t* payloads) {
+                     int64_t skip, const uint32_t* seeds, const qcomm::cpu::Params& p,
+                     uint8_t* payloads) {
   const int64_t B = p.bucket;
   const int64_t nb = n / B;
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
   const int64_t bytes = qcomm::payload_bytes(n, B, BITS, SCHEME);
   const bool stochastic = p.rounding == qcomm::kStochastic;
-  const int64_t length = x.length();
   BucketScratch<uint8_t> codes(B);
   BucketScratch<float> pad(B);
-  constexpr int64_t kPrefetchFloats = 1024;  // as encode_t
   int64_t leaf = 0;
   for (int64_t r = 0; r < rows; ++r) {
     uint8_t* header = payloads + r * bytes;
+    if (r == skip) {
+      std::fill(header, header + bytes, uint8_t{0});
+      continue;
+    }
     uint8_t* packed = header + 4 * S * nb;
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t e = r * n + b * B;  // the bucket's first element in the packed buffer
-      const float* xb = pad.data;
-      if (e >= length) {
-        std::fill(pad.data, pad.data + B, 0.0f);
-      } else {
-        leaf = x.find(e, leaf);
-        const int64_t off = e - x.start[leaf], size = x.size[leaf];
-        const float* data = x.data[leaf];
-        const int64_t valid = std::min<int64_t>(B, size - off);
-        if (valid == B) {
-          xb = data + off;
-          const int64_t ahead_end = std::min<int64_t>(off + kPrefetchFloats + B, size);
-          for (int64_t a = off + kPrefetchFloats; a < ahead_end; a += 16)
-            __builtin_prefetch(data + a, 0, 3);
-        } else {
-          std::copy(data + off, data + size, pad.data);
-          std::fill(pad.data + valid, pad.data + B, SCHEME == qcomm::kMaxMin ? data[size - 1] : 0.0f);
-        }
-      }
+      const float* xb = leaves_bucket<SCHEME>(x, r * n + b * B, B, &leaf, pad.data);
       encode_bucket<BITS, SCHEME>(xb, B, b * B, seeds + 2 * r, stochastic, codes.data, B,
                                   header + 4 * S * b, packed + b * code_bytes);
     }
@@ -265,7 +277,8 @@ inline void decode_bucket(const uint8_t* header, const uint8_t* __restrict codes
 // in order j = 0, 1, ...).
 template <int BITS, int SCHEME>
 inline void decode_sum_bucket(const uint8_t* payloads, int64_t k, int64_t stride, int64_t nb,
-                              int64_t b, int64_t B, uint8_t* __restrict codes, float* __restrict ob) {
+                              int64_t b, int64_t B, uint8_t* __restrict codes,
+                              float* __restrict ob) {
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
   for (int64_t j = 0; j < k; ++j) {
@@ -302,8 +315,9 @@ void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
 // to memory. The same bytes as the steps apart: the same operations on every value, the same
 // padding of the last bucket, the same stochastic-rounding counter (the value's index).
 template <int BITS, int SCHEME>
-void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
-                           const uint32_t seed[2], const qcomm::cpu::Params& p, uint8_t* payload) {
+void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
+                           float scale, const uint32_t seed[2], const qcomm::cpu::Params& p,
+                           uint8_t* payload) {
   const int64_t B = p.bucket;
   const int64_t nb = qcomm::num_buckets(n, B);
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
@@ -323,6 +337,54 @@ void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, i
     }
     if (valid < B) pad_bucket<SCHEME>(xb, valid, B);
     encode_bucket<BITS, SCHEME>(xb, B, start, seed, stochastic, codes.data, valid,
+                                header + 4 * S * b, packed + b * code_bytes);
+  }
+}
+
+// decode_sum_reencode_t with term `slot` of the sum taken exactly from row `row` of the buffer
+// that `own` packs (n values per row, float32) instead of decoded from payload `slot`: acc = v_0,
+// acc += v_1, ... in order, v_slot the row's values; then * scale and the encode, bucket by
+// bucket. n is a multiple of B.
+template <int BITS, int SCHEME>
+void decode_sum_reencode_own_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
+                               const qcomm::cpu::Leaves<const float>& own, int64_t row, int64_t n,
+                               float scale, const uint32_t seed[2], const qcomm::cpu::Params& p,
+                               uint8_t* payload) {
+  const int64_t B = p.bucket;
+  const int64_t nb = n / B;
+  const int64_t S = qcomm::scales_per_bucket(SCHEME);
+  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
+  const bool stochastic = p.rounding == qcomm::kStochastic;
+  BucketScratch<float> sum(B);
+  BucketScratch<float> pad(B);
+  BucketScratch<uint8_t> codes(B);
+  uint8_t* header = payload;
+  uint8_t* packed = payload + 4 * S * nb;
+  int64_t leaf = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    float* __restrict xb = sum.data;
+    for (int64_t j = 0; j < k; ++j) {
+      if (j == slot) {
+        const float* ob = leaves_bucket<SCHEME>(own, row * n + b * B, B, &leaf, pad.data);
+        if (j == 0) {
+          std::copy(ob, ob + B, xb);
+        } else {
+          for (int64_t i = 0; i < B; ++i) xb[i] += ob[i];
+        }
+        continue;
+      }
+      const uint8_t* pj = payloads + j * stride;
+      unpack_codes<BITS>(pj + 4 * S * nb + b * code_bytes, B, codes.data);
+      if (j == 0) {
+        decode_bucket<BITS, SCHEME, false>(pj + 4 * S * b, codes.data, B, xb);
+      } else {
+        decode_bucket<BITS, SCHEME, true>(pj + 4 * S * b, codes.data, B, xb);
+      }
+    }
+    if (scale != 1.0f) {
+      for (int64_t i = 0; i < B; ++i) xb[i] *= scale;
+    }
+    encode_bucket<BITS, SCHEME>(xb, B, b * B, seed, stochastic, codes.data, B,
                                 header + 4 * S * b, packed + b * code_bytes);
   }
 }
@@ -353,9 +415,18 @@ struct EncodeF {
 };
 template <int BITS, int SCHEME>
 struct EncodeLeavesF {
-  static void run(const qcomm::cpu::Leaves<const float>* x, int64_t rows, int64_t n,
+  static void run(const qcomm::cpu::Leaves<const float>* x, int64_t rows, int64_t n, int64_t skip,
                   const uint32_t* seeds, const qcomm::cpu::Params* p, uint8_t* payloads) {
-    encode_leaves_t<BITS, SCHEME>(*x, rows, n, seeds, *p, payloads);
+    encode_leaves_t<BITS, SCHEME>(*x, rows, n, skip, seeds, *p, payloads);
+  }
+};
+template <int BITS, int SCHEME>
+struct DecodeSumReencodeOwnF {
+  static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
+                  const qcomm::cpu::Leaves<const float>* own, int64_t row, int64_t n, float scale,
+                  const uint32_t* seed, const qcomm::cpu::Params* p, uint8_t* payload) {
+    decode_sum_reencode_own_t<BITS, SCHEME>(payloads, k, stride, slot, *own, row, n, scale, seed,
+                                            *p, payload);
   }
 };
 template <int BITS, int SCHEME>
@@ -386,9 +457,16 @@ void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, c
   dispatch<DecodeSumF>(p, payloads, k, stride, n, &p, out);
 }
 
-void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, const uint32_t* seeds,
-                   const Params& p, uint8_t* payloads) {
-  dispatch<EncodeLeavesF>(p, &x, rows, n, seeds, &p, payloads);
+void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, int64_t skip,
+                   const uint32_t* seeds, const Params& p, uint8_t* payloads) {
+  dispatch<EncodeLeavesF>(p, &x, rows, n, skip, seeds, &p, payloads);
+}
+
+void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
+                             const Leaves<const float>& own, int64_t row, int64_t n, float scale,
+                             const uint32_t seed[2], const Params& p, uint8_t* payload) {
+  dispatch<DecodeSumReencodeOwnF>(p, payloads, k, stride, slot, &own, row, n, scale, seed, &p,
+                                  payload);
 }
 
 void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,

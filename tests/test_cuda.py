@@ -29,9 +29,12 @@ from jax_qcomm import _ffi
 
 TARGETS = {"qcomm_qsgd_encode", "qcomm_qsgd_decode_sum", "qcomm_qsgd_decode_sum_reencode"}
 #: CPU only: qcomm.Summable has no CUDA kernel yet (GPUs run its pure-JAX reference; docs/cuda.md).
+# CPU-only targets: the summable codec's, and QSGD's on a pytree's leaves in place (GPUs run the
+# packed rows through the three targets above instead: QSGD._select(..., only=("cpu",))).
 CPU_ONLY = {"qcomm_summable_scale", "qcomm_summable_encode", "qcomm_summable_decode",
             "qcomm_summable_scale_leaves", "qcomm_summable_encode_leaves",
-            "qcomm_summable_decode_leaves"}
+            "qcomm_summable_decode_leaves", "qcomm_qsgd_encode_leaves",
+            "qcomm_qsgd_decode_sum_reencode_own"}
 
 
 # ---- the build (no GPU needed) ---------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""QSGD's first encode on the leaves in place (CPU): the kernel that reads the rows of a pytree's
-packed buffer from the leaves themselves gives the bytes of the packed rows' encode, and the
-allreduce of a tree through it equals the pure-JAX reference on the packed buffer bit for bit, the
-same on every device, with no packed copy in the compiled program."""
+"""QSGD's scatter-reduce-allgather on the leaves in place (CPU): the kernel that encodes the rows of
+a pytree's packed buffer from the leaves themselves gives the bytes of the packed rows' encode;
+the fused middle step that adds a device's own row exactly (read from the leaves) gives the bytes
+of the decodes, the select and the re-encode; the allreduce of a tree through them equals the
+pure-JAX reference on the packed buffer bit for bit, the same on every device, with no packed
+copy in the compiled program, and its residual is 0 on the device's own row."""
 
 from __future__ import annotations
 
@@ -38,11 +40,12 @@ def _leaves(sizes, seed):
 
 @needs_kernels
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("rows,extra", [(1, 0), (3, 0), (3, 2)], ids=["1row", "3rows", "zero-rows"])
-def test_encode_leaves_equals_the_packed_rows(config, rows, extra):
+@pytest.mark.parametrize("rows,extra,skip", [(1, 0, -1), (3, 0, -1), (3, 2, -1), (3, 0, 1)],
+                         ids=["1row", "3rows", "zero-rows", "skip"])
+def test_encode_leaves_equals_the_packed_rows(config, rows, extra, skip):
   """The kernel's payloads equal the FFI and the reference encode of the packed rows (each leaf
   padded to whole buckets with its last value (maxmin) or 0 (norm), zeros to rows * n), rows
-  past the leaves included; leaves of 0, 1, B - 1, B and B + 1 values."""
+  past the leaves included; leaves of 0, 1, B - 1, B and B + 1 values; row ``skip`` is zeros."""
   bits, b, scheme, rounding = config
   sizes = [5 * b + 3, 0, 1, b - 1 if b > 1 else 1, b, b + 1]
   parts = _leaves(sizes, seed=bits)
@@ -51,12 +54,55 @@ def test_encode_leaves_equals_the_packed_rows(config, rows, extra):
   keys = jax.random.split(jax.random.key(7), rows)
   seeds = jax.vmap(seed_words)(keys)
   kw = dict(bits=bits, bucket_size=b, scheme=scheme, rounding=rounding)
-  got = np.asarray(jax.jit(lambda s, ps: _ffi.qsgd_encode_leaves(ps, s, n, **kw))(seeds, parts))
+  got = np.asarray(jax.jit(lambda s, k, ps: _ffi.qsgd_encode_leaves(ps, s, n, k, **kw))(
+      seeds, jnp.int32(skip), parts))
   for impl in ("ffi", "jax"):
     codec = qcomm.QSGD(bits, b, scheme, rounding, impl=impl)
     packed = jnp.pad(concat_leaves(parts, codec), (0, rows * n - span)).reshape(rows, n)
-    want = np.asarray(jax.jit(jax.vmap(codec.wire_encode))(packed, keys))
+    want = np.array(jax.jit(jax.vmap(codec.wire_encode))(packed, keys))
+    if skip >= 0:
+      want[skip] = 0
     np.testing.assert_array_equal(got, want, err_msg=impl)
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("k,slot,row,scale", [(1, 0, 0, 1.0), (3, 0, 1, 1 / 3), (3, 2, 2, 1 / 3),
+                                              (4, 1, 5, 0.25), (2, 1, 0, 1e-30)],
+                         ids=["k1", "slot0", "slot-last", "row-past-leaves", "underflow"])
+def test_reencode_own_equals_the_composition(config, k, slot, row, scale):
+  """The fused middle step with the own row exact equals the FFI and the reference composition:
+  decode every payload, put row ``row`` of the leaves' packed buffer in place of term ``slot``,
+  sum in order, scale, encode; rows past the leaves are zeros; sums that underflow flush alike."""
+  bits, b, scheme, rounding = config
+  sizes = [3 * b + 1, 1, b]
+  parts = _leaves(sizes, seed=bits + k)
+  span = wire.leaves_span(sizes, b)
+  n = 2 * b
+  rows_total = max(-(-span // n), row + 1)
+  kw = dict(bits=bits, bucket_size=b, scheme=scheme, rounding=rounding)
+  key = jax.random.key(3)
+  codec = qcomm.QSGD(bits, b, scheme, rounding, impl="ffi")
+  r = np.random.default_rng(k)
+  xs = (r.standard_normal((k, n)) * (1e-36 if scale < 1e-20 else 2.0)).astype(np.float32)
+  payloads = jax.jit(jax.vmap(codec.wire_encode))(jnp.asarray(xs),
+                                                  jax.random.split(jax.random.key(k), k))
+  got = np.asarray(jax.jit(lambda p, ps: _ffi.qsgd_decode_sum_reencode_own(
+      p, seed_words(key), jnp.int32(slot), ps, jnp.int32(row), n, scale, **kw))(payloads, parts))
+  for impl in ("ffi", "jax"):
+    c = qcomm.QSGD(bits, b, scheme, rounding, impl=impl)
+    packed = jnp.pad(concat_leaves(parts, c), (0, rows_total * n - span)).reshape(-1, n)
+
+    def composed(p, packed=packed, c=c):
+      vals = jax.vmap(lambda w: c.wire_decode_sum(w[None], n))(p).at[slot].set(packed[row])
+      out = vals[0]
+      for j in range(1, k):
+        out = out + vals[j]
+      if scale != 1.0:
+        out = out * jnp.float32(scale)
+      return c.wire_encode(out, key)
+
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(composed)(payloads)), err_msg=impl)
 
 
 @needs_kernels
@@ -66,9 +112,15 @@ def test_encode_leaves_rejects_bad_sizes():
   seeds = jnp.zeros((2, 2), jnp.uint32)
   kw = dict(bits=4, bucket_size=128, scheme="maxmin", rounding="nearest")
   with pytest.raises(Exception, match="multiple of bucket_size"):
-    jax.block_until_ready(_ffi.qsgd_encode_leaves(parts, seeds, 100, **kw))
+    jax.block_until_ready(_ffi.qsgd_encode_leaves(parts, seeds, 100, jnp.int32(-1), **kw))
   with pytest.raises(Exception, match="more than rows"):
-    jax.block_until_ready(_ffi.qsgd_encode_leaves(parts, seeds[:1], 128, **kw))
+    jax.block_until_ready(_ffi.qsgd_encode_leaves(parts, seeds[:1], 128, jnp.int32(-1), **kw))
+  with pytest.raises(Exception, match="skip must be"):
+    jax.block_until_ready(_ffi.qsgd_encode_leaves(parts, seeds, 256, jnp.int32(2), **kw))
+  payloads = jnp.zeros((2, wire.qsgd_payload_bytes(256, 4, 128, "maxmin")), jnp.uint8)
+  with pytest.raises(Exception, match="slot must"):
+    jax.block_until_ready(_ffi.qsgd_decode_sum_reencode_own(
+        payloads, seeds[0], jnp.int32(2), parts, jnp.int32(0), 256, 0.5, **kw))
 
 
 @needs_kernels
@@ -109,3 +161,16 @@ def test_allreduce_of_leaves_in_place_equals_the_packed_reference(d, residual):
     for j in range(1, d):
       np.testing.assert_array_equal(leaf[j].view(np.uint32), leaf[0].view(np.uint32))
   assert np.all(np.isnan(out["b"][:, :128])) and np.all(np.isfinite(out["b"][:, 128:]))
+  if residual:
+    # The residual is what the device's own first quantisation lost: 0 on the row it owns (its
+    # own values enter the sum exactly), not elsewhere.
+    res = got["ffi"][1]
+    names = sorted(shapes)
+    span = wire.leaves_span([int(np.prod(shapes[k])) for k in names], 128)
+    c = qcomm.QSGD(4, 128).buffer_length(span, d) // d
+    for dev in range(d):
+      leaves = [res[k][dev].reshape(-1) for k in names]
+      packed = np.concatenate([np.pad(x, (0, -x.size % 128)) for x in leaves])
+      rows = np.pad(packed, (0, d * c - packed.size)).reshape(d, c)
+      np.testing.assert_array_equal(rows[dev], 0)
+      assert np.any(rows[(dev + 1) % d] != 0)

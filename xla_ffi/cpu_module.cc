@@ -203,11 +203,20 @@ ffi::Error InputLeaves(const ffi::RemainingArgs& args, int64_t bucket, LeafList<
   return ffi::Error::Success();
 }
 
-// seed[rows, 2] u32, leaves... f32 -> payloads[rows, P] u8: QSGD's encode of the rows of n values
-// of the packed buffer that the leaves span (each padded to whole buckets), zeros after them.
-ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::U32> seed, ffi::RemainingArgs leaves,
-                                ffi::ResultBuffer<ffi::U8> payloads, int32_t bits,
-                                int32_t bucket_size, int32_t scheme, int32_t rounding, int64_t n) {
+// A scalar int32 operand (a row or slot index that the program computes, e.g. the axis index).
+ffi::ErrorOr<int64_t> ScalarIndex(ffi::Buffer<ffi::S32> index, const char* name) {
+  if (index.element_count() != 1)
+    return ffi::Error::InvalidArgument(std::string(name) + " must be one int32");
+  return static_cast<int64_t>(index.typed_data()[0]);
+}
+
+// seed[rows, 2] u32, skip[] s32, leaves... f32 -> payloads[rows, P] u8: QSGD's encode of the rows
+// of n values of the packed buffer that the leaves span (each padded to whole buckets), zeros
+// after them; row `skip` (-1: none) is zeros.
+ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> skip,
+                                ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::U8> payloads,
+                                int32_t bits, int32_t bucket_size, int32_t scheme, int32_t rounding,
+                                int64_t n) {
   const common::Params p{bits, bucket_size, scheme, rounding};
   if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
   if (n <= 0 || n % bucket_size != 0)
@@ -222,8 +231,46 @@ ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::U32> seed, ffi::RemainingArgs l
     return ffi::Error::InvalidArgument("the leaves hold more than rows * n elements");
   if (seed.element_count() != 2 * rows)
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per row");
-  qcomm::cpu::encode_leaves(x.leaves(), rows, n, seed.typed_data(), CpuParams(p),
+  ffi::ErrorOr<int64_t> skipped = ScalarIndex(skip, "skip");
+  if (skipped.has_error()) return skipped.error();
+  if (*skipped < -1 || *skipped >= rows)
+    return ffi::Error::InvalidArgument("skip must be -1 or a row index");
+  qcomm::cpu::encode_leaves(x.leaves(), rows, n, *skipped, seed.typed_data(), CpuParams(p),
                             payloads->typed_data());
+  return ffi::Error::Success();
+}
+
+// payloads[k, P] u8, seed[2] u32, slot[] s32, row[] s32, leaves... f32 -> payload[P] u8:
+// encode((v_0 + ... + v_{k-1}) * scale), v_j the decode of payload j but v_slot row `row` of the
+// leaves' packed buffer (n values per row), exact.
+ffi::Error QsgdDecodeSumReencodeOwnImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buffer<ffi::U32> seed,
+                                        ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> row,
+                                        ffi::RemainingArgs leaves,
+                                        ffi::ResultBuffer<ffi::U8> payload,
+                                        int32_t bits, int32_t bucket_size, int32_t scheme,
+                                        int32_t rounding, int64_t n, float scale) {
+  const common::Params p{bits, bucket_size, scheme, rounding};
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
+  if (n <= 0 || n % bucket_size != 0)
+    return ffi::Error::InvalidArgument("n must be a positive multiple of bucket_size");
+  const int64_t bytes = qcomm::payload_bytes(n, bucket_size, bits, scheme);
+  const auto dims = payloads.dimensions();
+  if (dims.size() != 2 || dims[1] != bytes || payload->element_count() != bytes)
+    return ffi::Error::InvalidArgument(
+        "payloads must be [k, payload_bytes(n)] and the result one payload");
+  const int64_t k = dims[0];
+  if (seed.element_count() != 2)
+    return ffi::Error::InvalidArgument("seed must hold 2 uint32 words");
+  LeafList<const float> own;
+  if (ffi::Error e = InputLeaves(leaves, bucket_size, &own); e.failure()) return e;
+  ffi::ErrorOr<int64_t> s = ScalarIndex(slot, "slot"), r = ScalarIndex(row, "row");
+  if (s.has_error()) return s.error();
+  if (r.has_error()) return r.error();
+  if (*s < 0 || *s >= k) return ffi::Error::InvalidArgument("slot must index a payload");
+  if (*r < 0) return ffi::Error::InvalidArgument("row must be >= 0");  // past the leaves: zeros
+  qcomm::cpu::decode_sum_reencode_own(payloads.typed_data(), k, bytes, *s, own.leaves(), *r, n,
+                                      scale, seed.typed_data(), CpuParams(p),
+                                      payload->typed_data());
   return ffi::Error::Success();
 }
 
@@ -253,7 +300,8 @@ ffi::Error SummableEncodeLeavesImpl(ffi::Buffer<ffi::S32> shared, ffi::Buffer<ff
                                       shared.element_count());
       e.failure())
     return e;
-  if (seed.element_count() != 2) return ffi::Error::InvalidArgument("seed must hold 2 uint32 words");
+  if (seed.element_count() != 2)
+    return ffi::Error::InvalidArgument("seed must hold 2 uint32 words");
   qcomm::cpu::summable_encode(x.leaves(), shared.typed_data(), seed.typed_data(), p,
                               words->typed_data());
   return ffi::Error::Success();
@@ -352,6 +400,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecodeLeaves, SummableDecodeLeavesImp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeLeaves, QsgdEncodeLeavesImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int32_t>("bits")
@@ -359,6 +408,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeLeaves, QsgdEncodeLeavesImpl,
                                   .Attr<int32_t>("scheme")
                                   .Attr<int32_t>("rounding")
                                   .Attr<int64_t>("n"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumReencodeOwn, QsgdDecodeSumReencodeOwnImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("scheme")
+                                  .Attr<int32_t>("rounding")
+                                  .Attr<int64_t>("n")
+                                  .Attr<float>("scale"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
                               common::BindEncode(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSum, DecodeSumImpl,
@@ -373,6 +436,8 @@ NB_MODULE(_qcomm_cpu, m) {
     d["qcomm_qsgd_encode"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncode));
     d["qcomm_qsgd_decode_sum"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSum));
     d["qcomm_qsgd_encode_leaves"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeLeaves));
+    d["qcomm_qsgd_decode_sum_reencode_own"] =
+        nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencodeOwn));
     d["qcomm_qsgd_decode_sum_reencode"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencode));
     d["qcomm_summable_encode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableEncode));

@@ -196,8 +196,9 @@ class Codec(abc.ABC):
     padding, ``uint8`` words, the class name) do not hold -- :attr:`exact`, :attr:`wire_dtype`,
     :attr:`needs_key`, :attr:`pad_multiple`, :meth:`pad_fill`, :attr:`name`; a fused middle step
     -- :meth:`wire_decode_sum_reencode` (QSGD's kernels); the SRA's first encode from the leaves
-    where they lie -- :meth:`_encode_packed_rows` (QSGD's CPU kernel); its own collectives, where the SRA is
-    not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
+    where they lie -- :meth:`_encode_packed_rows` (QSGD's CPU kernel); the SRA's middle step --
+    :meth:`_reduce_received` with :attr:`_own_row_exact` (QSGD); its own collectives, where
+    the SRA is not how it should reduce -- :meth:`buffer_length`, :meth:`allreduce_flat`,
     :meth:`allreduce_leaves`, :meth:`reduce_scatter_flat`, :meth:`all_gather_flat` and
     :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; the sharded
     collectives on the leaves' own memory instead of a packed copy -- :meth:`reduce_scatter_leaves`,
@@ -301,9 +302,10 @@ class Codec(abc.ABC):
   buffer is padded to whole buckets per device chunk and cut into D chunks, chunk j encoded and
   sent to device j (an all-to-all), the owner decodes and sums the D payloads it received,
   re-encodes the scaled sum once and every device all-gathers and decodes all chunks: each value is
-  quantised twice. :class:`NoCompression` overrides them with XLA's float32 ``psum`` /
-  ``psum_scatter`` / ``all_gather``; :class:`Summable` with one ``pmax`` of the scales and one
-  ``psum`` of summable words. A codec with another way of reducing overrides the three methods and
+  quantised twice. A codec with :attr:`_own_row_exact` (QSGD) does not encode the chunk a device
+  keeps: the owner adds its own values to the decoded others unquantised. :class:`NoCompression`
+  overrides them with XLA's float32 ``psum`` / ``psum_scatter`` / ``all_gather``;
+  :class:`Summable` with one ``pmax`` of the scales and one ``psum`` of summable words. A codec with another way of reducing overrides the three methods and
   :meth:`traffic` together.
   """
 
@@ -395,45 +397,63 @@ class Codec(abc.ABC):
     reduced chunk payloads of ``c`` values each that every device decodes (the same everywhere)."""
     n = x.shape[0]
     d = axis_size(axis_name)
-    chunks = _pad_to(x, self.buffer_length(n, d)).reshape(d, -1)
-    out, residual, gathered, c = self._sra_rows(
-        chunks, lambda k: self._encode_rows(chunks, k), axis_name, key, op, exchange)
+    flat = _pad_to(x, self.buffer_length(n, d))  # one leaf of whole buckets: its own packed buffer
+    out, residual, gathered, c = self._sra_rows([flat], d, flat.shape[0] // d, axis_name, key,
+                                                op, exchange)
     return out[:n], residual[:n], gathered, c
 
   def _scatter_reduce_allgather_leaves(self, parts, axis_name, key, op, exchange):
-    """:meth:`_scatter_reduce_allgather` of the parts' packed buffer (:func:`concat_leaves`), its
-    rows encoded by :meth:`_encode_packed_rows` (in place where the codec can), out and residual
-    split per leaf: ``(outs, residuals, gathered, c)``, the bytes of the packed path."""
+    """:meth:`_scatter_reduce_allgather` of the parts' packed buffer (:func:`concat_leaves`), out
+    and residual split per leaf: ``(outs, residuals, gathered, c)``."""
     sizes = [p.shape[0] for p in parts]
     d = axis_size(axis_name)
     c = self.buffer_length(wire.leaves_span(sizes, self.pad_multiple), d) // d
-    # The packed rows themselves only for the residual (dropped by XLA where nothing reads it).
-    chunks = self._packed_rows(parts, d, c)
-    out, residual, gathered, c = self._sra_rows(
-        chunks, lambda k: self._encode_packed_rows(parts, d, c, k), axis_name, key, op, exchange)
+    out, residual, gathered, c = self._sra_rows(parts, d, c, axis_name, key, op, exchange)
     m = self.pad_multiple
     return split_leaves(out, sizes, m), split_leaves(residual, sizes, m), gathered, c
 
-  def _sra_rows(self, chunks, encode, axis_name, key, op, exchange):
-    """The SRA of rows ``chunks`` float32[D, c] whose payloads ``encode(key)`` makes: ``(out
-    float32[D * c], residual float32[D * c], gathered, c)``."""
-    d, c = chunks.shape
-    payloads = encode(device_key(key, axis_name, 0))
-    residual = (chunks - self._decode_rows(payloads, c)).reshape(-1)
+  def _sra_rows(self, parts, d, c, axis_name, key, op, exchange):
+    """The SRA of the D rows of ``c`` values of the parts' packed buffer (:meth:`_packed_rows`):
+    ``(out float32[D * c], residual float32[D * c], gathered, c)``. Each device encodes the rows
+    (:meth:`_encode_packed_rows`), sends row j to device j, reduces what it received
+    (:meth:`_reduce_received`) and gathers the reduced rows. Where :attr:`_own_row_exact`, its own
+    row is not encoded: the reduction adds it exactly, and its residual is 0."""
+    me = lax.axis_index(axis_name)
+    chunks = self._packed_rows(parts, d, c)  # read by the residual only, where it is wanted
+    payloads = self._encode_packed_rows(parts, d, c, device_key(key, axis_name, 0),
+                                        skip=me if self._own_row_exact else None)
+    residual = chunks - self._decode_rows(payloads, c)
+    if self._own_row_exact:
+      residual = jnp.where((jnp.arange(d) == me)[:, None], jnp.float32(0), residual)
     received = _exchange.exchange(payloads, axis_name, exchange)  # row s: my chunk from device s
     scale = 1.0 / d if op == "mean" else 1.0
-    mine = self.wire_decode_sum_reencode(received, c, device_key(key, axis_name, 1), scale)
+    mine = self._reduce_received(received, parts, chunks, me, c,
+                                 device_key(key, axis_name, 1), scale)
     gathered = _exchange.gather(mine, axis_name)  # [D, W], the same everywhere
-    return self._decode_rows(gathered, c).reshape(-1), residual, gathered, c
+    return self._decode_rows(gathered, c).reshape(-1), residual.reshape(-1), gathered, c
+
+  #: Whether the SRA leaves each device's own row unquantised in its first half (QSGD); the
+  #: default encodes every row and :meth:`_reduce_received` decodes all D.
+  _own_row_exact = False
+
+  def _reduce_received(self, received, parts, chunks, me, c, key, scale):
+    """The SRA's middle: the D payloads this device received (row s from device s) -> its reduced
+    row's payload. Default: :meth:`wire_decode_sum_reencode` of all D. A codec with
+    :attr:`_own_row_exact` sums its own row (row ``me`` of ``chunks``, the packed rows of
+    ``parts``) in place of ``received[me]``."""
+    del parts, chunks, me
+    return self.wire_decode_sum_reencode(received, c, key, scale)
 
   def _packed_rows(self, parts: Sequence[jax.Array], d: int, c: int) -> jax.Array:
     """[float32[n_i]] -> float32[d, c]: :func:`concat_leaves` of the parts, zeros to d * c."""
     return _pad_to(concat_leaves(parts, self), d * c).reshape(d, c)
 
   def _encode_packed_rows(self, parts: Sequence[jax.Array], d: int, c: int,
-                          key: jax.Array | None) -> jax.Array:
-    """wire[d, W]: :meth:`_encode_rows` of :meth:`_packed_rows`. A codec whose kernel reads the
-    leaves where they lie overrides it with the same bytes (QSGD on CPU)."""
+                          key: jax.Array | None, skip: jax.Array | None = None) -> jax.Array:
+    """wire[d, W]: :meth:`_encode_rows` of :meth:`_packed_rows`. Row ``skip`` (a traced index,
+    or None) is never read: a codec may leave it unencoded. A codec whose kernel reads the leaves
+    where they lie overrides it with the same bytes (QSGD on CPU)."""
+    del skip
     return self._encode_rows(self._packed_rows(parts, d, c), key)
 
   def allreduce_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,

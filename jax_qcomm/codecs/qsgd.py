@@ -10,6 +10,7 @@ from jax import lax
 
 from jax_qcomm import _ffi, _reference, wire
 from jax_qcomm._checks import check_int, check_int_in
+from jax_qcomm.codecs.base import _sum_in_order
 from jax_qcomm.codecs.bucketed import _Bucketed
 
 
@@ -40,6 +41,13 @@ class QSGD(_Bucketed):
 
   The C++ kernels (each ISA), the CUDA kernels and the pure-JAX reference give the same payload
   bytes and the same decoded float32 values for the same key.
+
+  Its allreduce is the scatter-reduce-allgather (:class:`Codec`), except that a device does not
+  encode the chunk it keeps: it adds its own values, unquantised, to the decodes of the D - 1
+  chunks it received (in device order), then re-encodes the sum once. A value is quantised once
+  on the device that reduces its chunk and twice on the others, and each device runs one encode
+  and one decode of a chunk fewer. The error-feedback residual of its own chunk is 0. On CPU the
+  first encode and the reduction read a pytree's leaves where they lie (no packed copy).
 
   Args:
     bits: 1..8 bits per value (``"norm"`` needs at least 2: one is the sign).
@@ -114,7 +122,7 @@ class QSGD(_Bucketed):
   def all_gather_leaves(self, parts, axis_name, key):
     return self._all_gather_payloads(parts, axis_name, key)
 
-  # -- the finite guard from the gathered payloads' headers -------------------------------------
+  # -- the allreduce of leaves, its first encode in place, its finite guard from the headers ------
   def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
     """The scatter-reduce-allgather of the leaves' packed buffer, its rows encoded where the
     leaves lie (:meth:`_encode_packed_rows`)."""
@@ -130,18 +138,48 @@ class QSGD(_Bucketed):
         parts, axis_name, key, op, exchange)
     return outs, lost, self._headers_mark(gathered, c)
 
-  def _encode_packed_rows(self, parts, d, c, key):
+  # Each device's own row of the SRA stays float32 until the sum: quantised once (in the
+  # re-encode), where the other rows are quantised twice, and one encode and one decode fewer.
+  _own_row_exact = True
+
+  def _encode_packed_rows(self, parts, d, c, key, skip=None):
     """On CPU one kernel reads the rows of the packed buffer from the leaves themselves (no
-    packed copy: ResNet-50's 25.6M values take 10 ms to copy on one core); the same bytes as the
-    packed rows' encode, which other platforms run."""
+    packed copy: ResNet-50's 25.6M values take 10 ms to copy on one core) and leaves row ``skip``
+    as zeros; elsewhere the packed rows' encode (every row: ``skip`` is not read)."""
     if c == 0 or self.needs_key and key is None:  # (the packed path says what is wrong)
       return super()._encode_packed_rows(parts, d, c, key)
     seeds = (jnp.zeros((d, 2), jnp.uint32) if key is None
              else jax.vmap(self._seed)(jax.random.split(key, d)))
+    skip = jnp.int32(-1) if skip is None else jnp.asarray(skip, jnp.int32)
     kw = dict(rounding=self.rounding, **self._fmt)
-    return self._select(lambda s, *ps: _ffi.qsgd_encode_leaves(ps, s, c, **kw),
-                        lambda s, *ps: super(QSGD, self)._encode_packed_rows(ps, d, c, key),
-                        seeds, *parts, only=("cpu",))
+    return self._select(lambda s, k, *ps: _ffi.qsgd_encode_leaves(ps, s, c, k, **kw),
+                        lambda s, k, *ps: super(QSGD, self)._encode_packed_rows(ps, d, c, key),
+                        seeds, skip, *parts, only=("cpu",))
+
+  def _reduce_received(self, received, parts, chunks, me, c, key, scale):
+    """encode((v_0 + ... + v_{D-1}) * scale), summed in order, v_s the decode of ``received[s]``
+    but v_me this device's own row, exact. On CPU one kernel, reading the row from the leaves
+    where they lie; elsewhere the decodes, a select and the re-encode (the same bytes)."""
+    if c == 0:
+      return super()._reduce_received(received, parts, chunks, me, c, key, scale)
+    d = received.shape[0]
+    kw = dict(rounding=self.rounding, **self._fmt)
+
+    def composed(p, s, slot, *ps):
+      del s, ps
+      own = lax.dynamic_index_in_dim(chunks, slot, keepdims=False)
+      vals = jnp.where((jnp.arange(d) == slot)[:, None], own[None], self._decode_rows(p, c))
+      reduced = _sum_in_order(vals)
+      if scale != 1.0:
+        reduced = reduced * jnp.float32(scale)
+      return self.wire_encode(reduced, key)
+
+    if self.needs_key and key is None:
+      return composed(received, None, me)
+    return self._select(
+        lambda p, s, slot, *ps: _ffi.qsgd_decode_sum_reencode_own(p, s, slot, ps, slot, c, scale,
+                                                                  **kw),
+        composed, received, self._seed(key), jnp.asarray(me, jnp.int32), *parts, only=("cpu",))
 
   def _headers_mark(self, payloads: jax.Array, n: int) -> jax.Array:
     """0, or NaN where a payload of ``n`` values (rows of ``payloads``) has a non-finite bucket:

@@ -25,7 +25,7 @@ class Summable(_SummedFields):
   or nearest). The offset codes ``q + L`` are packed as fields of uint32 words, wide enough for
   the sum over ``D`` devices (``bit_length(2 L D)`` bits); the words go through one ``lax.psum``
   (XLA's all-reduce, at link rate on every backend) and the sum is decoded once. Each value is
-  quantised once (the scatter-reduce-allgather of :class:`QSGD` quantises twice), and every device
+  quantised once (the scatter-reduce-allgather of :class:`QSGD` quantises twice, once on the owner), and every device
   ends with the same result. Wire bits per element: ``32 / (32 // bit_length(2 L D)) +
   16 / bucket_size`` (4 bits, D = 2: 5.46; docs/wire-format.md "Summable" has the table).
 
