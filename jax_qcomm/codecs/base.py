@@ -305,8 +305,8 @@ class Codec(abc.ABC):
   quantised twice. A codec with :attr:`_own_row_exact` (QSGD) does not encode the chunk a device
   keeps: the owner adds its own values to the decoded others unquantised. :class:`NoCompression`
   overrides them with XLA's float32 ``psum`` / ``psum_scatter`` / ``all_gather``;
-  :class:`Summable` with one ``pmax`` of the scales and one ``psum`` of summable words. A codec with another way of reducing overrides the three methods and
-  :meth:`traffic` together.
+  :class:`Summable` with one ``pmax`` of the scales and one ``psum`` of summable words. A codec
+  with another way of reducing overrides the three methods and :meth:`traffic` together.
   """
 
   # ================================================================================================
