@@ -397,30 +397,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommSummableDecodeLeaves, SummableDecodeLeavesImp
                                                       .Arg<ffi::Buffer<ffi::S32>>()
                                                       .RemainingRets()));
 
+// The QSGD handlers on leaves: the format's attributes and the row length n, after their operands.
+template <typename B>
+auto QsgdLeavesAttrs(B&& binding) {
+  return std::move(binding)
+      .template Attr<int32_t>("bits")
+      .template Attr<int32_t>("bucket_size")
+      .template Attr<int32_t>("scheme")
+      .template Attr<int32_t>("rounding")
+      .template Attr<int64_t>("n");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeLeaves, QsgdEncodeLeavesImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("scheme")
-                                  .Attr<int32_t>("rounding")
-                                  .Attr<int64_t>("n"));
+                              QsgdLeavesAttrs(ffi::Ffi::Bind()
+                                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .RemainingArgs()
+                                                  .Ret<ffi::Buffer<ffi::U8>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumReencodeOwn, QsgdDecodeSumReencodeOwnImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("bucket_size")
-                                  .Attr<int32_t>("scheme")
-                                  .Attr<int32_t>("rounding")
-                                  .Attr<int64_t>("n")
+                              QsgdLeavesAttrs(ffi::Ffi::Bind()
+                                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .RemainingArgs()
+                                                  .Ret<ffi::Buffer<ffi::U8>>())
                                   .Attr<float>("scale"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
                               common::BindEncode(ffi::Ffi::Bind()));
