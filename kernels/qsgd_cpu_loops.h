@@ -134,6 +134,17 @@ inline void pad_bucket(float* xb, int64_t valid, int64_t B) {
   std::fill(xb + valid, xb + B, SCHEME == qcomm::kMaxMin ? xb[0] : 0.0f);
 }
 
+// Each bucket is read twice: the min/max scan brings it from memory, the code loop finds it in L1.
+// Alone, the scan waits on memory while the code loop leaves the bus idle; prefetching the bucket
+// kPrefetchFloats ahead overlaps the two. (Results do not change.)
+constexpr int64_t kPrefetchFloats = 1024;  // 4 KiB
+
+// Prefetches the B values kPrefetchFloats after x[from] that lie before x[end].
+inline void prefetch_ahead(const float* x, int64_t from, int64_t B, int64_t end) {
+  const int64_t ahead_end = std::min<int64_t>(from + kPrefetchFloats + B, end);
+  for (int64_t e = from + kPrefetchFloats; e < ahead_end; e += 16) __builtin_prefetch(x + e, 0, 3);
+}
+
 // A bucket-sized scratch buffer: on the stack up to kMaxBucketOnStack elements, else on the heap.
 template <typename T>
 struct BucketScratch {
@@ -160,17 +171,11 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
   const bool stochastic = p.rounding == qcomm::kStochastic;
   BucketScratch<uint8_t> codes(B);
   BucketScratch<float> pad(B);
-
-  // Each bucket is read twice: the min/max scan brings it from memory, the code loop finds it in
-  // L1. Alone, the scan waits on memory while the code loop leaves the bus idle; prefetching the
-  // bucket kPrefetchFloats ahead overlaps the two. (Results do not change.)
-  constexpr int64_t kPrefetchFloats = 1024;  // 4 KiB
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, n - start);
     const float* xb = x + start;
-    const int64_t ahead_end = std::min<int64_t>(start + kPrefetchFloats + B, n);
-    for (int64_t e = start + kPrefetchFloats; e < ahead_end; e += 16) __builtin_prefetch(x + e, 0, 3);
+    prefetch_ahead(x, start, B, n);
     if (valid < B) {
       std::copy(xb, xb + valid, pad.data);
       pad_bucket<SCHEME>(pad.data, valid, B);
@@ -188,7 +193,6 @@ void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cp
 template <int SCHEME>
 inline const float* leaves_bucket(const qcomm::cpu::Leaves<const float>& x, int64_t e, int64_t B,
                                   int64_t* leaf, float* __restrict pad) {
-  constexpr int64_t kPrefetchFloats = 1024;  // as encode_t
   if (e >= x.length()) {
     std::fill(pad, pad + B, 0.0f);
     return pad;
@@ -203,8 +207,7 @@ inline const float* leaves_bucket(const qcomm::cpu::Leaves<const float>& x, int6
     std::fill(pad + valid, pad + B, fill);
     return pad;
   }
-  const int64_t ahead_end = std::min<int64_t>(off + kPrefetchFloats + B, size);
-  for (int64_t a = off + kPrefetchFloats; a < ahead_end; a += 16) __builtin_prefetch(data + a, 0, 3);
+  prefetch_ahead(data, off, B, size);
   return data + off;
 }
 
@@ -274,14 +277,24 @@ inline void decode_bucket(const uint8_t* header, const uint8_t* __restrict codes
 }
 
 // Decodes bucket b of each of the k payloads into ob[0, B) (the first written, the rest added,
-// in order j = 0, 1, ...).
+// in order j = 0, 1, ...); term `slot` (-1: none) is `exact`, B float32 values, instead of the
+// decode of payload `slot`.
 template <int BITS, int SCHEME>
 inline void decode_sum_bucket(const uint8_t* payloads, int64_t k, int64_t stride, int64_t nb,
                               int64_t b, int64_t B, uint8_t* __restrict codes,
-                              float* __restrict ob) {
+                              float* __restrict ob, int64_t slot = -1,
+                              const float* __restrict exact = nullptr) {
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
   for (int64_t j = 0; j < k; ++j) {
+    if (j == slot) {
+      if (j == 0) {
+        std::copy(exact, exact + B, ob);
+      } else {
+        for (int64_t i = 0; i < B; ++i) ob[i] += exact[i];
+      }
+      continue;
+    }
     const uint8_t* pj = payloads + j * stride;
     const uint8_t* header = pj + 4 * S * b;
     const uint8_t* packed = pj + 4 * S * nb + b * code_bytes;
@@ -314,44 +327,15 @@ void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
 // bucket-sized buffer that stays in L1 and is encoded from there, so the reduced values never go
 // to memory. The same bytes as the steps apart: the same operations on every value, the same
 // padding of the last bucket, the same stochastic-rounding counter (the value's index).
+// With `own` (qsgd_cpu.h, decode_sum_reencode_own; n a multiple of B), term `slot` of the sum is
+// row `row` of the buffer that `own` packs, exact, instead of the decode of payload `slot`.
 template <int BITS, int SCHEME>
 void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
                            float scale, const uint32_t seed[2], const qcomm::cpu::Params& p,
-                           uint8_t* payload) {
+                           uint8_t* payload, const qcomm::cpu::Leaves<const float>* own = nullptr,
+                           int64_t slot = -1, int64_t row = 0) {
   const int64_t B = p.bucket;
   const int64_t nb = qcomm::num_buckets(n, B);
-  const int64_t S = qcomm::scales_per_bucket(SCHEME);
-  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
-  const bool stochastic = p.rounding == qcomm::kStochastic;
-  BucketScratch<float> sum(B);
-  BucketScratch<uint8_t> codes(B);
-  uint8_t* header = payload;
-  uint8_t* packed = payload + 4 * S * nb;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t start = b * B;
-    const int64_t valid = std::min<int64_t>(B, n - start);
-    float* __restrict xb = sum.data;
-    decode_sum_bucket<BITS, SCHEME>(payloads, k, stride, nb, b, B, codes.data, xb);
-    if (scale != 1.0f) {
-      for (int64_t i = 0; i < valid; ++i) xb[i] *= scale;
-    }
-    if (valid < B) pad_bucket<SCHEME>(xb, valid, B);
-    encode_bucket<BITS, SCHEME>(xb, B, start, seed, stochastic, codes.data, valid,
-                                header + 4 * S * b, packed + b * code_bytes);
-  }
-}
-
-// decode_sum_reencode_t with term `slot` of the sum taken exactly from row `row` of the buffer
-// that `own` packs (n values per row, float32) instead of decoded from payload `slot`: acc = v_0,
-// acc += v_1, ... in order, v_slot the row's values; then * scale and the encode, bucket by
-// bucket. n is a multiple of B.
-template <int BITS, int SCHEME>
-void decode_sum_reencode_own_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
-                               const qcomm::cpu::Leaves<const float>& own, int64_t row, int64_t n,
-                               float scale, const uint32_t seed[2], const qcomm::cpu::Params& p,
-                               uint8_t* payload) {
-  const int64_t B = p.bucket;
-  const int64_t nb = n / B;
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
   const bool stochastic = p.rounding == qcomm::kStochastic;
@@ -362,29 +346,18 @@ void decode_sum_reencode_own_t(const uint8_t* payloads, int64_t k, int64_t strid
   uint8_t* packed = payload + 4 * S * nb;
   int64_t leaf = 0;
   for (int64_t b = 0; b < nb; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, n - start);
     float* __restrict xb = sum.data;
-    for (int64_t j = 0; j < k; ++j) {
-      if (j == slot) {
-        const float* ob = leaves_bucket<SCHEME>(own, row * n + b * B, B, &leaf, pad.data);
-        if (j == 0) {
-          std::copy(ob, ob + B, xb);
-        } else {
-          for (int64_t i = 0; i < B; ++i) xb[i] += ob[i];
-        }
-        continue;
-      }
-      const uint8_t* pj = payloads + j * stride;
-      unpack_codes<BITS>(pj + 4 * S * nb + b * code_bytes, B, codes.data);
-      if (j == 0) {
-        decode_bucket<BITS, SCHEME, false>(pj + 4 * S * b, codes.data, B, xb);
-      } else {
-        decode_bucket<BITS, SCHEME, true>(pj + 4 * S * b, codes.data, B, xb);
-      }
-    }
+    const float* exact =
+        own == nullptr ? nullptr : leaves_bucket<SCHEME>(*own, row * n + start, B, &leaf, pad.data);
+    decode_sum_bucket<BITS, SCHEME>(payloads, k, stride, nb, b, B, codes.data, xb,
+                                    own == nullptr ? -1 : slot, exact);
     if (scale != 1.0f) {
-      for (int64_t i = 0; i < B; ++i) xb[i] *= scale;
+      for (int64_t i = 0; i < valid; ++i) xb[i] *= scale;
     }
-    encode_bucket<BITS, SCHEME>(xb, B, b * B, seed, stochastic, codes.data, B,
+    if (valid < B) pad_bucket<SCHEME>(xb, valid, B);
+    encode_bucket<BITS, SCHEME>(xb, B, start, seed, stochastic, codes.data, valid,
                                 header + 4 * S * b, packed + b * code_bytes);
   }
 }
@@ -425,8 +398,8 @@ struct DecodeSumReencodeOwnF {
   static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
                   const qcomm::cpu::Leaves<const float>* own, int64_t row, int64_t n, float scale,
                   const uint32_t* seed, const qcomm::cpu::Params* p, uint8_t* payload) {
-    decode_sum_reencode_own_t<BITS, SCHEME>(payloads, k, stride, slot, *own, row, n, scale, seed,
-                                            *p, payload);
+    decode_sum_reencode_t<BITS, SCHEME>(payloads, k, stride, n, scale, seed, *p, payload, own, slot,
+                                        row);
   }
 };
 template <int BITS, int SCHEME>

@@ -210,6 +210,16 @@ ffi::ErrorOr<int64_t> ScalarIndex(ffi::Buffer<ffi::S32> index, const char* name)
   return static_cast<int64_t>(index.typed_data()[0]);
 }
 
+// The checks both QSGD handlers on leaves share: the format, the row length n (whole buckets) and
+// the leaves themselves (into `x`).
+ffi::Error QsgdLeavesInput(const common::Params& p, int64_t n, const ffi::RemainingArgs& leaves,
+                           LeafList<const float>* x) {
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
+  if (n <= 0 || n % p.bucket != 0)
+    return ffi::Error::InvalidArgument("n must be a positive multiple of bucket_size");
+  return InputLeaves(leaves, p.bucket, x);
+}
+
 // seed[rows, 2] u32, skip[] s32, leaves... f32 -> payloads[rows, P] u8: QSGD's encode of the rows
 // of n values of the packed buffer that the leaves span (each padded to whole buckets), zeros
 // after them; row `skip` (-1: none) is zeros.
@@ -218,11 +228,8 @@ ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32
                                 int32_t bits, int32_t bucket_size, int32_t scheme, int32_t rounding,
                                 int64_t n) {
   const common::Params p{bits, bucket_size, scheme, rounding};
-  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
-  if (n <= 0 || n % bucket_size != 0)
-    return ffi::Error::InvalidArgument("n must be a positive multiple of bucket_size");
   LeafList<const float> x;
-  if (ffi::Error e = InputLeaves(leaves, bucket_size, &x); e.failure()) return e;
+  if (ffi::Error e = QsgdLeavesInput(p, n, leaves, &x); e.failure()) return e;
   const int64_t bytes = qcomm::payload_bytes(n, bucket_size, bits, scheme);
   if (common::LastDim(payloads->dimensions()) != bytes)
     return ffi::Error::InvalidArgument("payload size does not match n");
@@ -250,9 +257,8 @@ ffi::Error QsgdDecodeSumReencodeOwnImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buff
                                         int32_t bits, int32_t bucket_size, int32_t scheme,
                                         int32_t rounding, int64_t n, float scale) {
   const common::Params p{bits, bucket_size, scheme, rounding};
-  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
-  if (n <= 0 || n % bucket_size != 0)
-    return ffi::Error::InvalidArgument("n must be a positive multiple of bucket_size");
+  LeafList<const float> own;
+  if (ffi::Error e = QsgdLeavesInput(p, n, leaves, &own); e.failure()) return e;
   const int64_t bytes = qcomm::payload_bytes(n, bucket_size, bits, scheme);
   const auto dims = payloads.dimensions();
   if (dims.size() != 2 || dims[1] != bytes || payload->element_count() != bytes)
@@ -261,8 +267,6 @@ ffi::Error QsgdDecodeSumReencodeOwnImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buff
   const int64_t k = dims[0];
   if (seed.element_count() != 2)
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words");
-  LeafList<const float> own;
-  if (ffi::Error e = InputLeaves(leaves, bucket_size, &own); e.failure()) return e;
   ffi::ErrorOr<int64_t> s = ScalarIndex(slot, "slot"), r = ScalarIndex(row, "row");
   if (s.has_error()) return s.error();
   if (r.has_error()) return r.error();
