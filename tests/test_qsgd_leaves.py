@@ -124,7 +124,7 @@ def test_encode_leaves_rejects_bad_sizes():
 
 
 @needs_kernels
-@pytest.mark.parametrize("d", [2, 3])
+@pytest.mark.parametrize("d", [2, 3, 6])
 @pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
 def test_allreduce_of_leaves_in_place_equals_the_packed_reference(d, residual):
   """``qcomm.allreduce`` of a tree with QSGD: results (and residuals) bit for bit those of the
