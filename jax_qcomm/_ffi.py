@@ -234,6 +234,54 @@ def qsgd_decode_sum_reencode_own(payloads: jax.Array, seed: jax.Array, slot: jax
                                         scale=np.float32(scale)))
 
 
+def _chunks_attrs(leaves, devices: int, pre, chunk) -> dict:
+  if len(pre) != len(leaves) or len(chunk) != len(leaves):
+    raise ValueError(f"pre and chunk must have one entry per leaf ({len(leaves)}), got "
+                     f"{len(pre)} and {len(chunk)}")
+  return dict(devices=np.int64(devices), pre=np.asarray(pre, np.int64),
+              chunk=np.asarray(chunk, np.int64))
+
+
+def qsgd_chunks_row_bytes(pre, chunk, *, bits: int, bucket_size: int, scheme: str) -> int:
+  """Bytes of one row of :func:`qsgd_encode_chunks`' message."""
+  total = 0
+  for p, c in zip(pre, chunk):
+    runs, n = wire.chunk_runs(int(p), int(c), bucket_size)
+    total += runs * wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
+  return total
+
+
+def qsgd_encode_chunks(leaves, seeds: jax.Array, skip: jax.Array, *, devices: int, pre, chunk,
+                       bits: int, bucket_size: int, scheme: str, rounding: str) -> jax.Array:
+  """float32 leaves, leaf i ``devices * pre[i] * chunk[i]`` values (``pre[i]`` runs of
+  ``devices`` chunks; device j's shard: chunk j of every run), seeds: uint32[payloads, 2],
+  skip: int32[] -> uint8[devices, W]: row j every leaf's payloads of shard j, leaf by leaf, each
+  shard as :func:`jax_qcomm.wire.chunk_runs` payloads, payload (i, r, j) encoded with seed
+  ``s_i + r * devices + j`` (``s_i`` the payloads of the leaves before i). Read in place; row
+  ``skip`` (-1: none) is zeros."""
+  size = qsgd_chunks_row_bytes(pre, chunk, bits=bits, bucket_size=bucket_size, scheme=scheme)
+  return _call_leaves("qcomm_qsgd_encode_chunks",
+                      jax.ShapeDtypeStruct((devices, size), jnp.uint8), seeds, skip, *leaves,
+                      **_attrs(bits, bucket_size, scheme, rounding,
+                               **_chunks_attrs(leaves, devices, pre, chunk)))
+
+
+def qsgd_decode_sum_chunks(received: jax.Array, slot: jax.Array, leaves, scale: float, *,
+                           devices: int, pre, chunk, bits: int, bucket_size: int,
+                           scheme: str) -> tuple[jax.Array, list]:
+  """received: uint8[devices, W] (row s: device s's row of :func:`qsgd_encode_chunks` for this
+  device), slot: int32[], the leaves as ``qsgd_encode_chunks`` takes them -> ``(mark, shards)``:
+  shard i float32[pre[i] * chunk[i]] = (v_0 + ... + v_{devices-1}) * scale, summed in order, v_s
+  the decode of row s's payloads of leaf i but v_slot (slot -1: none) shard ``slot`` of leaf i,
+  exact; mark a float32 scalar, 0 where every value of the shards is finite, else NaN."""
+  results = [jax.ShapeDtypeStruct((), jnp.float32)] + [
+      jax.ShapeDtypeStruct((int(p) * int(c),), jnp.float32) for p, c in zip(pre, chunk)]
+  out = _call_leaves("qcomm_qsgd_decode_sum_chunks", results, received, slot, *leaves,
+                     **_attrs(bits, bucket_size, scheme, scale=np.float32(scale),
+                              **_chunks_attrs(leaves, devices, pre, chunk)))
+  return out[0], list(out[1:])
+
+
 def summable_decode_leaves(words: jax.Array, shared: jax.Array, sizes, *, bits: int,
                            bucket_size: int, devices: int, count: int, scale: float) -> list:
   """The words of a packed buffer -> float32[sizes[i]] per leaf (as ``summable_decode``, padding

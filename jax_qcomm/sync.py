@@ -556,16 +556,18 @@ class _ShardedSync(_Sync):
     n = len(g_leaves)
 
     # 1. Reduce-scatter: this device's shard of the mean gradient of every leaf.
-    shards, lost = [None] * n, [None] * n
+    shards, lost, marks = [None] * n, [None] * n, []
     for k, group in enumerate(layout.groups):
-      blocks, res = group.codec.reduce_scatter_leaves(
+      blocks, res, mark = group.codec.reduce_scatter_leaves_marked(
           [layout.chunks(g_leaves[i], i) for i in group.leaves], cfg.axis_name,
           jax.random.fold_in(sub, 2 * k), "mean")
+      marks.append(mark)
       for i, block, r in zip(group.leaves, blocks, res):
         shards[i], lost[i] = layout.to_shard(block, i), layout.unchunks(r, i)
 
-    # 2. Whole-model finiteness, the same decision on every device: one scalar psum.
-    finite = jnp.isfinite(lax.psum(_parts.nonfinite_mark(shards), names))
+    # 2. Whole-model finiteness, the same decision on every device: one scalar psum of the
+    # codecs' marks of this device's shards.
+    finite = jnp.isfinite(lax.psum(sum(marks, jnp.float32(0)), names))
 
     # 3. inner on the shards, against the fp32 master; a non-finite window keeps both. Written so
     # that XLA updates the donated state in place: mapped over the state's own leading device axis

@@ -32,6 +32,14 @@ def leaves_span(sizes, multiple: int) -> int:
   return sum(-(-int(n) // multiple) * multiple for n in sizes)
 
 
+def chunk_runs(pre: int, chunk: int, multiple: int) -> tuple[int, int]:
+  """How device j's shard of a leaf held as ``pre`` runs of D chunks of ``chunk`` values travels
+  in a sharded reduce-scatter: ``(runs, n)``, as ``runs`` payloads of ``n`` values. Each chunk its
+  own payload where ``chunk`` is whole buckets of ``multiple`` (or ``pre == 1``); otherwise the
+  shard's runs end to end, one payload (no bucket straddles two chunks' padding)."""
+  return (1, pre * chunk) if pre > 1 and chunk % multiple else (pre, chunk)
+
+
 def qsgd_payload_bytes(n: int, bits: int, bucket_size: int, scheme: str) -> int:
   """Bytes of the QSGD payload of n elements: per bucket 4*S scale bytes + bucket*bits/8 code bytes."""
   per_bucket = 4 * scales_per_bucket(scheme) + bucket_size * bits // 8

@@ -26,6 +26,10 @@ namespace qcomm::cpu {
                                const Leaves<const float>& own, int64_t row, int64_t n,            \
                                float scale, const uint32_t seed[2], const Params& p,              \
                                uint8_t* payload);                                                 \
+  void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,       \
+                     uint8_t* message);                                                           \
+  void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,   \
+                         const Params& p, float* const* out, float* mark);                        \
   void summable_encode(const Leaves<const float>& x, const int32_t* shared,                       \
                        const uint32_t seed[2], const SummableParams& p, uint32_t* words);         \
   void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,    \
@@ -128,6 +132,29 @@ void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride,
                                          payload);
 #endif
   generic::decode_sum_reencode_own(payloads, k, stride, slot, own, row, n, scale, seed, p, payload);
+}
+
+void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
+                   uint8_t* message) {
+  FlushDenormals ftz;
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::encode_chunks(x, skip, seeds, p, message);
+  if (which == Isa::kAvx2) return avx2::encode_chunks(x, skip, seeds, p, message);
+#endif
+  generic::encode_chunks(x, skip, seeds, p, message);
+}
+
+void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
+                       const Params& p, float* const* out, float* mark) {
+  FlushDenormals ftz;  // as XLA CPU adds and scales
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512)
+    return avx512::decode_sum_chunks(received, slot, own, scale, p, out, mark);
+  if (which == Isa::kAvx2) return avx2::decode_sum_chunks(received, slot, own, scale, p, out, mark);
+#endif
+  generic::decode_sum_chunks(received, slot, own, scale, p, out, mark);
 }
 
 void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,

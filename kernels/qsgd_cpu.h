@@ -87,6 +87,38 @@ void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride,
                              const Leaves<const float>& own, int64_t row, int64_t n, float scale,
                              const uint32_t seed[2], const Params& p, uint8_t* payload);
 
+// ---- QSGD on the chunks of a sharded reduce-scatter, read and written in place ------------------
+// `count` leaves over `devices` devices, leaf i the devices * pre[i] * chunk[i] values at data[i]:
+// pre[i] runs of `devices` chunks of chunk[i] values, device j's shard the runs' chunk j. Shard j
+// of leaf i (pre[i] * chunk[i] values, in that order) travels as runs[i] payloads of n[i] values:
+// runs = pre, n = chunk where chunk is a multiple of the bucket or pre == 1, else runs = 1 and
+// n = pre * chunk. A payload's last, partial bucket is padded as encode pads it.
+struct Chunks {
+  const float* const* data;
+  const int64_t* pre;
+  const int64_t* chunk;
+  int64_t count;
+  int64_t devices;
+  int64_t bucket;
+
+  int64_t runs(int64_t i) const {
+    return pre[i] > 1 && chunk[i] % bucket != 0 ? 1 : pre[i];
+  }
+  int64_t n(int64_t i) const { return pre[i] * chunk[i] / runs(i); }
+};
+// message[devices, W] = the payloads of every leaf's shard j in row j (leaf by leaf, run by run),
+// payload (i, r, j) the encode of run r of shard j of leaf i with seed seeds + 2 * (s_i + r *
+// devices + j), s_i the payloads of the leaves before i; W the sum of runs(i) * payload_bytes(n(i)).
+// Row `skip` (-1: none) is not encoded: its bytes are zeros.
+void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
+                   uint8_t* message);
+// received[devices, W] (row s: the payloads of this device's shards that device s sent, laid out
+// as encode_chunks lays a row) -> out[i] (pre[i] * chunk[i] values): the sum over s, in order, of
+// the decodes of row s, times scale, but term `slot` (-1: none) shard `slot` of `own`, exact.
+// *mark = 0 if every value written is finite, else NaN.
+void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
+                       const Params& p, float* const* out, float* mark);
+
 // Name of the instruction set the kernels run ("avx512", "avx2" or "generic").
 const char* isa();
 // The widest instruction set this CPU supports (and this build has kernels for).

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <type_traits>
 
@@ -362,6 +363,110 @@ void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, i
   }
 }
 
+// ---- the chunks of a sharded reduce-scatter (qsgd_cpu.h, Chunks) ----------------------------------
+
+// Bytes of one row of the message that encode_chunks writes: every leaf's payloads of one shard.
+inline int64_t chunks_row_bytes(const qcomm::cpu::Chunks& x, int64_t bits, int64_t scheme) {
+  int64_t bytes = 0;
+  for (int64_t i = 0; i < x.count; ++i)
+    bytes += x.runs(i) * qcomm::payload_bytes(x.n(i), x.bucket, bits, scheme);
+  return bytes;
+}
+
+// The values [u, u + valid) of shard j of leaf i in a bucket of B (valid <= B): a pointer into the
+// leaf where they fill the bucket inside one chunk (the next values prefetched); otherwise `pad`
+// holding them, gathered from the chunks they span, and after them the padding of a last, partial
+// bucket (pad_bucket).
+template <int SCHEME>
+inline const float* shard_bucket(const qcomm::cpu::Chunks& x, int64_t i, int64_t j, int64_t u,
+                                 int64_t valid, int64_t B, float* __restrict pad) {
+  const int64_t c = x.chunk[i];
+  int64_t run = u / c, off = u % c;
+  const float* chunk = x.data[i] + (run * x.devices + j) * c;
+  if (valid == B && off + B <= c) {
+    prefetch_ahead(chunk, off, B, c);
+    return chunk + off;
+  }
+  for (int64_t t = 0; t < valid; off = 0) {
+    const int64_t take = std::min<int64_t>(valid - t, c - off);
+    chunk = x.data[i] + (run++ * x.devices + j) * c;
+    std::copy(chunk + off, chunk + off + take, pad + t);
+    t += take;
+  }
+  if (valid < B) pad_bucket<SCHEME>(pad, valid, B);
+  return pad;
+}
+
+template <int BITS, int SCHEME>
+void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* seeds,
+                     const qcomm::cpu::Params& p, uint8_t* message) {
+  const int64_t B = p.bucket, D = x.devices;
+  const int64_t S = qcomm::scales_per_bucket(SCHEME);
+  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
+  const int64_t row_bytes = chunks_row_bytes(x, BITS, SCHEME);
+  const bool stochastic = p.rounding == qcomm::kStochastic;
+  BucketScratch<uint8_t> codes(B);
+  BucketScratch<float> pad(B);
+  for (int64_t j = 0; j < D; ++j) {
+    uint8_t* out = message + j * row_bytes;
+    if (j == skip) {
+      std::fill(out, out + row_bytes, uint8_t{0});
+      continue;
+    }
+    const uint32_t* seed_i = seeds;  // leaf i's seeds: its runs(i) * D payloads, run-major
+    for (int64_t i = 0; i < x.count; ++i) {
+      const int64_t runs = x.runs(i), n = x.n(i), nb = qcomm::num_buckets(n, B);
+      for (int64_t r = 0; r < runs; ++r) {
+        uint8_t* packed = out + 4 * S * nb;
+        const uint32_t* seed = seed_i + 2 * (r * D + j);
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t valid = std::min<int64_t>(B, n - b * B);
+          const float* xb = shard_bucket<SCHEME>(x, i, j, r * n + b * B, valid, B, pad.data);
+          encode_bucket<BITS, SCHEME>(xb, B, b * B, seed, stochastic, codes.data, valid,
+                                      out + 4 * S * b, packed + b * code_bytes);
+        }
+        out += qcomm::payload_bytes(n, B, BITS, SCHEME);
+      }
+      seed_i += 2 * runs * D;
+    }
+  }
+}
+
+template <int BITS, int SCHEME>
+void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu::Chunks& own,
+                         float scale, const qcomm::cpu::Params& p, float* const* out, float* mark) {
+  const int64_t B = p.bucket, D = own.devices;
+  const int64_t row_bytes = chunks_row_bytes(own, BITS, SCHEME);
+  BucketScratch<float> tail(B);
+  BucketScratch<float> pad(B);
+  BucketScratch<uint8_t> codes(B);
+  uint32_t nonfinite = 0;  // an integer OR, which vectorises where a float sum would not
+  const uint8_t* payloads = received;  // payload (i, r) of row 0; row s at s * row_bytes after it
+  for (int64_t i = 0; i < own.count; ++i) {
+    const int64_t runs = own.runs(i), n = own.n(i), nb = qcomm::num_buckets(n, B);
+    for (int64_t r = 0; r < runs; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t start = b * B, valid = std::min<int64_t>(B, n - start);
+        const float* exact =
+            slot < 0 ? nullptr : shard_bucket<SCHEME>(own, i, slot, r * n + start, valid, B, pad.data);
+        float* dst = out[i] + r * n + start;
+        float* __restrict ob = valid == B ? dst : tail.data;
+        decode_sum_bucket<BITS, SCHEME>(payloads, D, row_bytes, nb, b, B, codes.data, ob, slot,
+                                        exact);
+        if (scale != 1.0f) {
+          for (int64_t k = 0; k < valid; ++k) ob[k] *= scale;
+        }
+        for (int64_t k = 0; k < valid; ++k) {
+          nonfinite |= static_cast<uint32_t>((qcomm::float_bits(ob[k]) & 0x7F800000u) == 0x7F800000u);
+        }
+        if (valid < B) std::copy(ob, ob + valid, dst);
+      }
+      payloads += qcomm::payload_bytes(n, B, BITS, SCHEME);
+    }
+  }
+  *mark = nonfinite ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+}
+
 template <template <int, int> class F, typename... Args>
 void dispatch(const qcomm::cpu::Params& p, Args... args) {
 #define QCOMM_CASE(BITS)                                         \
@@ -403,6 +508,20 @@ struct DecodeSumReencodeOwnF {
   }
 };
 template <int BITS, int SCHEME>
+struct EncodeChunksF {
+  static void run(const qcomm::cpu::Chunks* x, int64_t skip, const uint32_t* seeds,
+                  const qcomm::cpu::Params* p, uint8_t* message) {
+    encode_chunks_t<BITS, SCHEME>(*x, skip, seeds, *p, message);
+  }
+};
+template <int BITS, int SCHEME>
+struct DecodeSumChunksF {
+  static void run(const uint8_t* received, int64_t slot, const qcomm::cpu::Chunks* own, float scale,
+                  const qcomm::cpu::Params* p, float* const* out, float* mark) {
+    decode_sum_chunks_t<BITS, SCHEME>(received, slot, *own, scale, *p, out, mark);
+  }
+};
+template <int BITS, int SCHEME>
 struct DecodeSumReencodeF {
   static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
                   const uint32_t* seed, const qcomm::cpu::Params* p, uint8_t* payload) {
@@ -440,6 +559,16 @@ void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride,
                              const uint32_t seed[2], const Params& p, uint8_t* payload) {
   dispatch<DecodeSumReencodeOwnF>(p, payloads, k, stride, slot, &own, row, n, scale, seed, &p,
                                   payload);
+}
+
+void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
+                   uint8_t* message) {
+  dispatch<EncodeChunksF>(p, &x, skip, seeds, &p, message);
+}
+
+void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
+                       const Params& p, float* const* out, float* mark) {
+  dispatch<DecodeSumChunksF>(p, received, slot, &own, scale, &p, out, mark);
 }
 
 void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,

@@ -34,7 +34,8 @@ TARGETS = {"qcomm_qsgd_encode", "qcomm_qsgd_decode_sum", "qcomm_qsgd_decode_sum_
 CPU_ONLY = {"qcomm_summable_scale", "qcomm_summable_encode", "qcomm_summable_decode",
             "qcomm_summable_scale_leaves", "qcomm_summable_encode_leaves",
             "qcomm_summable_decode_leaves", "qcomm_qsgd_encode_leaves",
-            "qcomm_qsgd_decode_sum_reencode_own"}
+            "qcomm_qsgd_decode_sum_reencode_own", "qcomm_qsgd_encode_chunks",
+            "qcomm_qsgd_decode_sum_chunks"}
 
 
 # ---- the build (no GPU needed) ---------------------------------------------------------------------

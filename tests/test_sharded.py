@@ -209,41 +209,67 @@ def test_nonfinite_window_is_skipped_everywhere_and_does_not_poison():
 @pytest.mark.parametrize("impl", ["auto", "jax"])
 @pytest.mark.parametrize("d", [2, 3])
 @pytest.mark.parametrize("shapes", [((1, 256), (3, 128)), ((1, 300), (1, 1), (3, 129), (2, 384))])
-def test_leaves_collectives_equal_the_packed_buffer(shapes, d, impl):
-  """A payload per leaf and chunk (QSGD's reduce_scatter_leaves / all_gather_leaves) gives the
-  packed buffer's results: bit for bit where every chunk fills whole buckets (rounding to nearest,
-  so no key is involved), within the codec's error otherwise (a chunk of 129 values: encoded as
-  rows); the residuals too. Leaves as P runs of D chunks (P = 3: a kernel split on an inner axis).
-  The C++ kernels and the pure-JAX reference (what GPUs without the kernels run) alike."""
-  from jax_qcomm.codecs.base import _rows_of  # noqa: PLC0415
+def test_leaves_collectives_against_a_reference(shapes, d, impl):
+  """QSGD's reduce_scatter_leaves (each shard as ``wire.chunk_runs`` payloads, read where the
+  chunks lie): device j's block is the in-order sum over the devices of their shard j, decoded
+  from its payloads, but device j's own shard exact, times 1/D, bit for bit (rounding to nearest:
+  no key is involved); the residual is what each payload lost, 0 on the own shard; the mark is
+  0. The all-gather of the blocks gives every device the packed buffer's rows. Leaves as P runs
+  of D chunks (P = 3: a kernel split on an inner axis; chunks of 129 values: a shard's runs end
+  to end, one payload). The C++ kernels and the pure-JAX reference (what GPUs run) alike."""
+  from jax_qcomm import wire  # noqa: PLC0415
+  from jax_qcomm.codecs.base import _chunks_of, _rows_of  # noqa: PLC0415
   codec = qcomm.QSGD(4, bucket_size=128, rounding="nearest", impl=impl)
   rng = np.random.default_rng(7)
   chunks = [rng.standard_normal((d, p, d, c)).astype(np.float32) for p, c in shapes]  # [device]
-  packed = functools.partial(qcomm.Codec.reduce_scatter_leaves, codec)
 
   def run(chunks):
     chunks = [x[0] for x in chunks]
-    got, lost = codec.reduce_scatter_leaves(chunks, AX, None, "mean")
-    want, want_lost = packed(chunks, AX, None, "mean")
+    got, lost, mark = codec.reduce_scatter_leaves_marked(chunks, AX, None, "mean")
     g = codec.all_gather_leaves(got, AX, None)
-    gw = qcomm.Codec.all_gather_leaves(codec, want, AX, None)
-    return [x[None] for x in got + want + lost + want_lost + g + gw]
+    gw = qcomm.Codec.all_gather_leaves(codec, got, AX, None)
+    return [x[None] for x in got + lost + g + gw] + [mark[None]]
 
   out = jax.jit(jax.shard_map(run, mesh=_mesh(d), in_specs=P(AX), out_specs=P(AX)))(chunks)
   k = len(shapes)
-  got, want, lost, want_lost, g, gw = (out[i * k:(i + 1) * k] for i in range(6))
+  got, lost, g, gw = (out[i * k:(i + 1) * k] for i in range(4))
+  np.testing.assert_array_equal(np.asarray(out[-1]), np.zeros(d, np.float32))
   for i, (p, c) in enumerate(shapes):
+    runs, n = wire.chunk_runs(p, c, 128)
     rows = np.stack([np.asarray(_rows_of(jnp.asarray(x))) for x in chunks[i]])  # [dev, D, P*c]
-    whole = c % 128 == 0 or p == 1 and c * p % 128 == 0
+    dec = np.stack([[np.concatenate([np.asarray(codec.roundtrip(rows[s, j, r * n:(r + 1) * n]))
+                                     for r in range(runs)]) for j in range(d)]
+                    for s in range(d)])
     for j in range(d):
-      step = np.ptp(rows[:, j]) / 15 + 1e-6  # maxmin: |error| <= step / 2 per device
-      np.testing.assert_allclose(np.asarray(got[i][j]), rows[:, j].mean(axis=0), atol=step)
-      np.testing.assert_allclose(np.asarray(lost[i][j]), np.asarray(want_lost[i][j]),
-                                 atol=0 if whole else step)
+      terms = [rows[s, j] if s == j else dec[s, j] for s in range(d)]
+      want = terms[0]
+      for t in terms[1:]:
+        want = want + t
+      np.testing.assert_array_equal(np.asarray(got[i][j]), want * np.float32(1 / d))
+      want_lost = np.where((np.arange(d) == j)[:, None], np.float32(0), rows[j] - dec[j])
+      np.testing.assert_array_equal(np.asarray(lost[i][j]),
+                                    np.asarray(_chunks_of(jnp.asarray(want_lost), (p, d, c))))
       np.testing.assert_array_equal(np.asarray(g[i][j]), np.asarray(g[i][0]))  # same everywhere
-    if whole:
-      np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want[i]))
+    if c % 128 == 0 or p == 1 and c * p % 128 == 0:
       np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(gw[i]))
+
+
+@pytest.mark.parametrize("impl", ["auto", "jax"])
+def test_reduce_scatter_mark_and_residual_of_a_non_finite_shard(impl):
+  """An infinity in one device's gradient: the mark (the codec's, from its kernel on CPU) is NaN
+  on the device whose block holds it and 0 elsewhere, whether the value lies in the owner's own,
+  exact shard or in a quantised one; the kernels and the reference agree."""
+  d, codec = 3, qcomm.QSGD(4, bucket_size=128, impl=impl)
+  chunks = [np.ones((d, 2, d, 128), np.float32), np.ones((d, 3, d, 100), np.float32)]
+  chunks[0][0, 1, 0, 5] = np.inf  # device 0's own shard
+  chunks[1][2, 0, 1, 7] = -np.inf  # device 2's value in device 1's shard
+
+  def run(chunks, key):
+    return codec.reduce_scatter_leaves_marked([x[0] for x in chunks], AX, key, "mean")[2][None]
+
+  marks = jax.jit(jax.shard_map(run, mesh=_mesh(d), in_specs=(P(AX), P()), out_specs=P(AX)))(
+      chunks, jax.random.key(0))
+  assert np.isnan(marks[0]) and np.isnan(marks[1]) and marks[2] == 0
 
 
 def test_the_step_updates_its_donated_state_in_place():

@@ -278,6 +278,105 @@ ffi::Error QsgdDecodeSumReencodeOwnImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buff
   return ffi::Error::Success();
 }
 
+// ---- QSGD on the chunks of a sharded reduce-scatter (kernels/qsgd_cpu.h, Chunks) ----------------
+
+// The chunks that `leaves` hold (leaf i: devices * pre[i] * chunk[i] float32 values), checked.
+struct ChunkList {
+  std::vector<const float*> data;
+  qcomm::cpu::Chunks chunks;
+};
+
+ffi::Error InputChunks(const common::Params& p, int64_t devices, ffi::Span<const int64_t> pre,
+                       ffi::Span<const int64_t> chunk, const ffi::RemainingArgs& leaves,
+                       ChunkList* out) {
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
+  if (devices < 1) return ffi::Error::InvalidArgument("devices must be >= 1");
+  if (pre.size() != leaves.size() || chunk.size() != leaves.size())
+    return ffi::Error::InvalidArgument("pre and chunk must have one entry per leaf");
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    ffi::ErrorOr<ffi::Buffer<ffi::F32>> leaf = leaves.get<ffi::Buffer<ffi::F32>>(i);
+    if (leaf.has_error()) return leaf.error();
+    if (pre[i] < 1 || chunk[i] < 1 ||
+        static_cast<int64_t>(leaf->element_count()) != devices * pre[i] * chunk[i])
+      return ffi::Error::InvalidArgument("leaf i must hold devices * pre[i] * chunk[i] values");
+    out->data.push_back(leaf->typed_data());
+  }
+  out->chunks = qcomm::cpu::Chunks{out->data.data(), pre.begin(), chunk.begin(),
+                                   static_cast<int64_t>(leaves.size()), devices, p.bucket};
+  return ffi::Error::Success();
+}
+
+// Bytes of one row of the chunks' message; the payloads of one row (seeds: 2 words each).
+int64_t ChunksRowBytes(const qcomm::cpu::Chunks& x, const common::Params& p, int64_t* payloads) {
+  int64_t bytes = 0;
+  *payloads = 0;
+  for (int64_t i = 0; i < x.count; ++i) {
+    bytes += x.runs(i) * qcomm::payload_bytes(x.n(i), p.bucket, p.bits, p.scheme);
+    *payloads += x.runs(i);
+  }
+  return bytes;
+}
+
+// seed[payloads, 2] u32, skip[] s32, leaves... f32 -> message[devices, W] u8: every leaf's
+// payloads of shard j in row j, row `skip` (-1: none) zeros.
+ffi::Error QsgdEncodeChunksImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> skip,
+                                ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::U8> message,
+                                int32_t bits, int32_t bucket_size, int32_t scheme, int32_t rounding,
+                                int64_t devices, ffi::Span<const int64_t> pre,
+                                ffi::Span<const int64_t> chunk) {
+  const common::Params p{bits, bucket_size, scheme, rounding};
+  ChunkList x;
+  if (ffi::Error e = InputChunks(p, devices, pre, chunk, leaves, &x); e.failure()) return e;
+  int64_t per_row = 0;
+  const int64_t row_bytes = ChunksRowBytes(x.chunks, p, &per_row);
+  const auto dims = message->dimensions();
+  if (dims.size() != 2 || dims[0] != devices || dims[1] != row_bytes)
+    return ffi::Error::InvalidArgument("the message must be [devices, the payloads' bytes]");
+  if (static_cast<int64_t>(seed.element_count()) != 2 * per_row * devices)
+    return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per payload");
+  ffi::ErrorOr<int64_t> skipped = ScalarIndex(skip, "skip");
+  if (skipped.has_error()) return skipped.error();
+  if (*skipped < -1 || *skipped >= devices)
+    return ffi::Error::InvalidArgument("skip must be -1 or a device index");
+  qcomm::cpu::encode_chunks(x.chunks, *skipped, seed.typed_data(), CpuParams(p),
+                            message->typed_data());
+  return ffi::Error::Success();
+}
+
+// received[devices, W] u8, slot[] s32, leaves... f32 -> mark[] f32, out... f32[pre[i] * chunk[i]]:
+// the reduced shard of each leaf (term `slot` this device's own shard of the leaves, exact), and
+// 0 or NaN where a value written is not finite.
+ffi::Error QsgdDecodeSumChunksImpl(ffi::Buffer<ffi::U8> received, ffi::Buffer<ffi::S32> slot,
+                                   ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::F32> mark,
+                                   ffi::RemainingRets out, int32_t bits, int32_t bucket_size,
+                                   int32_t scheme, int64_t devices, ffi::Span<const int64_t> pre,
+                                   ffi::Span<const int64_t> chunk, float scale) {
+  const common::Params p{bits, bucket_size, scheme, qcomm::kNearest};
+  ChunkList own;
+  if (ffi::Error e = InputChunks(p, devices, pre, chunk, leaves, &own); e.failure()) return e;
+  int64_t per_row = 0;
+  const int64_t row_bytes = ChunksRowBytes(own.chunks, p, &per_row);
+  const auto dims = received.dimensions();
+  if (dims.size() != 2 || dims[0] != devices || dims[1] != row_bytes)
+    return ffi::Error::InvalidArgument("received must be [devices, the payloads' bytes]");
+  if (mark->element_count() != 1 || out.size() != leaves.size())
+    return ffi::Error::InvalidArgument("the results must be the mark and one shard per leaf");
+  std::vector<float*> shards;
+  for (size_t i = 0; i < out.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::F32>>> shard = out.get<ffi::Buffer<ffi::F32>>(i);
+    if (shard.has_error()) return shard.error();
+    if (static_cast<int64_t>((*shard)->element_count()) != pre[i] * chunk[i])
+      return ffi::Error::InvalidArgument("result i must hold pre[i] * chunk[i] values");
+    shards.push_back((*shard)->typed_data());
+  }
+  ffi::ErrorOr<int64_t> s = ScalarIndex(slot, "slot");
+  if (s.has_error()) return s.error();
+  if (*s < -1 || *s >= devices) return ffi::Error::InvalidArgument("slot must be -1 or a device index");
+  qcomm::cpu::decode_sum_chunks(received.typed_data(), *s, own.chunks, scale, CpuParams(p),
+                                shards.data(), mark->typed_data());
+  return ffi::Error::Success();
+}
+
 // The words and the shared statistics of the packed buffer that the leaves span.
 template <typename T>
 ffi::Error CheckLeavesWords(const LeafList<T>& leaves, int32_t bits, int32_t bucket_size,
@@ -427,6 +526,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumReencodeOwn, QsgdDecodeSumReenco
                                                   .RemainingArgs()
                                                   .Ret<ffi::Buffer<ffi::U8>>())
                                   .Attr<float>("scale"));
+// The QSGD handlers on chunks: the format's attributes, the devices and each leaf's (pre, chunk).
+template <typename B>
+auto QsgdChunksAttrs(B&& binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("devices")
+      .template Attr<ffi::Span<const int64_t>>("pre")
+      .template Attr<ffi::Span<const int64_t>>("chunk");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeChunks, QsgdEncodeChunksImpl,
+                              QsgdChunksAttrs(ffi::Ffi::Bind()
+                                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .RemainingArgs()
+                                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                                  .Attr<int32_t>("bits")
+                                                  .Attr<int32_t>("bucket_size")
+                                                  .Attr<int32_t>("scheme")
+                                                  .Attr<int32_t>("rounding")));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumChunks, QsgdDecodeSumChunksImpl,
+                              QsgdChunksAttrs(ffi::Ffi::Bind()
+                                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .RemainingArgs()
+                                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                                  .RemainingRets()
+                                                  .Attr<int32_t>("bits")
+                                                  .Attr<int32_t>("bucket_size")
+                                                  .Attr<int32_t>("scheme"))
+                                  .Attr<float>("scale"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
                               common::BindEncode(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSum, DecodeSumImpl,
@@ -443,6 +572,9 @@ NB_MODULE(_qcomm_cpu, m) {
     d["qcomm_qsgd_encode_leaves"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeLeaves));
     d["qcomm_qsgd_decode_sum_reencode_own"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencodeOwn));
+    d["qcomm_qsgd_encode_chunks"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeChunks));
+    d["qcomm_qsgd_decode_sum_chunks"] =
+        nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumChunks));
     d["qcomm_qsgd_decode_sum_reencode"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencode));
     d["qcomm_summable_encode"] = nb::capsule(reinterpret_cast<void*>(QcommSummableEncode));

@@ -156,6 +156,10 @@ class Auto(_Bucketed):
     codec = self.resolve(axis_size(axis_name), "reduce_scatter")
     return codec.reduce_scatter_leaves(rows, axis_name, key, op, exchange)
 
+  def reduce_scatter_leaves_marked(self, rows, axis_name, key, op="mean", exchange="auto"):
+    codec = self.resolve(axis_size(axis_name), "reduce_scatter")
+    return codec.reduce_scatter_leaves_marked(rows, axis_name, key, op, exchange)
+
   def all_gather_leaves(self, parts, axis_name, key):
     return self.resolve(axis_size(axis_name), "all_gather").all_gather_leaves(parts, axis_name, key)
 

@@ -116,6 +116,12 @@ def _chunks_of(rows: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
   return rows.reshape(1, d, c) if p == 1 else jnp.swapaxes(rows.reshape(d, p, c), 0, 1)
 
 
+def _run_rows(chunks: jax.Array, runs: tuple[int, int]) -> jax.Array:
+  """float[P, D, c] -> float[runs, D, n] (:func:`jax_qcomm.wire.chunk_runs`): the chunks
+  themselves, or (runs = 1) each device's shard end to end (a copy)."""
+  return chunks if runs[0] == chunks.shape[0] else _rows_of(chunks)[None]
+
+
 def _concat_rows(payloads: Sequence[jax.Array]) -> jax.Array:
   """[wire[k, W_i]] -> wire[k, sum W_i]: the payloads of a buffer's leaves, one message per row."""
   return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=1)
@@ -518,6 +524,16 @@ class Codec(abc.ABC):
     return (split_leaves(block, sizes, self.pad_multiple),
             [_chunks_of(r, c.shape) for r, c in zip(lost, chunks)])
 
+  def reduce_scatter_leaves_marked(self, chunks: Sequence[jax.Array], axis_name: AxisName,
+                                   key: jax.Array | None, op: str = "mean", exchange: str = "auto"
+                                   ) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
+    """:meth:`reduce_scatter_leaves` and the :func:`nonfinite_mark` of this device's blocks:
+    ``(blocks, residuals, mark)`` (the mark differs between devices; ``qcomm.sync`` sums it over
+    them). Default: the blocks' mark, one pass over them. A codec whose kernel writes the blocks
+    overrides it with the kernel's own mark (QSGD on CPU)."""
+    blocks, lost = self.reduce_scatter_leaves(chunks, axis_name, key, op, exchange)
+    return blocks, lost, nonfinite_mark(blocks)
+
   def all_gather_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
                         key: jax.Array | None) -> list[jax.Array]:
     """[float[m_i]] -> [float[D, m_i]]: :meth:`all_gather_flat` of :func:`concat_leaves` of the
@@ -527,32 +543,72 @@ class Codec(abc.ABC):
     return split_leaves(rows, sizes, self.pad_multiple)
 
   def _reduce_scatter_payloads(self, chunks, axis_name, key, op, exchange):
-    """:meth:`reduce_scatter_leaves` as a payload codec runs it: each leaf's chunks encoded where
-    they lie (a key per leaf and chunk; a leaf whose chunks are not whole buckets as its D rows,
-    copied out), the payloads of all leaves in one all-to-all, and each leaf's block decoded from
-    its D payloads. The bytes of :meth:`reduce_scatter_flat` on the packed rows, without the
-    packed copy."""
+    """:meth:`reduce_scatter_leaves_marked` as a payload codec runs it: device j's shard of each
+    leaf as :func:`jax_qcomm.wire.chunk_runs` payloads (a key per leaf and payload), every leaf's
+    payloads of shard j in row j of one message, one all-to-all, and each leaf's reduced shard
+    from its D received payloads. The chunks are read where they lie (:meth:`_encode_chunk_rows`,
+    :meth:`_reduce_chunk_rows`). Where :attr:`_own_row_exact`, a device's own shard is not
+    encoded: the reduction adds it exactly, and its residual is 0. ``(blocks, residuals, mark)``."""
     d = axis_size(axis_name)
-    row_key = device_key(key, axis_name, 0)
-    shapes, payloads, residuals = [], [], []
-    for i, x in enumerate(chunks):
-      p_, _, c = x.shape
-      if p_ > 1 and c % self.pad_multiple:  # chunks would pad: encode the rows (a copy)
-        p_, c, x = 1, p_ * c, _rows_of(x)[None]
-      k = None if row_key is None else jax.random.fold_in(row_key, i)
-      p = self._encode_rows(x.reshape(p_ * d, c), k).reshape(p_, d, -1)
-      lost = x - self._decode_rows(p.reshape(p_ * d, -1), c).reshape(x.shape)
-      residuals.append(lost if x.shape == chunks[i].shape else _chunks_of(lost[0], chunks[i].shape))
-      payloads.append(_rows_of(p))  # [D, P * W]: device j's message, its chunks' payloads
-      shapes.append((p_, c))
-    received = _exchange.exchange(_concat_rows(payloads), axis_name, exchange)
-    scale = jnp.float32(1.0 / d) if op == "mean" else None
+    own = lax.axis_index(axis_name) if self._own_row_exact else None
+    runs = [wire.chunk_runs(p, c, self.pad_multiple) for p, _, c in (x.shape for x in chunks)]
+    message = self._encode_chunk_rows(chunks, runs, d, device_key(key, axis_name, 0), own)
+    residuals = []  # read only where wanted (error feedback): XLA drops it otherwise
+    for x, rn, m in zip(chunks, runs, self._split_chunk_rows(message, runs)):
+      r, n = rn
+      decoded = self._decode_rows(m.reshape(d * r, -1), n).reshape(d, r, n)
+      lost = _run_rows(x, rn) - jnp.swapaxes(decoded, 0, 1)  # [runs, D, n]
+      if own is not None:
+        lost = jnp.where((jnp.arange(d) == own)[None, :, None], jnp.float32(0), lost)
+      residuals.append(lost if lost.shape == x.shape else _chunks_of(lost[0], x.shape))
+    received = _exchange.exchange(message, axis_name, exchange)
+    scale = 1.0 / d if op == "mean" else 1.0
+    blocks, mark = self._reduce_chunk_rows(received, chunks, runs, own, scale)
+    return blocks, residuals, mark
+
+  def _chunk_row_widths(self, runs: Sequence[tuple[int, int]]) -> list[int]:
+    """Words of :attr:`wire_dtype` each leaf takes in a row of :meth:`_encode_chunk_rows`."""
+    return [r * self.wire_size(n) for r, n in runs]
+
+  def _split_chunk_rows(self, message: jax.Array, runs) -> list[jax.Array]:
+    """wire[k, W] -> each leaf's part, wire[k, runs_i * W_i] (run-major)."""
+    return split_leaves(message, self._chunk_row_widths(runs), 1)
+
+  def _encode_chunk_rows(self, chunks, runs, d: int, key: jax.Array | None,
+                         skip: jax.Array | None) -> jax.Array:
+    """wire[D, W]: row j every leaf's payloads of shard j, leaf by leaf and run by run (leaf i's
+    key ``fold_in(key, i)``, split over its ``runs * D`` payloads in run-major order). Row ``skip``
+    (a traced index, or None) is zeros. A codec whose kernel reads the chunks where they lie
+    overrides it with the same bytes (QSGD on CPU)."""
+    parts = []
+    for i, (x, rn) in enumerate(zip(chunks, runs)):
+      rows = _run_rows(x, rn)
+      k = None if key is None else jax.random.fold_in(key, i)
+      payloads = self._encode_rows(rows.reshape(rn[0] * d, rn[1]), k).reshape(rn[0], d, -1)
+      parts.append(_rows_of(payloads))  # [D, runs * W]: device j's message, its runs in order
+    message = _concat_rows(parts)
+    if skip is not None:
+      message = jnp.where((jnp.arange(d) == skip)[:, None], jnp.zeros((), message.dtype), message)
+    return message
+
+  def _reduce_chunk_rows(self, received, chunks, runs, own: jax.Array | None,
+                         scale: float) -> tuple[list[jax.Array], jax.Array]:
+    """The D received rows (row s from device s) -> (each leaf's reduced shard float32[P_i *
+    c_i], its :func:`nonfinite_mark`): per payload the in-order sum of its D decodes, times
+    ``scale``; with ``own``, the term of device ``own`` its own shard, exact."""
+    d = received.shape[0]
     blocks = []
-    for (p_, c), m in zip(shapes, _split_payloads(received, payloads)):
-      block = jax.vmap(lambda w: self.wire_decode_sum(w, c), in_axes=1)(m.reshape(d, p_, -1))
+    for x, (r, n), m in zip(chunks, runs, self._split_chunk_rows(received, runs)):
+      m = m.reshape(d, r, -1)
+      if own is None:
+        block = jax.vmap(lambda w: self.wire_decode_sum(w, n), in_axes=1)(m)
+      else:
+        vals = self._decode_rows(m.reshape(d * r, -1), n).reshape(d, r, n)
+        mine = lax.dynamic_index_in_dim(_run_rows(x, (r, n)), own, axis=1, keepdims=False)
+        block = _sum_in_order(jnp.where((jnp.arange(d) == own)[:, None, None], mine[None], vals))
       block = block.reshape(-1)
-      blocks.append(block if scale is None else block * scale)
-    return blocks, residuals
+      blocks.append(block if scale == 1.0 else block * jnp.float32(scale))
+    return blocks, nonfinite_mark(blocks)
 
   def _all_gather_payloads(self, parts, axis_name, key):
     """:meth:`all_gather_leaves` as a payload codec runs it: each part encoded where it lies, the

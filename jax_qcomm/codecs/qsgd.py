@@ -117,7 +117,42 @@ class QSGD(_Bucketed):
 
   # -- the sharded mode's collectives: a payload per leaf, read and written where the rows lie --
   def reduce_scatter_leaves(self, rows, axis_name, key, op="mean", exchange="auto"):
+    return self._reduce_scatter_payloads(rows, axis_name, key, op, exchange)[:2]
+
+  def reduce_scatter_leaves_marked(self, rows, axis_name, key, op="mean", exchange="auto"):
     return self._reduce_scatter_payloads(rows, axis_name, key, op, exchange)
+
+  def _encode_chunk_rows(self, chunks, runs, d, key, skip):
+    """On CPU one kernel reads every leaf's chunks where they lie and writes the message (no
+    copy of the gradient, no per-leaf call); elsewhere the composition (the same bytes)."""
+    composed = super()._encode_chunk_rows
+    if self.needs_key and key is None:  # (the composition says what is wrong)
+      return composed(chunks, runs, d, key, skip)
+    seeds = jnp.zeros((sum(r for r, _ in runs) * d, 2), jnp.uint32) if key is None else (
+        jnp.concatenate([jax.vmap(self._seed)(jax.random.split(jax.random.fold_in(key, i), r * d))
+                         for i, (r, _) in enumerate(runs)]))
+    skip_ = jnp.int32(-1) if skip is None else jnp.asarray(skip, jnp.int32)
+    kw = dict(devices=d, pre=[x.shape[0] for x in chunks], chunk=[x.shape[2] for x in chunks],
+              rounding=self.rounding, **self._fmt)
+    return self._select(
+        lambda s, k, *xs: _ffi.qsgd_encode_chunks([x.reshape(-1) for x in xs], s, k, **kw),
+        lambda s, k, *xs: composed(list(xs), runs, d, key, skip), seeds, skip_, *chunks,
+        only=("cpu",))
+
+  def _reduce_chunk_rows(self, received, chunks, runs, own, scale):
+    """On CPU one kernel: every leaf's shard, its own term read where it lies, and the mark;
+    elsewhere the composition (the same values)."""
+    d = received.shape[0]
+    slot = jnp.int32(-1) if own is None else jnp.asarray(own, jnp.int32)
+    kw = dict(devices=d, pre=[x.shape[0] for x in chunks], chunk=[x.shape[2] for x in chunks],
+              **self._fmt)
+
+    def kernel(m, s, *xs):
+      mark, blocks = _ffi.qsgd_decode_sum_chunks(m, s, [x.reshape(-1) for x in xs], scale, **kw)
+      return blocks, mark
+
+    return self._select(kernel, lambda m, s, *xs: super(QSGD, self)._reduce_chunk_rows(
+        m, list(xs), runs, own, scale), received, slot, *chunks, only=("cpu",))
 
   def all_gather_leaves(self, parts, axis_name, key):
     return self._all_gather_payloads(parts, axis_name, key)

@@ -1,0 +1,129 @@
+"""QSGD's sharded reduce-scatter on the chunks in place (CPU): the kernel that encodes every leaf's
+shards into the all-to-all's message gives the bytes of the per-payload composition (what GPUs
+run); the kernel that reduces the received message, a device's own shard exact, gives its values
+and its non-finite mark. Leaves as P runs of D chunks: chunks of whole buckets (a payload each),
+chunks that are not (a shard's runs end to end), chunks shorter than a bucket (a bucket spans
+several runs), 0-d leaves (one value)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_qcomm as qcomm
+from jax_qcomm import _ffi, wire
+
+needs_kernels = pytest.mark.skipif(not _ffi.has_cpu_kernels(), reason="no CPU kernels built")
+
+# (bits, bucket, scheme, rounding): a bucket above the kernels' stack scratch (4096) included.
+CONFIGS = [(4, 128, "maxmin", "stochastic"), (3, 24, "norm", "stochastic"),
+           (1, 8, "maxmin", "nearest"), (8, 4104, "maxmin", "stochastic"),
+           (2, 64, "norm", "nearest")]
+
+
+def _chunks(d: int, b: int, seed: int, nonfinite: bool = False) -> list[jax.Array]:
+  """[P, D, c] leaves: whole buckets (P = 1 and 3), not whole (P = 2), shorter than a bucket
+  (P = 4, c = 3), one value (a 0-d leaf), a partial last bucket (P = 1)."""
+  r = np.random.default_rng(seed)
+  shapes = [(1, 2 * b + 5), (3, b), (2, b + 3), (4, 3), (1, 1)]
+  out = [(r.standard_normal((p, d, c)) * np.exp(r.uniform(-3, 3))).astype(np.float32)
+         for p, c in shapes]
+  if nonfinite:
+    out[1][2, d - 1, 4] = np.inf  # the last device's shard
+    out[2][0, 0, 1] = np.nan  # device 0's shard
+  return [jnp.asarray(x) for x in out]
+
+
+def _runs(chunks, b):
+  return [wire.chunk_runs(x.shape[0], x.shape[2], b) for x in chunks]
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("d,skip", [(1, None), (2, None), (3, None), (3, 1)],
+                         ids=["d1", "d2", "d3", "d3-skip"])
+def test_encode_chunks_equals_the_composition(config, d, skip):
+  """The kernel's message equals the composition's bytes: each leaf's shards encoded payload by
+  payload (its key folded in, split over its payloads run-major), laid out row by row; row
+  ``skip`` is zeros."""
+  bits, b, scheme, rounding = config
+  chunks = _chunks(d, b, seed=bits, nonfinite=True)
+  runs = _runs(chunks, b)
+  key = jax.random.key(5)
+  out = {}
+  for impl in ("ffi", "jax"):
+    codec = qcomm.QSGD(bits, b, scheme, rounding, impl=impl)
+    out[impl] = np.asarray(jax.jit(lambda xs, s, c=codec: c._encode_chunk_rows(
+        xs, runs, d, key, None if skip is None else s))(chunks, jnp.int32(-1 if skip is None
+                                                                              else skip)))
+  np.testing.assert_array_equal(out["ffi"], out["jax"])
+  assert out["ffi"].shape == (d, _ffi.qsgd_chunks_row_bytes(
+      [x.shape[0] for x in chunks], [x.shape[2] for x in chunks], bits=bits, bucket_size=b,
+      scheme=scheme))
+  if skip is not None:
+    assert not out["ffi"][skip].any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("d,own,scale", [(1, 0, 1.0), (2, 0, 0.5), (3, 2, 1 / 3), (3, None, 1.0),
+                                         (2, 1, 1e-30)],
+                         ids=["d1", "d2-own0", "d3-own-last", "d3-no-own", "underflow"])
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nonfinite"])
+def test_reduce_chunks_equals_the_composition(config, d, own, scale, nonfinite):
+  """The kernel's shards equal the composition's bit for bit: per payload the in-order sum of the
+  D decodes, device ``own``'s term its own shard, exact, times ``scale`` (sums that underflow
+  flush alike); its mark is 0, or NaN where a value written is not finite, as the composition's
+  ``nonfinite_mark``."""
+  bits, b, scheme, rounding = config
+  tiny = scale < 1e-20
+  chunks = _chunks(d, b, seed=bits + d, nonfinite=nonfinite)
+  if tiny:
+    chunks = [x * jnp.float32(1e-36) for x in chunks]
+  runs = _runs(chunks, b)
+  sender = qcomm.QSGD(bits, b, scheme, rounding, impl="jax")
+  received = jax.jit(lambda xs: sender._encode_chunk_rows(xs, runs, d, jax.random.key(1), None))(
+      _chunks(d, b, seed=bits + 11, nonfinite=nonfinite))
+  out = {}
+  for impl in ("ffi", "jax"):
+    codec = qcomm.QSGD(bits, b, scheme, rounding, impl=impl)
+    out[impl] = jax.jit(lambda m, xs, o, c=codec: c._reduce_chunk_rows(
+        m, xs, runs, None if own is None else o, scale))(received, chunks, jnp.int32(own or 0))
+  (got, got_mark), (want, want_mark) = out["ffi"], out["jax"]
+  for g, w, x in zip(got, want, chunks):
+    assert g.shape == (x.shape[0] * x.shape[2],)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert np.isnan(got_mark) == np.isnan(want_mark) == nonfinite
+  if not nonfinite:
+    assert float(got_mark) == 0.0
+
+
+@needs_kernels
+def test_chunk_kernels_reject_bad_sizes():
+  """Attributes that do not fit the leaves: a clear error, not a read past them."""
+  x = jnp.ones((2 * 3 * 8,), jnp.float32)
+  kw = dict(bits=4, bucket_size=8, scheme="maxmin")
+  seeds = jnp.zeros((3 * 2, 2), jnp.uint32)
+  with pytest.raises(ValueError, match="pre and chunk must have one entry per leaf"):
+    _ffi.qsgd_encode_chunks([x], seeds, jnp.int32(-1), devices=2, pre=[3, 1], chunk=[8],
+                            rounding="nearest", **kw)
+  with pytest.raises(Exception, match=r"devices \* pre\[i\] \* chunk\[i\]"):
+    jax.block_until_ready(_ffi.qsgd_encode_chunks(
+        [x], seeds, jnp.int32(-1), devices=2, pre=[3], chunk=[9], rounding="nearest", **kw))
+  with pytest.raises(Exception, match="skip must be -1 or a device index"):
+    jax.block_until_ready(_ffi.qsgd_encode_chunks(
+        [x], seeds, jnp.int32(2), devices=2, pre=[3], chunk=[8], rounding="nearest", **kw))
+  with pytest.raises(Exception, match="seed must hold 2 uint32 words per payload"):
+    jax.block_until_ready(_ffi.qsgd_encode_chunks(
+        [x], seeds[:5], jnp.int32(-1), devices=2, pre=[3], chunk=[8], rounding="nearest", **kw))
+  message = _ffi.qsgd_encode_chunks([x], seeds, jnp.int32(-1), devices=2, pre=[3], chunk=[8],
+                                    rounding="nearest", **kw)
+  with pytest.raises(Exception, match="slot must be -1 or a device index"):
+    jax.block_until_ready(_ffi.qsgd_decode_sum_chunks(
+        message, jnp.int32(2), [x], 0.5, devices=2, pre=[3], chunk=[8], **kw))
+  with pytest.raises(Exception, match=r"received must be \[devices, the payloads' bytes\]"):
+    jax.block_until_ready(_ffi.qsgd_decode_sum_chunks(
+        message[:, 1:], jnp.int32(0), [x], 0.5, devices=2, pre=[3], chunk=[8], **kw))
