@@ -266,6 +266,21 @@ def qsgd_encode_chunks(leaves, seeds: jax.Array, skip: jax.Array, *, devices: in
                                **_chunks_attrs(leaves, devices, pre, chunk)))
 
 
+def qsgd_decode_chunks(message: jax.Array, *, pre, chunk, bits: int, bucket_size: int,
+                       scheme: str) -> list:
+  """message: uint8[rows, W], each row one device's row of :func:`qsgd_encode_chunks` (for
+  ``devices == 1``: leaf i its ``pre[i]`` runs of ``chunk[i]`` values) -> float32[rows, pre[i] *
+  chunk[i]] per leaf: each row's decodes, written in place of per-leaf slices."""
+  if len(pre) != len(chunk):
+    raise ValueError(f"pre and chunk must have one entry per leaf, got {len(pre)} and "
+                     f"{len(chunk)}")
+  rows = message.shape[0]
+  results = [jax.ShapeDtypeStruct((rows, int(p) * int(c)), jnp.float32) for p, c in zip(pre, chunk)]
+  return list(_call_leaves("qcomm_qsgd_decode_chunks", results, message,
+                           **_attrs(bits, bucket_size, scheme, pre=np.asarray(pre, np.int64),
+                                    chunk=np.asarray(chunk, np.int64))))
+
+
 def qsgd_decode_sum_chunks(received: jax.Array, slot: jax.Array, leaves, scale: float, *,
                            devices: int, pre, chunk, bits: int, bucket_size: int,
                            scheme: str) -> tuple[jax.Array, list]:

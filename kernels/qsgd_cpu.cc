@@ -30,6 +30,8 @@ namespace qcomm::cpu {
                      uint8_t* message);                                                           \
   void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,   \
                          const Params& p, float* const* out, float* mark);                        \
+  void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,       \
+                     float* const* out);                                                          \
   void summable_encode(const Leaves<const float>& x, const int32_t* shared,                       \
                        const uint32_t seed[2], const SummableParams& p, uint32_t* words);         \
   void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,    \
@@ -143,6 +145,17 @@ void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const P
   if (which == Isa::kAvx2) return avx2::encode_chunks(x, skip, seeds, p, message);
 #endif
   generic::encode_chunks(x, skip, seeds, p, message);
+}
+
+void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,
+                   float* const* out) {
+  FlushDenormals ftz;
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512) return avx512::decode_chunks(message, rows, x, p, out);
+  if (which == Isa::kAvx2) return avx2::decode_chunks(message, rows, x, p, out);
+#endif
+  generic::decode_chunks(message, rows, x, p, out);
 }
 
 void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,

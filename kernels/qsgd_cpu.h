@@ -116,6 +116,10 @@ void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const P
 // as encode_chunks lays a row) -> out[i] (pre[i] * chunk[i] values): the sum over s, in order, of
 // the decodes of row s, times scale, but term `slot` (-1: none) shard `slot` of `own`, exact.
 // *mark = 0 if every value written is finite, else NaN.
+// message[rows, W] (each row laid out as encode_chunks lays one; x.devices == 1, x.data unread)
+// -> out[i] (rows * pre[i] * chunk[i] values): row s's decodes of leaf i at s * pre[i] * chunk[i].
+void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,
+                   float* const* out);
 void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
                        const Params& p, float* const* out, float* mark);
 

@@ -433,6 +433,31 @@ void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* 
 }
 
 template <int BITS, int SCHEME>
+void decode_chunks_t(const uint8_t* message, int64_t rows, const qcomm::cpu::Chunks& x,
+                     const qcomm::cpu::Params& p, float* const* out) {
+  const int64_t B = p.bucket;
+  BucketScratch<float> tail(B);
+  BucketScratch<uint8_t> codes(B);
+  const uint8_t* payload = message;  // rows lie end to end
+  for (int64_t s = 0; s < rows; ++s) {
+    for (int64_t i = 0; i < x.count; ++i) {
+      const int64_t runs = x.runs(i), n = x.n(i), nb = qcomm::num_buckets(n, B);
+      float* row = out[i] + s * runs * n;
+      for (int64_t r = 0; r < runs; ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t start = b * B, valid = std::min<int64_t>(B, n - start);
+          float* dst = row + r * n + start;
+          float* __restrict ob = valid == B ? dst : tail.data;
+          decode_sum_bucket<BITS, SCHEME>(payload, 1, 0, nb, b, B, codes.data, ob);
+          if (valid < B) std::copy(ob, ob + valid, dst);
+        }
+        payload += qcomm::payload_bytes(n, B, BITS, SCHEME);
+      }
+    }
+  }
+}
+
+template <int BITS, int SCHEME>
 void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu::Chunks& own,
                          float scale, const qcomm::cpu::Params& p, float* const* out, float* mark) {
   const int64_t B = p.bucket, D = own.devices;
@@ -515,6 +540,13 @@ struct EncodeChunksF {
   }
 };
 template <int BITS, int SCHEME>
+struct DecodeChunksF {
+  static void run(const uint8_t* message, int64_t rows, const qcomm::cpu::Chunks* x,
+                  const qcomm::cpu::Params* p, float* const* out) {
+    decode_chunks_t<BITS, SCHEME>(message, rows, *x, *p, out);
+  }
+};
+template <int BITS, int SCHEME>
 struct DecodeSumChunksF {
   static void run(const uint8_t* received, int64_t slot, const qcomm::cpu::Chunks* own, float scale,
                   const qcomm::cpu::Params* p, float* const* out, float* mark) {
@@ -564,6 +596,11 @@ void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride,
 void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
                    uint8_t* message) {
   dispatch<EncodeChunksF>(p, &x, skip, seeds, &p, message);
+}
+
+void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,
+                   float* const* out) {
+  dispatch<DecodeChunksF>(p, message, rows, &x, &p, out);
 }
 
 void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,

@@ -102,6 +102,25 @@ def test_reduce_chunks_equals_the_composition(config, d, own, scale, nonfinite):
 
 
 @needs_kernels
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_chunks_equals_the_composition(config, rows):
+  """The kernel that decodes each row of a message into every leaf's rows (what the all-gather
+  and the residual read) equals the per-payload decodes, non-finite buckets included."""
+  bits, b, scheme, rounding = config
+  chunks = _chunks(rows, b, seed=bits, nonfinite=rows > 1)
+  runs = _runs(chunks, b)
+  sender = qcomm.QSGD(bits, b, scheme, rounding, impl="jax")
+  message = jax.jit(lambda xs: sender._encode_chunk_rows(xs, runs, rows, jax.random.key(2),
+                                                         None))(chunks)
+  out = {impl: jax.jit(qcomm.QSGD(bits, b, scheme, rounding, impl=impl)._decode_chunk_rows,
+                       static_argnums=1)(message, tuple(runs)) for impl in ("ffi", "jax")}
+  for g, w, (r, n) in zip(out["ffi"], out["jax"], runs):
+    assert g.shape == (rows, r * n)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@needs_kernels
 def test_chunk_kernels_reject_bad_sizes():
   """Attributes that do not fit the leaves: a clear error, not a read past them."""
   x = jnp.ones((2 * 3 * 8,), jnp.float32)
@@ -127,3 +146,6 @@ def test_chunk_kernels_reject_bad_sizes():
   with pytest.raises(Exception, match=r"received must be \[devices, the payloads' bytes\]"):
     jax.block_until_ready(_ffi.qsgd_decode_sum_chunks(
         message[:, 1:], jnp.int32(0), [x], 0.5, devices=2, pre=[3], chunk=[8], **kw))
+  with pytest.raises(Exception, match=r"the message must be \[rows, the payloads' bytes\]"):
+    jax.block_until_ready(_ffi.qsgd_decode_chunks(message, pre=[2], chunk=[8], **kw))
+  assert _ffi.qsgd_decode_chunks(message, pre=[3], chunk=[8], **kw)[0].shape == (2, 24)

@@ -343,6 +343,36 @@ ffi::Error QsgdEncodeChunksImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
+// message[rows, W] u8 -> out... f32[rows, pre[i] * chunk[i]]: each row's decodes, leaf by leaf
+// (one device's chunks: the rows of an all-gather of encode_chunks' messages).
+ffi::Error QsgdDecodeChunksImpl(ffi::Buffer<ffi::U8> message, ffi::RemainingRets out, int32_t bits,
+                                int32_t bucket_size, int32_t scheme, ffi::Span<const int64_t> pre,
+                                ffi::Span<const int64_t> chunk) {
+  const common::Params p{bits, bucket_size, scheme, qcomm::kNearest};
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
+  if (pre.size() != out.size() || chunk.size() != out.size())
+    return ffi::Error::InvalidArgument("pre and chunk must have one entry per result");
+  const auto dims = message.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("the message must be [rows, W]");
+  const int64_t rows = dims[0];
+  std::vector<float*> parts;
+  for (size_t i = 0; i < out.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::F32>>> part = out.get<ffi::Buffer<ffi::F32>>(i);
+    if (part.has_error()) return part.error();
+    if (pre[i] < 1 || chunk[i] < 1 ||
+        static_cast<int64_t>((*part)->element_count()) != rows * pre[i] * chunk[i])
+      return ffi::Error::InvalidArgument("result i must hold rows * pre[i] * chunk[i] values");
+    parts.push_back((*part)->typed_data());
+  }
+  const qcomm::cpu::Chunks x{nullptr, pre.begin(), chunk.begin(), static_cast<int64_t>(out.size()),
+                             1, bucket_size};
+  int64_t per_row = 0;
+  if (dims[1] != ChunksRowBytes(x, p, &per_row))
+    return ffi::Error::InvalidArgument("the message must be [rows, the payloads' bytes]");
+  qcomm::cpu::decode_chunks(message.typed_data(), rows, x, CpuParams(p), parts.data());
+  return ffi::Error::Success();
+}
+
 // received[devices, W] u8, slot[] s32, leaves... f32 -> mark[] f32, out... f32[pre[i] * chunk[i]]:
 // the reduced shard of each leaf (term `slot` this device's own shard of the leaves, exact), and
 // 0 or NaN where a value written is not finite.
@@ -545,6 +575,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeChunks, QsgdEncodeChunksImpl,
                                                   .Attr<int32_t>("bucket_size")
                                                   .Attr<int32_t>("scheme")
                                                   .Attr<int32_t>("rounding")));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeChunks, QsgdDecodeChunksImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("scheme")
+                                  .Attr<ffi::Span<const int64_t>>("pre")
+                                  .Attr<ffi::Span<const int64_t>>("chunk"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumChunks, QsgdDecodeSumChunksImpl,
                               QsgdChunksAttrs(ffi::Ffi::Bind()
                                                   .Arg<ffi::Buffer<ffi::U8>>()
@@ -573,6 +612,7 @@ NB_MODULE(_qcomm_cpu, m) {
     d["qcomm_qsgd_decode_sum_reencode_own"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencodeOwn));
     d["qcomm_qsgd_encode_chunks"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeChunks));
+    d["qcomm_qsgd_decode_chunks"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeChunks));
     d["qcomm_qsgd_decode_sum_chunks"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumChunks));
     d["qcomm_qsgd_decode_sum_reencode"] =

@@ -554,10 +554,8 @@ class Codec(abc.ABC):
     runs = [wire.chunk_runs(p, c, self.pad_multiple) for p, _, c in (x.shape for x in chunks)]
     message = self._encode_chunk_rows(chunks, runs, d, device_key(key, axis_name, 0), own)
     residuals = []  # read only where wanted (error feedback): XLA drops it otherwise
-    for x, rn, m in zip(chunks, runs, self._split_chunk_rows(message, runs)):
-      r, n = rn
-      decoded = self._decode_rows(m.reshape(d * r, -1), n).reshape(d, r, n)
-      lost = _run_rows(x, rn) - jnp.swapaxes(decoded, 0, 1)  # [runs, D, n]
+    for x, rn, decoded in zip(chunks, runs, self._decode_chunk_rows(message, runs)):
+      lost = _run_rows(x, rn) - jnp.swapaxes(decoded.reshape(d, *rn), 0, 1)  # [runs, D, n]
       if own is not None:
         lost = jnp.where((jnp.arange(d) == own)[None, :, None], jnp.float32(0), lost)
       residuals.append(lost if lost.shape == x.shape else _chunks_of(lost[0], x.shape))
@@ -591,6 +589,14 @@ class Codec(abc.ABC):
       message = jnp.where((jnp.arange(d) == skip)[:, None], jnp.zeros((), message.dtype), message)
     return message
 
+  def _decode_chunk_rows(self, message: jax.Array, runs) -> list[jax.Array]:
+    """wire[k, W] (rows laid out as :meth:`_encode_chunk_rows` lays one) -> each leaf's decodes,
+    float32[k, runs_i * n_i]. A codec with a kernel that writes them in place of per-leaf slices
+    overrides it (QSGD on CPU)."""
+    k = message.shape[0]
+    return [self._decode_rows(m.reshape(k * r, -1), n).reshape(k, r * n)
+            for (r, n), m in zip(runs, self._split_chunk_rows(message, runs))]
+
   def _reduce_chunk_rows(self, received, chunks, runs, own: jax.Array | None,
                          scale: float) -> tuple[list[jax.Array], jax.Array]:
     """The D received rows (row s from device s) -> (each leaf's reduced shard float32[P_i *
@@ -611,14 +617,14 @@ class Codec(abc.ABC):
     return blocks, nonfinite_mark(blocks)
 
   def _all_gather_payloads(self, parts, axis_name, key):
-    """:meth:`all_gather_leaves` as a payload codec runs it: each part encoded where it lies, the
-    payloads in one all-gather, each leaf's D rows decoded from its part of it."""
-    k = device_key(key, axis_name, 0)
-    payloads = [self.wire_encode(x.astype(jnp.float32), None if k is None else
-                                 jax.random.fold_in(k, i))[None] for i, x in enumerate(parts)]
-    gathered = _exchange.gather(_concat_rows(payloads)[0], axis_name)
-    return [self._decode_rows(g, x.shape[0])
-            for x, g in zip(parts, _split_payloads(gathered, payloads))]
+    """:meth:`all_gather_leaves` as a payload codec runs it: each part its own payload (a key per
+    part), written into one message (:meth:`_encode_chunk_rows` of the parts as one device's
+    single chunks), one all-gather, and each part's D rows decoded from it
+    (:meth:`_decode_chunk_rows`)."""
+    flat = [x.astype(jnp.float32).reshape(1, 1, -1) for x in parts]
+    runs = [(1, x.shape[2]) for x in flat]
+    message = self._encode_chunk_rows(flat, runs, 1, device_key(key, axis_name, 0), None)
+    return self._decode_chunk_rows(_exchange.gather(message[0], axis_name), runs)
 
   def traffic(self, n: int, devices: int,
               collective: str = "allreduce") -> tuple[tuple[str, float], ...]:

@@ -139,6 +139,13 @@ class QSGD(_Bucketed):
         lambda s, k, *xs: composed(list(xs), runs, d, key, skip), seeds, skip_, *chunks,
         only=("cpu",))
 
+  def _decode_chunk_rows(self, message, runs):
+    """On CPU one kernel writes every leaf's decodes (no per-leaf slice of the message)."""
+    composed = super()._decode_chunk_rows
+    kw = dict(pre=[r for r, _ in runs], chunk=[n for _, n in runs], **self._fmt)
+    return self._select(lambda m: _ffi.qsgd_decode_chunks(m, **kw),
+                        lambda m: composed(m, runs), message, only=("cpu",))
+
   def _reduce_chunk_rows(self, received, chunks, runs, own, scale):
     """On CPU one kernel: every leaf's shard, its own term read where it lies, and the mark;
     elsewhere the composition (the same values)."""
