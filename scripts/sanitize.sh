@@ -2,7 +2,7 @@
 # Runs the codec tests against the CPU kernels built with AddressSanitizer and UndefinedBehavior-
 # Sanitizer; fails on any sanitizer report (or test failure).
 #
-#   scripts/sanitize.sh                          # tests/test_codec.py tests/test_numerics.py tests/test_summable.py tests/test_qsgd_leaves.py
+#   scripts/sanitize.sh                          # tests/test_codec.py tests/test_numerics.py tests/test_summable.py tests/test_qsgd_leaves.py tests/test_qsgd_chunks.py
 #   scripts/sanitize.sh tests/test_codec.py -k isa   # any other pytest arguments
 #
 # The sanitized CPU module (CMake option QCOMM_SANITIZE, CUDA off) is built into build/sanitize,
@@ -72,7 +72,7 @@ print(f"[sanitize] loaded {m.__file__} (sanitizers: {m.sanitizers}, ISA: {_ffi.c
 fail_on_reports
 
 args=("$@")
-(( ${#args[@]} )) || args=(tests/test_codec.py tests/test_numerics.py tests/test_summable.py tests/test_qsgd_leaves.py)
+(( ${#args[@]} )) || args=(tests/test_codec.py tests/test_numerics.py tests/test_summable.py tests/test_qsgd_leaves.py tests/test_qsgd_chunks.py)
 echo "[sanitize] pytest ${args[*]}"
 set +e
 LD_PRELOAD="$PRELOAD" "$VPY" -m pytest -q -p no:cacheprovider "${args[@]}"
