@@ -266,6 +266,24 @@ def qsgd_encode_chunks(leaves, seeds: jax.Array, skip: jax.Array, *, devices: in
                                **_chunks_attrs(leaves, devices, pre, chunk)))
 
 
+def qsgd_encode_differences(news, olds, seeds: jax.Array, shard: jax.Array, *, devices: int, pre,
+                            chunk, bits: int, bucket_size: int, scheme: str,
+                            rounding: str) -> jax.Array:
+  """news: float32[pre[i] * chunk[i]] per leaf, olds: float32[pre[i] * devices * chunk[i]] per
+  leaf (``pre[i]`` runs of ``devices`` chunks), seeds: uint32[leaves, 2], shard: int32[] ->
+  uint8[1, W]: one payload per leaf (seed i) of ``new[i]`` less shard ``shard`` of ``old[i]``,
+  value by value, laid out as :func:`qsgd_encode_chunks` lays a row; read where both lie."""
+  if len(news) != len(olds):
+    raise ValueError(f"news and olds must have one entry per leaf, got {len(news)} and "
+                     f"{len(olds)}")
+  size = sum(wire.qsgd_payload_bytes(int(p) * int(c), bits, bucket_size, scheme)
+             for p, c in zip(pre, chunk))
+  return _call_leaves("qcomm_qsgd_encode_differences",
+                      jax.ShapeDtypeStruct((1, size), jnp.uint8), seeds, shard, *news, *olds,
+                      **_attrs(bits, bucket_size, scheme, rounding,
+                               **_chunks_attrs(olds, devices, pre, chunk)))
+
+
 def qsgd_decode_chunks(message: jax.Array, *, pre, chunk, bits: int, bucket_size: int,
                        scheme: str) -> list:
   """message: uint8[rows, W], each row one device's row of :func:`qsgd_encode_chunks` (for

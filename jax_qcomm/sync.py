@@ -594,11 +594,10 @@ class _ShardedSync(_Sync):
     m_leaves = [a[0] for a in jax.tree_util.tree_leaves(new_master)]
     diffs = [None] * n
     for k, group in enumerate(layout.groups):
-      parts = [layout.from_shard(
-          m_leaves[i] - layout.shard_of(jnp.asarray(p_leaves[i], jnp.float32), i, index), i)
-               for i in group.leaves]
-      rows = self._gather_codec(group.codec).all_gather_leaves(
-          parts, cfg.axis_name, jax.random.fold_in(sub, 2 * k + 1))
+      rows = self._gather_codec(group.codec).all_gather_differences(
+          [layout.from_shard(m_leaves[i], i) for i in group.leaves],
+          [layout.chunks(jnp.asarray(p_leaves[i], jnp.float32), i) for i in group.leaves], index,
+          cfg.axis_name, jax.random.fold_in(sub, 2 * k + 1))
       for i, r in zip(group.leaves, rows):
         diffs[i] = jnp.where(finite, layout.unrows(r, i), 0.0).astype(jnp.result_type(p_leaves[i]))
 

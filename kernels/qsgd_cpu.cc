@@ -32,6 +32,8 @@ namespace qcomm::cpu {
                          const Params& p, float* const* out, float* mark);                        \
   void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,       \
                      float* const* out);                                                          \
+  void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shard,              \
+                                const uint32_t* seeds, const Params& p, uint8_t* message);        \
   void summable_encode(const Leaves<const float>& x, const int32_t* shared,                       \
                        const uint32_t seed[2], const SummableParams& p, uint32_t* words);         \
   void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,    \
@@ -145,6 +147,18 @@ void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const P
   if (which == Isa::kAvx2) return avx2::encode_chunks(x, skip, seeds, p, message);
 #endif
   generic::encode_chunks(x, skip, seeds, p, message);
+}
+
+void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shard,
+                              const uint32_t* seeds, const Params& p, uint8_t* message) {
+  FlushDenormals ftz;  // as XLA CPU subtracts
+#if defined(QCOMM_HAVE_X86_VARIANTS)
+  const Isa which = current();
+  if (which == Isa::kAvx512)
+    return avx512::encode_chunk_differences(x, minus, shard, seeds, p, message);
+  if (which == Isa::kAvx2) return avx2::encode_chunk_differences(x, minus, shard, seeds, p, message);
+#endif
+  generic::encode_chunk_differences(x, minus, shard, seeds, p, message);
 }
 
 void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,

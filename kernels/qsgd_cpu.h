@@ -112,6 +112,12 @@ struct Chunks {
 // Row `skip` (-1: none) is not encoded: its bytes are zeros.
 void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
                    uint8_t* message);
+// encode_chunks of the differences x - (shard `shard` of `minus`), value by value: leaf i of
+// `minus` holds minus.pre[i] * minus.chunk[i] values per shard, as many as a shard of leaf i of x.
+// What the sharded mode all-gathers: the new values of a device's shards less the current ones,
+// read where both lie.
+void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shard,
+                              const uint32_t* seeds, const Params& p, uint8_t* message);
 // received[devices, W] (row s: the payloads of this device's shards that device s sent, laid out
 // as encode_chunks lays a row) -> out[i] (pre[i] * chunk[i] values): the sum over s, in order, of
 // the decodes of row s, times scale, but term `slot` (-1: none) shard `slot` of `own`, exact.

@@ -397,9 +397,12 @@ inline const float* shard_bucket(const qcomm::cpu::Chunks& x, int64_t i, int64_t
   return pad;
 }
 
+// With `minus`, each value is x's less the value at the same place of shard `shard` of `minus`
+// (qsgd_cpu.h, encode_chunk_differences), the bucket padded as encode pads the differences.
 template <int BITS, int SCHEME>
 void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* seeds,
-                     const qcomm::cpu::Params& p, uint8_t* message) {
+                     const qcomm::cpu::Params& p, uint8_t* message,
+                     const qcomm::cpu::Chunks* minus = nullptr, int64_t shard = 0) {
   const int64_t B = p.bucket, D = x.devices;
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
@@ -407,6 +410,8 @@ void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* 
   const bool stochastic = p.rounding == qcomm::kStochastic;
   BucketScratch<uint8_t> codes(B);
   BucketScratch<float> pad(B);
+  BucketScratch<float> pad_minus(B);
+  BucketScratch<float> diff(B);
   for (int64_t j = 0; j < D; ++j) {
     uint8_t* out = message + j * row_bytes;
     if (j == skip) {
@@ -422,6 +427,13 @@ void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* 
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t valid = std::min<int64_t>(B, n - b * B);
           const float* xb = shard_bucket<SCHEME>(x, i, j, r * n + b * B, valid, B, pad.data);
+          if (minus != nullptr) {
+            const float* mb =
+                shard_bucket<SCHEME>(*minus, i, shard, r * n + b * B, valid, B, pad_minus.data);
+            for (int64_t k = 0; k < valid; ++k) diff.data[k] = xb[k] - mb[k];
+            if (valid < B) pad_bucket<SCHEME>(diff.data, valid, B);
+            xb = diff.data;
+          }
           encode_bucket<BITS, SCHEME>(xb, B, b * B, seed, stochastic, codes.data, valid,
                                       out + 4 * S * b, packed + b * code_bytes);
         }
@@ -540,6 +552,13 @@ struct EncodeChunksF {
   }
 };
 template <int BITS, int SCHEME>
+struct EncodeChunkDifferencesF {
+  static void run(const qcomm::cpu::Chunks* x, const qcomm::cpu::Chunks* minus, int64_t shard,
+                  const uint32_t* seeds, const qcomm::cpu::Params* p, uint8_t* message) {
+    encode_chunks_t<BITS, SCHEME>(*x, -1, seeds, *p, message, minus, shard);
+  }
+};
+template <int BITS, int SCHEME>
 struct DecodeChunksF {
   static void run(const uint8_t* message, int64_t rows, const qcomm::cpu::Chunks* x,
                   const qcomm::cpu::Params* p, float* const* out) {
@@ -596,6 +615,11 @@ void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride,
 void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
                    uint8_t* message) {
   dispatch<EncodeChunksF>(p, &x, skip, seeds, &p, message);
+}
+
+void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shard,
+                              const uint32_t* seeds, const Params& p, uint8_t* message) {
+  dispatch<EncodeChunkDifferencesF>(p, &x, &minus, shard, seeds, &p, message);
 }
 
 void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,

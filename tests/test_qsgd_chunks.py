@@ -121,6 +121,33 @@ def test_decode_chunks_equals_the_composition(config, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("d,index", [(1, 0), (2, 1), (3, 0), (3, 2)])
+def test_encode_differences_equals_the_composition(config, d, index):
+  """The kernel that encodes each part less shard ``index`` of the current values' chunks (what
+  the sharded mode all-gathers) gives the bytes of the differences' encode, and the all-gather
+  of the differences through it equals the default (the differences, then all_gather_leaves)."""
+  bits, b, scheme, rounding = config
+  olds = _chunks(d, b, seed=bits, nonfinite=True)
+  r = np.random.default_rng(bits)
+  news = [jnp.asarray(r.standard_normal(x.shape[0] * x.shape[2]).astype(np.float32)) for x in olds]
+  flat = [x.reshape(1, 1, -1) for x in news]
+  runs = [(1, x.shape[2]) for x in flat]
+  key = jax.random.key(4)
+  out = {impl: np.asarray(jax.jit(lambda f, o, i, c=qcomm.QSGD(bits, b, scheme, rounding,
+                                                                  impl=impl):
+                                  c._encode_chunk_differences(f, runs, o, i, key))(
+                                      flat, olds, jnp.int32(index)))
+         for impl in ("ffi", "jax")}
+  np.testing.assert_array_equal(out["ffi"], out["jax"])
+  plain = qcomm.QSGD(bits, b, scheme, rounding, impl="jax")
+  diffs = [x - np.asarray(o)[:, index].reshape(-1) for x, o in zip(news, olds)]
+  want = np.asarray(jax.jit(lambda f: plain._encode_chunk_rows(f, runs, 1, key, None))(
+      [jnp.asarray(x).reshape(1, 1, -1) for x in diffs]))
+  np.testing.assert_array_equal(out["ffi"], want)
+
+
+@needs_kernels
 def test_chunk_kernels_reject_bad_sizes():
   """Attributes that do not fit the leaves: a clear error, not a read past them."""
   x = jnp.ones((2 * 3 * 8,), jnp.float32)
@@ -146,6 +173,14 @@ def test_chunk_kernels_reject_bad_sizes():
   with pytest.raises(Exception, match=r"received must be \[devices, the payloads' bytes\]"):
     jax.block_until_ready(_ffi.qsgd_decode_sum_chunks(
         message[:, 1:], jnp.int32(0), [x], 0.5, devices=2, pre=[3], chunk=[8], **kw))
+  with pytest.raises(Exception, match="new i must hold pre"):
+    jax.block_until_ready(_ffi.qsgd_encode_differences(
+        [x[:23]], [x], seeds[:1], jnp.int32(0), devices=2, pre=[3], chunk=[8],
+        rounding="nearest", **kw))
+  with pytest.raises(Exception, match="shard must be a device index"):
+    jax.block_until_ready(_ffi.qsgd_encode_differences(
+        [x[:24]], [x], seeds[:1], jnp.int32(2), devices=2, pre=[3], chunk=[8],
+        rounding="nearest", **kw))
   with pytest.raises(Exception, match=r"the message must be \[rows, the payloads' bytes\]"):
     jax.block_until_ready(_ffi.qsgd_decode_chunks(message, pre=[2], chunk=[8], **kw))
   assert _ffi.qsgd_decode_chunks(message, pre=[3], chunk=[8], **kw)[0].shape == (2, 24)

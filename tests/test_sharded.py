@@ -216,7 +216,9 @@ def test_leaves_collectives_against_a_reference(shapes, d, impl):
   no key is involved); the residual is what each payload lost, 0 on the own shard; the mark is
   0. The all-gather of the blocks gives every device the packed buffer's rows. Leaves as P runs
   of D chunks (P = 3: a kernel split on an inner axis; chunks of 129 values: a shard's runs end
-  to end, one payload). The C++ kernels and the pure-JAX reference (what GPUs run) alike."""
+  to end, one payload). The all-gather of differences from the chunks, read where they lie,
+  equals the all-gather of the differences. The C++ kernels and the pure-JAX reference (what GPUs
+  run) alike."""
   from jax_qcomm import wire  # noqa: PLC0415
   from jax_qcomm.codecs.base import _chunks_of, _rows_of  # noqa: PLC0415
   codec = qcomm.QSGD(4, bucket_size=128, rounding="nearest", impl=impl)
@@ -228,6 +230,12 @@ def test_leaves_collectives_against_a_reference(shapes, d, impl):
     got, lost, mark = codec.reduce_scatter_leaves_marked(chunks, AX, None, "mean")
     g = codec.all_gather_leaves(got, AX, None)
     gw = qcomm.Codec.all_gather_leaves(codec, got, AX, None)
+    # the differences' all-gather, read in place, against the differences gathered
+    me = jax.lax.axis_index(AX)
+    gd = codec.all_gather_differences(got, chunks, me, AX, None)
+    gdw = codec.all_gather_leaves([b - x[:, me].reshape(-1) for b, x in zip(got, chunks)], AX, None)
+    for a, w in zip(gd, gdw):
+      mark = mark + jnp.sum(jnp.where(a == w, 0.0, jnp.nan))  # NaN where they differ
     return [x[None] for x in got + lost + g + gw] + [mark[None]]
 
   out = jax.jit(jax.shard_map(run, mesh=_mesh(d), in_specs=P(AX), out_specs=P(AX)))(chunks)

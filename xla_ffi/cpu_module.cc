@@ -343,6 +343,54 @@ ffi::Error QsgdEncodeChunksImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
+// seed[n, 2] u32, shard[] s32, news... f32 (n), olds... f32 (n) -> message[1, W] u8: one
+// payload per leaf, of new[i] - (shard `shard` of old[i]), old[i] held as pre[i] runs of `devices`
+// chunks of chunk[i] values and new[i] as pre[i] * chunk[i] values; read where both lie.
+ffi::Error QsgdEncodeDifferencesImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> shard,
+                                     ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::U8> message,
+                                     int32_t bits, int32_t bucket_size, int32_t scheme,
+                                     int32_t rounding, int64_t devices, ffi::Span<const int64_t> pre,
+                                     ffi::Span<const int64_t> chunk) {
+  const common::Params p{bits, bucket_size, scheme, rounding};
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
+  const size_t n = pre.size();
+  if (chunk.size() != n || leaves.size() != 2 * n)
+    return ffi::Error::InvalidArgument(
+        "pre and chunk must have one entry per leaf, and the operands a new and an old per leaf");
+  std::vector<const float*> news, olds;
+  std::vector<int64_t> ones(n, 1), sizes(n);
+  for (size_t i = 0; i < n; ++i) {
+    ffi::ErrorOr<ffi::Buffer<ffi::F32>> x = leaves.get<ffi::Buffer<ffi::F32>>(i);
+    ffi::ErrorOr<ffi::Buffer<ffi::F32>> y = leaves.get<ffi::Buffer<ffi::F32>>(n + i);
+    if (x.has_error()) return x.error();
+    if (y.has_error()) return y.error();
+    sizes[i] = pre[i] * chunk[i];
+    if (pre[i] < 1 || chunk[i] < 1 || static_cast<int64_t>(x->element_count()) != sizes[i] ||
+        static_cast<int64_t>(y->element_count()) != devices * sizes[i])
+      return ffi::Error::InvalidArgument(
+          "new i must hold pre[i] * chunk[i] values and old i devices times as many");
+    news.push_back(x->typed_data());
+    olds.push_back(y->typed_data());
+  }
+  if (devices < 1) return ffi::Error::InvalidArgument("devices must be >= 1");
+  const qcomm::cpu::Chunks x{news.data(), ones.data(), sizes.data(), static_cast<int64_t>(n), 1,
+                             bucket_size};
+  const qcomm::cpu::Chunks old{olds.data(), pre.begin(), chunk.begin(), static_cast<int64_t>(n),
+                               devices, bucket_size};
+  int64_t payloads = 0;
+  const int64_t row_bytes = ChunksRowBytes(x, p, &payloads);
+  if (message->element_count() != static_cast<size_t>(row_bytes))
+    return ffi::Error::InvalidArgument("the message must be [1, the payloads' bytes]");
+  if (static_cast<int64_t>(seed.element_count()) != 2 * payloads)
+    return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per payload");
+  ffi::ErrorOr<int64_t> s = ScalarIndex(shard, "shard");
+  if (s.has_error()) return s.error();
+  if (*s < 0 || *s >= devices) return ffi::Error::InvalidArgument("shard must be a device index");
+  qcomm::cpu::encode_chunk_differences(x, old, *s, seed.typed_data(), CpuParams(p),
+                                       message->typed_data());
+  return ffi::Error::Success();
+}
+
 // message[rows, W] u8 -> out... f32[rows, pre[i] * chunk[i]]: each row's decodes, leaf by leaf
 // (one device's chunks: the rows of an all-gather of encode_chunks' messages).
 ffi::Error QsgdDecodeChunksImpl(ffi::Buffer<ffi::U8> message, ffi::RemainingRets out, int32_t bits,
@@ -575,6 +623,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeChunks, QsgdEncodeChunksImpl,
                                                   .Attr<int32_t>("bucket_size")
                                                   .Attr<int32_t>("scheme")
                                                   .Attr<int32_t>("rounding")));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeDifferences, QsgdEncodeDifferencesImpl,
+                              QsgdChunksAttrs(ffi::Ffi::Bind()
+                                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .RemainingArgs()
+                                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                                  .Attr<int32_t>("bits")
+                                                  .Attr<int32_t>("bucket_size")
+                                                  .Attr<int32_t>("scheme")
+                                                  .Attr<int32_t>("rounding")));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeChunks, QsgdDecodeChunksImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U8>>()
@@ -612,6 +670,8 @@ NB_MODULE(_qcomm_cpu, m) {
     d["qcomm_qsgd_decode_sum_reencode_own"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencodeOwn));
     d["qcomm_qsgd_encode_chunks"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeChunks));
+    d["qcomm_qsgd_encode_differences"] =
+        nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeDifferences));
     d["qcomm_qsgd_decode_chunks"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeChunks));
     d["qcomm_qsgd_decode_sum_chunks"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumChunks));

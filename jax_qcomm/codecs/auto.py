@@ -160,6 +160,10 @@ class Auto(_Bucketed):
     codec = self.resolve(axis_size(axis_name), "reduce_scatter")
     return codec.reduce_scatter_leaves_marked(rows, axis_name, key, op, exchange)
 
+  def all_gather_differences(self, news, olds, index, axis_name, key):
+    codec = self.resolve(axis_size(axis_name), "all_gather")
+    return codec.all_gather_differences(news, olds, index, axis_name, key)
+
   def all_gather_leaves(self, parts, axis_name, key):
     return self.resolve(axis_size(axis_name), "all_gather").all_gather_leaves(parts, axis_name, key)
 

@@ -122,6 +122,11 @@ def _run_rows(chunks: jax.Array, runs: tuple[int, int]) -> jax.Array:
   return chunks if runs[0] == chunks.shape[0] else _rows_of(chunks)[None]
 
 
+def _shard_of(chunks: jax.Array, index: jax.Array) -> jax.Array:
+  """float[P, D, c] -> float[P * c]: shard ``index`` (a traced device index), its chunks in order."""
+  return lax.dynamic_index_in_dim(chunks, index, axis=1, keepdims=False).reshape(-1)
+
+
 def _concat_rows(payloads: Sequence[jax.Array]) -> jax.Array:
   """[wire[k, W_i]] -> wire[k, sum W_i]: the payloads of a buffer's leaves, one message per row."""
   return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=1)
@@ -534,6 +539,17 @@ class Codec(abc.ABC):
     blocks, lost = self.reduce_scatter_leaves(chunks, axis_name, key, op, exchange)
     return blocks, lost, nonfinite_mark(blocks)
 
+  def all_gather_differences(self, news: Sequence[jax.Array], olds: Sequence[jax.Array],
+                             index: jax.Array, axis_name: AxisName,
+                             key: jax.Array | None) -> list[jax.Array]:
+    """[float32[m_i]], [float32[P_i, D, c_i]] -> [float32[D, m_i]]: :meth:`all_gather_leaves` of
+    ``news[i]`` less shard ``index`` of ``olds[i]`` (``olds[i][:, index]``, ``P_i * c_i = m_i``):
+    what the sharded mode gathers, the new values of a device's shards less the current ones.
+    Default: the differences, then :meth:`all_gather_leaves`; a codec whose kernel reads both
+    where they lie overrides it (QSGD on CPU: no pass that writes the differences)."""
+    parts = [x - _shard_of(o, index) for x, o in zip(news, olds)]
+    return self.all_gather_leaves(parts, axis_name, key)
+
   def all_gather_leaves(self, parts: Sequence[jax.Array], axis_name: AxisName,
                         key: jax.Array | None) -> list[jax.Array]:
     """[float[m_i]] -> [float[D, m_i]]: :meth:`all_gather_flat` of :func:`concat_leaves` of the
@@ -616,15 +632,25 @@ class Codec(abc.ABC):
       blocks.append(block if scale == 1.0 else block * jnp.float32(scale))
     return blocks, nonfinite_mark(blocks)
 
-  def _all_gather_payloads(self, parts, axis_name, key):
+  def _all_gather_payloads(self, parts, axis_name, key, minus=None):
     """:meth:`all_gather_leaves` as a payload codec runs it: each part its own payload (a key per
     part), written into one message (:meth:`_encode_chunk_rows` of the parts as one device's
     single chunks), one all-gather, and each part's D rows decoded from it
-    (:meth:`_decode_chunk_rows`)."""
+    (:meth:`_decode_chunk_rows`). With ``minus = (olds, index)`` the parts less shard ``index``
+    of the olds' chunks (:meth:`all_gather_differences`; :meth:`_encode_chunk_differences`)."""
     flat = [x.astype(jnp.float32).reshape(1, 1, -1) for x in parts]
     runs = [(1, x.shape[2]) for x in flat]
-    message = self._encode_chunk_rows(flat, runs, 1, device_key(key, axis_name, 0), None)
+    k = device_key(key, axis_name, 0)
+    message = (self._encode_chunk_rows(flat, runs, 1, k, None) if minus is None
+               else self._encode_chunk_differences(flat, runs, *minus, k))
     return self._decode_chunk_rows(_exchange.gather(message[0], axis_name), runs)
+
+  def _encode_chunk_differences(self, flat, runs, olds, index, key) -> jax.Array:
+    """:meth:`_encode_chunk_rows` (one device: wire[1, W]) of ``flat[i]`` (float32[1, 1, m_i])
+    less shard ``index`` of ``olds[i]`` (float32[P_i, D, c_i], P_i * c_i = m_i). A codec whose
+    kernel reads both where they lie overrides it with the same bytes (QSGD on CPU)."""
+    diffs = [x - _shard_of(o, index).reshape(x.shape) for x, o in zip(flat, olds)]
+    return self._encode_chunk_rows(diffs, runs, 1, key, None)
 
   def traffic(self, n: int, devices: int,
               collective: str = "allreduce") -> tuple[tuple[str, float], ...]:

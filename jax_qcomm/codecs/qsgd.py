@@ -128,9 +128,7 @@ class QSGD(_Bucketed):
     composed = super()._encode_chunk_rows
     if self.needs_key and key is None:  # (the composition says what is wrong)
       return composed(chunks, runs, d, key, skip)
-    seeds = jnp.zeros((sum(r for r, _ in runs) * d, 2), jnp.uint32) if key is None else (
-        jnp.concatenate([jax.vmap(self._seed)(jax.random.split(jax.random.fold_in(key, i), r * d))
-                         for i, (r, _) in enumerate(runs)]))
+    seeds = self._chunk_seeds(runs, d, key)
     skip_ = jnp.int32(-1) if skip is None else jnp.asarray(skip, jnp.int32)
     kw = dict(devices=d, pre=[x.shape[0] for x in chunks], chunk=[x.shape[2] for x in chunks],
               rounding=self.rounding, **self._fmt)
@@ -163,6 +161,34 @@ class QSGD(_Bucketed):
 
   def all_gather_leaves(self, parts, axis_name, key):
     return self._all_gather_payloads(parts, axis_name, key)
+
+  def all_gather_differences(self, news, olds, index, axis_name, key):
+    return self._all_gather_payloads(news, axis_name, key, minus=(olds, index))
+
+  def _chunk_seeds(self, runs, d: int, key: jax.Array | None) -> jax.Array:
+    """uint32[payloads, 2]: leaf i's key ``fold_in(key, i)`` split over its ``runs * d``
+    payloads (zeros without a key), as :meth:`_encode_chunk_rows` keys them."""
+    if key is None:
+      return jnp.zeros((sum(r for r, _ in runs) * d, 2), jnp.uint32)
+    return jnp.concatenate([jax.vmap(self._seed)(jax.random.split(jax.random.fold_in(key, i), r * d))
+                            for i, (r, _) in enumerate(runs)])
+
+  def _encode_chunk_differences(self, flat, runs, olds, index, key):
+    """On CPU one kernel reads the new values and the current ones where they lie (the
+    differences are never written out); elsewhere the composition (the same bytes)."""
+    composed = super()._encode_chunk_differences
+    if self.needs_key and key is None:  # (the composition says what is wrong)
+      return composed(flat, runs, olds, index, key)
+    d = olds[0].shape[1]
+    kw = dict(devices=d, pre=[o.shape[0] for o in olds], chunk=[o.shape[2] for o in olds],
+              rounding=self.rounding, **self._fmt)
+    k = len(flat)
+    return self._select(
+        lambda s, i, *xs: _ffi.qsgd_encode_differences(
+            [x.reshape(-1) for x in xs[:k]], [o.reshape(-1) for o in xs[k:]], s, i, **kw),
+        lambda s, i, *xs: composed(list(xs[:k]), runs, list(xs[k:]), index, key),
+        self._chunk_seeds(runs, 1, key), jnp.asarray(index, jnp.int32), *flat, *olds,
+        only=("cpu",))
 
   # -- the allreduce of leaves, its first encode in place, its finite guard from the headers ------
   def allreduce_leaves(self, parts, axis_name, key, op="mean", exchange="auto"):
