@@ -613,26 +613,22 @@ auto QsgdChunksAttrs(B&& binding) {
       .template Attr<ffi::Span<const int64_t>>("chunk");
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeChunks, QsgdEncodeChunksImpl,
-                              QsgdChunksAttrs(ffi::Ffi::Bind()
-                                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                                  .RemainingArgs()
-                                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                                  .Attr<int32_t>("bits")
-                                                  .Attr<int32_t>("bucket_size")
-                                                  .Attr<int32_t>("scheme")
-                                                  .Attr<int32_t>("rounding")));
+// The two encodes on chunks: seed[payloads, 2] u32, an index s32[], the leaves -> the message u8.
+auto BindEncodeChunks() {
+  return QsgdChunksAttrs(ffi::Ffi::Bind()
+                             .Arg<ffi::Buffer<ffi::U32>>()
+                             .Arg<ffi::Buffer<ffi::S32>>()
+                             .RemainingArgs()
+                             .Ret<ffi::Buffer<ffi::U8>>()
+                             .Attr<int32_t>("bits")
+                             .Attr<int32_t>("bucket_size")
+                             .Attr<int32_t>("scheme")
+                             .Attr<int32_t>("rounding"));
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeChunks, QsgdEncodeChunksImpl, BindEncodeChunks());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeDifferences, QsgdEncodeDifferencesImpl,
-                              QsgdChunksAttrs(ffi::Ffi::Bind()
-                                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                                  .RemainingArgs()
-                                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                                  .Attr<int32_t>("bits")
-                                                  .Attr<int32_t>("bucket_size")
-                                                  .Attr<int32_t>("scheme")
-                                                  .Attr<int32_t>("rounding")));
+                              BindEncodeChunks());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeChunks, QsgdDecodeChunksImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U8>>()
