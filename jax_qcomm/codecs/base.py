@@ -132,12 +132,6 @@ def _concat_rows(payloads: Sequence[jax.Array]) -> jax.Array:
   return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=1)
 
 
-def _split_payloads(message: jax.Array, payloads: Sequence[jax.Array]) -> list[jax.Array]:
-  """The inverse of :func:`_concat_rows` on a received ``wire[k, sum W_i]``: one ``wire[k, W_i]``
-  per leaf."""
-  return split_leaves(message, [p.shape[1] for p in payloads], 1)
-
-
 def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat) -> tuple:
   """``reduce_flat(buffer) -> (out, residual, *more)`` on :func:`concat_leaves` of ``parts``:
   ``(outs, residuals, *more)``, out and residual split per leaf again and anything more (a
@@ -214,7 +208,8 @@ class Codec(abc.ABC):
     :meth:`traffic` (together), :meth:`comm_buffer_size`, :meth:`resolve`; the sharded
     collectives on the leaves' own memory instead of a packed copy -- :meth:`reduce_scatter_leaves`,
     :meth:`all_gather_leaves` (same bytes; a payload codec calls :meth:`_reduce_scatter_payloads`,
-    :meth:`_all_gather_payloads`); a cheaper finite
+    :meth:`_all_gather_payloads`), :meth:`reduce_scatter_leaves_marked` and
+    :meth:`all_gather_differences` (a kernel's mark; differences read where they lie); a cheaper finite
     guard -- :meth:`allreduce_leaves_marked` (and :meth:`mark_traffic`); where a reduction needs
     each leaf's shape or state carried between calls -- :meth:`init_state`,
     :meth:`allreduce_leaves_with_state`, :meth:`leaves_traffic`, :meth:`leaf_payload_size`.
@@ -287,9 +282,15 @@ class Codec(abc.ABC):
     it, its shard, is ``chunks[i][:, j]`` in order. The bytes are those of the packed rows (each
     leaf padded to whole buckets; ``traffic`` of their length). The defaults build that buffer
     and call the flat collective; a codec whose flat collective is the payload exchange above
-    encodes each leaf's chunks where they lie and sends the payloads of a buffer in one message
-    (:meth:`_reduce_scatter_payloads`, :meth:`_all_gather_payloads`: :class:`QSGD`);
+    sends each shard as :func:`jax_qcomm.wire.chunk_runs` payloads and a buffer's payloads in one
+    message (:meth:`_reduce_scatter_payloads`, :meth:`_all_gather_payloads`: :class:`QSGD`,
+    whose kernels read and write the chunks where they lie through :meth:`_encode_chunk_rows`,
+    :meth:`_reduce_chunk_rows`, :meth:`_decode_chunk_rows` and :meth:`_encode_chunk_differences`);
     :class:`NoCompression` where messages cost no latency scatters a list of the chunks.
+    ``reduce_scatter_leaves_marked`` adds the blocks' :func:`nonfinite_mark` (this device's;
+    default one pass over them) and ``all_gather_differences(news, olds, index, axis_name, key)``
+    gathers ``news[i]`` less shard ``index`` of the chunks ``olds[i]``: the two the sharded
+    ``sync`` calls.
   * ``traffic(n, devices, collective="allreduce") -> ((xla_collective, bytes), ...)``: the bytes
     each device sends for each XLA collective of one such call on a buffer of ``n`` elements, in
     the ring convention of nccl-tests (all-reduce ``2 (D-1)/D`` of its buffer, all-gather and
