@@ -276,8 +276,8 @@ def qsgd_encode_differences(news, olds, seeds: jax.Array, shard: jax.Array, *, d
   if len(news) != len(olds):
     raise ValueError(f"news and olds must have one entry per leaf, got {len(news)} and "
                      f"{len(olds)}")
-  size = sum(wire.qsgd_payload_bytes(int(p) * int(c), bits, bucket_size, scheme)
-             for p, c in zip(pre, chunk))
+  size = qsgd_chunks_row_bytes([1] * len(pre), [int(p) * int(c) for p, c in zip(pre, chunk)],
+                               bits=bits, bucket_size=bucket_size, scheme=scheme)
   return _call_leaves("qcomm_qsgd_encode_differences",
                       jax.ShapeDtypeStruct((1, size), jnp.uint8), seeds, shard, *news, *olds,
                       **_attrs(bits, bucket_size, scheme, rounding,

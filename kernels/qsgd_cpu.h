@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "qsgd_math.h"
+
 namespace qcomm::cpu {
 
 struct Params {
@@ -105,6 +107,18 @@ struct Chunks {
     return pre[i] > 1 && chunk[i] % bucket != 0 ? 1 : pre[i];
   }
   int64_t n(int64_t i) const { return pre[i] * chunk[i] / runs(i); }
+  // Payloads in one row of the message (every leaf's shard j): seeds hold 2 words for each.
+  int64_t payloads() const {
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; ++i) total += runs(i);
+    return total;
+  }
+  // Bytes of one row of the message.
+  int64_t row_bytes(int32_t bits, int32_t scheme) const {
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; ++i) total += runs(i) * payload_bytes(n(i), bucket, bits, scheme);
+    return total;
+  }
 };
 // message[devices, W] = the payloads of every leaf's shard j in row j (leaf by leaf, run by run),
 // payload (i, r, j) the encode of run r of shard j of leaf i with seed seeds + 2 * (s_i + r *
@@ -122,12 +136,12 @@ void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shar
 // as encode_chunks lays a row) -> out[i] (pre[i] * chunk[i] values): the sum over s, in order, of
 // the decodes of row s, times scale, but term `slot` (-1: none) shard `slot` of `own`, exact.
 // *mark = 0 if every value written is finite, else NaN.
+void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
+                       const Params& p, float* const* out, float* mark);
 // message[rows, W] (each row laid out as encode_chunks lays one; x.devices == 1, x.data unread)
 // -> out[i] (rows * pre[i] * chunk[i] values): row s's decodes of leaf i at s * pre[i] * chunk[i].
 void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,
                    float* const* out);
-void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
-                       const Params& p, float* const* out, float* mark);
 
 // Name of the instruction set the kernels run ("avx512", "avx2" or "generic").
 const char* isa();

@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "qsgd_cpu.h"
 #include "qsgd_math.h"
@@ -365,14 +366,6 @@ void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, i
 
 // ---- the chunks of a sharded reduce-scatter (qsgd_cpu.h, Chunks) ----------------------------------
 
-// Bytes of one row of the message that encode_chunks writes: every leaf's payloads of one shard.
-inline int64_t chunks_row_bytes(const qcomm::cpu::Chunks& x, int64_t bits, int64_t scheme) {
-  int64_t bytes = 0;
-  for (int64_t i = 0; i < x.count; ++i)
-    bytes += x.runs(i) * qcomm::payload_bytes(x.n(i), x.bucket, bits, scheme);
-  return bytes;
-}
-
 // The values [u, u + valid) of shard j of leaf i in a bucket of B (valid <= B): a pointer into the
 // leaf where they fill the bucket inside one chunk (the next values prefetched); otherwise `pad`
 // holding them, gathered from the chunks they span, and after them the padding of a last, partial
@@ -406,7 +399,7 @@ void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* 
   const int64_t B = p.bucket, D = x.devices;
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
-  const int64_t row_bytes = chunks_row_bytes(x, BITS, SCHEME);
+  const int64_t row_bytes = x.row_bytes(BITS, SCHEME);
   const bool stochastic = p.rounding == qcomm::kStochastic;
   BucketScratch<uint8_t> codes(B);
   BucketScratch<float> pad(B);
@@ -445,35 +438,10 @@ void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* 
 }
 
 template <int BITS, int SCHEME>
-void decode_chunks_t(const uint8_t* message, int64_t rows, const qcomm::cpu::Chunks& x,
-                     const qcomm::cpu::Params& p, float* const* out) {
-  const int64_t B = p.bucket;
-  BucketScratch<float> tail(B);
-  BucketScratch<uint8_t> codes(B);
-  const uint8_t* payload = message;  // rows lie end to end
-  for (int64_t s = 0; s < rows; ++s) {
-    for (int64_t i = 0; i < x.count; ++i) {
-      const int64_t runs = x.runs(i), n = x.n(i), nb = qcomm::num_buckets(n, B);
-      float* row = out[i] + s * runs * n;
-      for (int64_t r = 0; r < runs; ++r) {
-        for (int64_t b = 0; b < nb; ++b) {
-          const int64_t start = b * B, valid = std::min<int64_t>(B, n - start);
-          float* dst = row + r * n + start;
-          float* __restrict ob = valid == B ? dst : tail.data;
-          decode_sum_bucket<BITS, SCHEME>(payload, 1, 0, nb, b, B, codes.data, ob);
-          if (valid < B) std::copy(ob, ob + valid, dst);
-        }
-        payload += qcomm::payload_bytes(n, B, BITS, SCHEME);
-      }
-    }
-  }
-}
-
-template <int BITS, int SCHEME>
 void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu::Chunks& own,
                          float scale, const qcomm::cpu::Params& p, float* const* out, float* mark) {
   const int64_t B = p.bucket, D = own.devices;
-  const int64_t row_bytes = chunks_row_bytes(own, BITS, SCHEME);
+  const int64_t row_bytes = own.row_bytes(BITS, SCHEME);
   BucketScratch<float> tail(B);
   BucketScratch<float> pad(B);
   BucketScratch<uint8_t> codes(B);
@@ -502,6 +470,20 @@ void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu
     }
   }
   *mark = nonfinite ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+}
+
+// Each row on its own: decode_sum_chunks_t of one payload per value (x.devices == 1, no own term),
+// written at row s of each leaf's result.
+template <int BITS, int SCHEME>
+void decode_chunks_t(const uint8_t* message, int64_t rows, const qcomm::cpu::Chunks& x,
+                     const qcomm::cpu::Params& p, float* const* out) {
+  const int64_t row_bytes = x.row_bytes(BITS, SCHEME);
+  std::vector<float*> row(x.count);
+  float mark = 0.0f;
+  for (int64_t s = 0; s < rows; ++s) {
+    for (int64_t i = 0; i < x.count; ++i) row[i] = out[i] + s * x.pre[i] * x.chunk[i];
+    decode_sum_chunks_t<BITS, SCHEME>(message + s * row_bytes, -1, x, 1.0f, p, row.data(), &mark);
+  }
 }
 
 template <template <int, int> class F, typename... Args>

@@ -280,7 +280,8 @@ ffi::Error QsgdDecodeSumReencodeOwnImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buff
 
 // ---- QSGD on the chunks of a sharded reduce-scatter (kernels/qsgd_cpu.h, Chunks) ----------------
 
-// The chunks that `leaves` hold (leaf i: devices * pre[i] * chunk[i] float32 values), checked.
+// The chunks that leaves[first + i] hold (leaf i: devices * pre[i] * chunk[i] float32 values),
+// checked.
 struct ChunkList {
   std::vector<const float*> data;
   qcomm::cpu::Chunks chunks;
@@ -288,13 +289,13 @@ struct ChunkList {
 
 ffi::Error InputChunks(const common::Params& p, int64_t devices, ffi::Span<const int64_t> pre,
                        ffi::Span<const int64_t> chunk, const ffi::RemainingArgs& leaves,
-                       ChunkList* out) {
+                       size_t first, ChunkList* out) {
   if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
   if (devices < 1) return ffi::Error::InvalidArgument("devices must be >= 1");
-  if (pre.size() != leaves.size() || chunk.size() != leaves.size())
+  if (chunk.size() != pre.size() || first + pre.size() > leaves.size())
     return ffi::Error::InvalidArgument("pre and chunk must have one entry per leaf");
-  for (size_t i = 0; i < leaves.size(); ++i) {
-    ffi::ErrorOr<ffi::Buffer<ffi::F32>> leaf = leaves.get<ffi::Buffer<ffi::F32>>(i);
+  for (size_t i = 0; i < pre.size(); ++i) {
+    ffi::ErrorOr<ffi::Buffer<ffi::F32>> leaf = leaves.get<ffi::Buffer<ffi::F32>>(first + i);
     if (leaf.has_error()) return leaf.error();
     if (pre[i] < 1 || chunk[i] < 1 ||
         static_cast<int64_t>(leaf->element_count()) != devices * pre[i] * chunk[i])
@@ -302,19 +303,24 @@ ffi::Error InputChunks(const common::Params& p, int64_t devices, ffi::Span<const
     out->data.push_back(leaf->typed_data());
   }
   out->chunks = qcomm::cpu::Chunks{out->data.data(), pre.begin(), chunk.begin(),
-                                   static_cast<int64_t>(leaves.size()), devices, p.bucket};
+                                   static_cast<int64_t>(pre.size()), devices, p.bucket};
   return ffi::Error::Success();
 }
 
-// Bytes of one row of the chunks' message; the payloads of one row (seeds: 2 words each).
-int64_t ChunksRowBytes(const qcomm::cpu::Chunks& x, const common::Params& p, int64_t* payloads) {
-  int64_t bytes = 0;
-  *payloads = 0;
-  for (int64_t i = 0; i < x.count; ++i) {
-    bytes += x.runs(i) * qcomm::payload_bytes(x.n(i), p.bucket, p.bits, p.scheme);
-    *payloads += x.runs(i);
+// The float32 results `out` (result i: rows * pre[i] * chunk[i] values), checked, into `parts`.
+ffi::Error ResultParts(const ffi::RemainingRets& out, int64_t rows, ffi::Span<const int64_t> pre,
+                       ffi::Span<const int64_t> chunk, std::vector<float*>* parts) {
+  if (pre.size() != out.size() || chunk.size() != out.size())
+    return ffi::Error::InvalidArgument("pre and chunk must have one entry per result");
+  for (size_t i = 0; i < out.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::F32>>> part = out.get<ffi::Buffer<ffi::F32>>(i);
+    if (part.has_error()) return part.error();
+    if (pre[i] < 1 || chunk[i] < 1 ||
+        static_cast<int64_t>((*part)->element_count()) != rows * pre[i] * chunk[i])
+      return ffi::Error::InvalidArgument("result i must hold rows * pre[i] * chunk[i] values");
+    parts->push_back((*part)->typed_data());
   }
-  return bytes;
+  return ffi::Error::Success();
 }
 
 // seed[payloads, 2] u32, skip[] s32, leaves... f32 -> message[devices, W] u8: every leaf's
@@ -326,13 +332,13 @@ ffi::Error QsgdEncodeChunksImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32
                                 ffi::Span<const int64_t> chunk) {
   const common::Params p{bits, bucket_size, scheme, rounding};
   ChunkList x;
-  if (ffi::Error e = InputChunks(p, devices, pre, chunk, leaves, &x); e.failure()) return e;
-  int64_t per_row = 0;
-  const int64_t row_bytes = ChunksRowBytes(x.chunks, p, &per_row);
+  if (leaves.size() != pre.size())
+    return ffi::Error::InvalidArgument("pre and chunk must have one entry per leaf");
+  if (ffi::Error e = InputChunks(p, devices, pre, chunk, leaves, 0, &x); e.failure()) return e;
   const auto dims = message->dimensions();
-  if (dims.size() != 2 || dims[0] != devices || dims[1] != row_bytes)
+  if (dims.size() != 2 || dims[0] != devices || dims[1] != x.chunks.row_bytes(bits, scheme))
     return ffi::Error::InvalidArgument("the message must be [devices, the payloads' bytes]");
-  if (static_cast<int64_t>(seed.element_count()) != 2 * per_row * devices)
+  if (static_cast<int64_t>(seed.element_count()) != 2 * x.chunks.payloads() * devices)
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per payload");
   ffi::ErrorOr<int64_t> skipped = ScalarIndex(skip, "skip");
   if (skipped.has_error()) return skipped.error();
@@ -352,41 +358,28 @@ ffi::Error QsgdEncodeDifferencesImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi
                                      int32_t rounding, int64_t devices, ffi::Span<const int64_t> pre,
                                      ffi::Span<const int64_t> chunk) {
   const common::Params p{bits, bucket_size, scheme, rounding};
-  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
   const size_t n = pre.size();
-  if (chunk.size() != n || leaves.size() != 2 * n)
+  if (leaves.size() != 2 * n)
     return ffi::Error::InvalidArgument(
         "pre and chunk must have one entry per leaf, and the operands a new and an old per leaf");
-  std::vector<const float*> news, olds;
-  std::vector<int64_t> ones(n, 1), sizes(n);
-  for (size_t i = 0; i < n; ++i) {
-    ffi::ErrorOr<ffi::Buffer<ffi::F32>> x = leaves.get<ffi::Buffer<ffi::F32>>(i);
-    ffi::ErrorOr<ffi::Buffer<ffi::F32>> y = leaves.get<ffi::Buffer<ffi::F32>>(n + i);
-    if (x.has_error()) return x.error();
-    if (y.has_error()) return y.error();
-    sizes[i] = pre[i] * chunk[i];
-    if (pre[i] < 1 || chunk[i] < 1 || static_cast<int64_t>(x->element_count()) != sizes[i] ||
-        static_cast<int64_t>(y->element_count()) != devices * sizes[i])
-      return ffi::Error::InvalidArgument(
-          "new i must hold pre[i] * chunk[i] values and old i devices times as many");
-    news.push_back(x->typed_data());
-    olds.push_back(y->typed_data());
-  }
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
   if (devices < 1) return ffi::Error::InvalidArgument("devices must be >= 1");
-  const qcomm::cpu::Chunks x{news.data(), ones.data(), sizes.data(), static_cast<int64_t>(n), 1,
-                             bucket_size};
-  const qcomm::cpu::Chunks old{olds.data(), pre.begin(), chunk.begin(), static_cast<int64_t>(n),
-                               devices, bucket_size};
-  int64_t payloads = 0;
-  const int64_t row_bytes = ChunksRowBytes(x, p, &payloads);
-  if (message->element_count() != static_cast<size_t>(row_bytes))
+  // leaves[:n] the news (one device's single chunk each), leaves[n:] the olds' chunks.
+  std::vector<int64_t> ones(n, 1), sizes(n);
+  for (size_t i = 0; i < n; ++i) sizes[i] = pre[i] * chunk[i];
+  ChunkList x, old;
+  if (InputChunks(p, 1, ones, sizes, leaves, 0, &x).failure() ||
+      InputChunks(p, devices, pre, chunk, leaves, n, &old).failure())
+    return ffi::Error::InvalidArgument(
+        "new i must hold pre[i] * chunk[i] values and old i devices times as many");
+  if (message->element_count() != static_cast<size_t>(x.chunks.row_bytes(bits, scheme)))
     return ffi::Error::InvalidArgument("the message must be [1, the payloads' bytes]");
-  if (static_cast<int64_t>(seed.element_count()) != 2 * payloads)
+  if (static_cast<int64_t>(seed.element_count()) != 2 * x.chunks.payloads())
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per payload");
   ffi::ErrorOr<int64_t> s = ScalarIndex(shard, "shard");
   if (s.has_error()) return s.error();
   if (*s < 0 || *s >= devices) return ffi::Error::InvalidArgument("shard must be a device index");
-  qcomm::cpu::encode_chunk_differences(x, old, *s, seed.typed_data(), CpuParams(p),
+  qcomm::cpu::encode_chunk_differences(x.chunks, old.chunks, *s, seed.typed_data(), CpuParams(p),
                                        message->typed_data());
   return ffi::Error::Success();
 }
@@ -398,24 +391,14 @@ ffi::Error QsgdDecodeChunksImpl(ffi::Buffer<ffi::U8> message, ffi::RemainingRets
                                 ffi::Span<const int64_t> chunk) {
   const common::Params p{bits, bucket_size, scheme, qcomm::kNearest};
   if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
-  if (pre.size() != out.size() || chunk.size() != out.size())
-    return ffi::Error::InvalidArgument("pre and chunk must have one entry per result");
   const auto dims = message.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("the message must be [rows, W]");
   const int64_t rows = dims[0];
   std::vector<float*> parts;
-  for (size_t i = 0; i < out.size(); ++i) {
-    ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::F32>>> part = out.get<ffi::Buffer<ffi::F32>>(i);
-    if (part.has_error()) return part.error();
-    if (pre[i] < 1 || chunk[i] < 1 ||
-        static_cast<int64_t>((*part)->element_count()) != rows * pre[i] * chunk[i])
-      return ffi::Error::InvalidArgument("result i must hold rows * pre[i] * chunk[i] values");
-    parts.push_back((*part)->typed_data());
-  }
+  if (ffi::Error e = ResultParts(out, rows, pre, chunk, &parts); e.failure()) return e;
   const qcomm::cpu::Chunks x{nullptr, pre.begin(), chunk.begin(), static_cast<int64_t>(out.size()),
                              1, bucket_size};
-  int64_t per_row = 0;
-  if (dims[1] != ChunksRowBytes(x, p, &per_row))
+  if (dims[1] != x.row_bytes(bits, scheme))
     return ffi::Error::InvalidArgument("the message must be [rows, the payloads' bytes]");
   qcomm::cpu::decode_chunks(message.typed_data(), rows, x, CpuParams(p), parts.data());
   return ffi::Error::Success();
@@ -431,22 +414,16 @@ ffi::Error QsgdDecodeSumChunksImpl(ffi::Buffer<ffi::U8> received, ffi::Buffer<ff
                                    ffi::Span<const int64_t> chunk, float scale) {
   const common::Params p{bits, bucket_size, scheme, qcomm::kNearest};
   ChunkList own;
-  if (ffi::Error e = InputChunks(p, devices, pre, chunk, leaves, &own); e.failure()) return e;
-  int64_t per_row = 0;
-  const int64_t row_bytes = ChunksRowBytes(own.chunks, p, &per_row);
+  if (leaves.size() != pre.size())
+    return ffi::Error::InvalidArgument("pre and chunk must have one entry per leaf");
+  if (ffi::Error e = InputChunks(p, devices, pre, chunk, leaves, 0, &own); e.failure()) return e;
   const auto dims = received.dimensions();
-  if (dims.size() != 2 || dims[0] != devices || dims[1] != row_bytes)
+  if (dims.size() != 2 || dims[0] != devices || dims[1] != own.chunks.row_bytes(bits, scheme))
     return ffi::Error::InvalidArgument("received must be [devices, the payloads' bytes]");
   if (mark->element_count() != 1 || out.size() != leaves.size())
     return ffi::Error::InvalidArgument("the results must be the mark and one shard per leaf");
   std::vector<float*> shards;
-  for (size_t i = 0; i < out.size(); ++i) {
-    ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::F32>>> shard = out.get<ffi::Buffer<ffi::F32>>(i);
-    if (shard.has_error()) return shard.error();
-    if (static_cast<int64_t>((*shard)->element_count()) != pre[i] * chunk[i])
-      return ffi::Error::InvalidArgument("result i must hold pre[i] * chunk[i] values");
-    shards.push_back((*shard)->typed_data());
-  }
+  if (ffi::Error e = ResultParts(out, 1, pre, chunk, &shards); e.failure()) return e;
   ffi::ErrorOr<int64_t> s = ScalarIndex(slot, "slot");
   if (s.has_error()) return s.error();
   if (*s < -1 || *s >= devices) return ffi::Error::InvalidArgument("slot must be -1 or a device index");
