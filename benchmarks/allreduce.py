@@ -121,7 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "exact mean")
   parser.add_argument("--sync", action="store_true",
                       help="with --tree: also time qcomm.sync(optax.sgd(0.1), codec=...)'s update "
-                           "and apply of the same gradients (what a user calls), in the same run")
+                           "and apply of the same gradients (what a user calls), and the update alone, in "
+                           "the same run")
   parser.add_argument("--comm-bucket", type=_common.parse_size, default=None, metavar="N",
                       help="with --tree: most float32 elements per communication buffer (default: "
                            "each codec's own comm_buffer_size)")
@@ -386,10 +387,11 @@ def format_tree(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             "" if fp32 is None else f"{fp32 / r['median_s']:.2f}x", f"{r['rel_error']:.3g}"]
            for r in rows]
   if rows and "sync_median_s" in rows[0]:  # --sync: what the user calls, same rounds
-    headers += ["sync ms", "sync/allreduce", "sync-local ms", "(sync-local)/allreduce",
-                "sync rel. error"]
+    headers += ["update ms", "update/allreduce", "sync ms", "sync/allreduce", "sync-local ms",
+                "(sync-local)/allreduce", "sync rel. error"]
     for line, r in zip(table, rows):
-      line += [f"{1e3 * r['sync_median_s']:.1f}", f"{r['sync_over_allreduce']:.3f}x",
+      line += [f"{1e3 * r['update_median_s']:.1f}", f"{r['update_over_allreduce']:.3f}x",
+               f"{1e3 * r['sync_median_s']:.1f}", f"{r['sync_over_allreduce']:.3f}x",
                f"{1e3 * r['sync_comm_median_s']:.1f}", f"{r['sync_comm_over_allreduce']:.3f}x",
                f"{r['sync_rel_error']:.3g}"]
   return "\n".join([f"ResNet50 parameter pytree (161 leaves), {rows[0]['devices'] if rows else 0} "
@@ -485,7 +487,8 @@ def bench_tree(mesh, names: Sequence[str], *, bucket: int, impl: str, repeats: i
   median of the per-round ratios); and, in the same rounds, the step without communication
   (``optax.sgd(0.1)``'s update and apply on the device's own gradient), ``local_step_median_s``,
   with ``sync_comm_median_s`` the median of sync - local per round: what communicating adds to a
-  step, as the torch peer reports DDP's backward minus the plain one."""
+  step, as the torch peer reports DDP's backward minus the plain one; and, in the same rounds,
+  the sync's update alone (no apply), ``update_median_s`` and ``update_over_allreduce``."""
   from benchmarks import sharded  # noqa: PLC0415  (flax: only the tree payload needs it)
   from jax_qcomm.tools import efficiency  # noqa: PLC0415
 
@@ -571,6 +574,13 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
   # the old error-feedback residual before overwriting it (docs/benchmarks.md).
   step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), spec, P()),
                                out_specs=(P(), spec)))
+
+  def update_only(g, s, p):  # the sync's update alone, what the bare allreduce is held to
+    updates, _ = tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s, p)
+    return jax.tree_util.tree_map(lambda u: u[None], updates)
+
+  update = jax.jit(jax.shard_map(update_only, mesh=mesh, in_specs=(P("data"), spec, P()),
+                                 out_specs=P("data")))
   # The same step without communication (the plain optimizer on this device's own gradient): what
   # a step costs anyway, subtracted as the torch peer subtracts the backward without DDP.
   plain = optax.sgd(0.1)
@@ -585,7 +595,8 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
   for _ in range(warmup):
     params, state = jax.block_until_ready(step(grads, state, params))
     jax.block_until_ready(local_step(grads, local_state, params))
-  sync_times, ar_times, local_times = [], [], []
+    jax.block_until_ready(update(grads, state, params))
+  sync_times, ar_times, local_times, update_times = [], [], [], []
   with _common.gc_paused():
     for _ in range(repeats):  # one call of each per round: a change of load hits all alike
       t0 = time.perf_counter()
@@ -595,13 +606,17 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
       t2 = time.perf_counter()
       jax.block_until_ready(local_step(grads, local_state, params))
       t3 = time.perf_counter()
+      jax.block_until_ready(update(grads, state, params))
+      t4 = time.perf_counter()
       sync_times.append(t1 - t0)
       ar_times.append(t2 - t1)
       local_times.append(t3 - t2)
+      update_times.append(t4 - t3)
   # Across processes: round i takes the slowest process's time of round i.
   sync_times = list(_common.collective_timing(_common.Timing(tuple(sync_times))).times)
   ar_times = list(_common.collective_timing(_common.Timing(tuple(ar_times))).times)
   local_times = list(_common.collective_timing(_common.Timing(tuple(local_times))).times)
+  update_times = list(_common.collective_timing(_common.Timing(tuple(update_times))).times)
   ratios = [a / b for a, b in zip(sync_times, ar_times)]
   comm = [a - b for a, b in zip(sync_times, local_times)]
 
@@ -616,6 +631,9 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
               sync_allreduce_times_s=ar_times, sync_over_allreduce=statistics.median(ratios),
               local_step_times_s=local_times, local_step_median_s=statistics.median(local_times),
               sync_comm_median_s=statistics.median(comm),
+              update_times_s=update_times, update_median_s=statistics.median(update_times),
+              update_over_allreduce=statistics.median(
+                  [u / a for u, a in zip(update_times, ar_times)]),
               sync_comm_over_allreduce=statistics.median([c / a for c, a in zip(comm, ar_times)]),
               sync_rel_error=err, sync_calls_before_error=warmup + repeats)
 

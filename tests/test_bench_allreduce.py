@@ -123,6 +123,9 @@ def test_tree_mode_counts_describes_bytes_and_the_error(tmp_path):
     # the step without communication, in the same rounds, and sync minus it per round
     assert len(r["local_step_times_s"]) == 1 and _positive_finite(r["local_step_median_s"])
     assert r["sync_comm_median_s"] == r["sync_times_s"][0] - r["local_step_times_s"][0]
+    # the update alone (no apply), in the same rounds, held to the bare allreduce
+    assert len(r["update_times_s"]) == 1
+    assert r["update_over_allreduce"] == r["update_times_s"][0] / r["sync_allreduce_times_s"][0]
   assert rows["fp32"]["rel_error"] == 0 and rows["auto4"]["runs"] == "QSGD 4b/128 maxmin"
   assert 0.05 < rows["auto4"]["rel_error"] < 0.5
   shapes = sharded.payload("resnet50")

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_qcomm import _ffi, _reference, wire
@@ -170,8 +171,23 @@ class QSGD(_Bucketed):
     payloads (zeros without a key), as :meth:`_encode_chunk_rows` keys them."""
     if key is None:
       return jnp.zeros((sum(r for r, _ in runs) * d, 2), jnp.uint32)
-    return jnp.concatenate([jax.vmap(self._seed)(jax.random.split(jax.random.fold_in(key, i), r * d))
-                            for i, (r, _) in enumerate(runs)])
+    # One batched derivation per distinct payload count, not one per leaf: a model's hundreds of
+    # leaves would otherwise each lower to their own small threefry ops.
+    counts = [r * d for r, _ in runs]
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(counts):
+      groups.setdefault(n, []).append(i)
+    seeds, start, offset = [], {}, 0
+    for n, leaves in groups.items():
+      keys = jax.vmap(lambda i, n=n: jax.random.split(jax.random.fold_in(key, i), n))(
+          jnp.asarray(leaves, jnp.uint32))
+      seeds.append(jax.vmap(self._seed)(keys.reshape(-1)))
+      for i in leaves:
+        start[i], offset = offset, offset + n
+    seeds = jnp.concatenate(seeds)
+    if len(groups) == 1:  # already in leaf order
+      return seeds
+    return seeds[np.concatenate([np.arange(start[i], start[i] + n) for i, n in enumerate(counts)])]
 
   def _encode_chunk_differences(self, flat, runs, olds, index, key):
     """On CPU one kernel reads the new values and the current ones where they lie (the

@@ -1,0 +1,33 @@
+"""The table of `sync`'s update against the bare allreduce in docs/benchmarks.md, from the runs in
+this folder: per codec the median over the runs of each run's median, with the lowest and highest,
+and the median over the runs of each run's median per-round ratio.
+
+    python notebooks/data/sync_update_2n_1gbit_20261128/summarise.py 1 2 3
+"""
+import json
+import pathlib
+import statistics
+import sys
+
+HERE = pathlib.Path(__file__).parent
+runs = sys.argv[1:] or ["1", "2", "3"]
+jax = [{r["codec"]: r for r in json.load(open(HERE / f"jax_{i}.json"))["rows"]} for i in runs]
+
+
+def cell(key, codec):
+  values = [1e3 * j[codec][key] for j in jax]
+  return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def ratio(key, codec):
+  values = [j[codec][key] for j in jax]
+  return f"{statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})"
+
+
+print("| codec | allreduce ms | update ms | update / allreduce | update + apply ms "
+      "| (update + apply) / allreduce |")
+print("|---|--:|--:|--:|--:|--:|")
+for codec in jax[0]:
+  print(f"| {codec} ({jax[0][codec]['runs']}) | {cell('median_s', codec)} | "
+        f"{cell('update_median_s', codec)} | {ratio('update_over_allreduce', codec)} | "
+        f"{cell('sync_median_s', codec)} | {ratio('sync_over_allreduce', codec)} |")
