@@ -184,3 +184,18 @@ def test_chunk_kernels_reject_bad_sizes():
   with pytest.raises(Exception, match=r"the message must be \[rows, the payloads' bytes\]"):
     jax.block_until_ready(_ffi.qsgd_decode_chunks(message, pre=[2], chunk=[8], **kw))
   assert _ffi.qsgd_decode_chunks(message, pre=[3], chunk=[8], **kw)[0].shape == (2, 24)
+
+
+@pytest.mark.parametrize("d", [1, 3])
+def test_chunk_seeds_key_each_leaf_as_the_composition(d):
+  """The seeds, derived in one batch per distinct payload count, are the composition's: leaf i's
+  key fold_in(key, i) split over its runs * D payloads, in leaf order (counts interleaved)."""
+  codec = qcomm.QSGD(4)
+  runs = [(9, 64), (1, 128), (9, 8), (2, 256), (1, 1), (4, 32)]
+  key = jax.random.key(5)
+  want = np.concatenate([np.asarray(jax.vmap(codec._seed)(
+      jax.random.split(jax.random.fold_in(key, i), r * d))) for i, (r, _) in enumerate(runs)])
+  got = np.asarray(codec._chunk_seeds(runs, d, key))
+  assert got.shape == (sum(r for r, _ in runs) * d, 2) and got.dtype == np.uint32
+  np.testing.assert_array_equal(got, want)
+  assert len(np.unique(got, axis=0)) == len(got)  # every payload its own seed
