@@ -437,6 +437,8 @@ void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* 
   }
 }
 
+// The reduced shards of every leaf from the D received rows (row `slot`: this device's own values,
+// read where they lie); with `mark`, 0 or NaN as the results are all finite or not (nullptr: none).
 template <int BITS, int SCHEME>
 void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu::Chunks& own,
                          float scale, const qcomm::cpu::Params& p, float* const* out, float* mark) {
@@ -461,15 +463,17 @@ void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu
         if (scale != 1.0f) {
           for (int64_t k = 0; k < valid; ++k) ob[k] *= scale;
         }
-        for (int64_t k = 0; k < valid; ++k) {
-          nonfinite |= static_cast<uint32_t>((qcomm::float_bits(ob[k]) & 0x7F800000u) == 0x7F800000u);
+        if (mark != nullptr) {
+          for (int64_t k = 0; k < valid; ++k) {
+            nonfinite |= static_cast<uint32_t>((qcomm::float_bits(ob[k]) & 0x7F800000u) == 0x7F800000u);
+          }
         }
         if (valid < B) std::copy(ob, ob + valid, dst);
       }
       payloads += qcomm::payload_bytes(n, B, BITS, SCHEME);
     }
   }
-  *mark = nonfinite ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+  if (mark != nullptr) *mark = nonfinite ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
 }
 
 // Each row on its own: decode_sum_chunks_t of one payload per value (x.devices == 1, no own term),
@@ -479,10 +483,9 @@ void decode_chunks_t(const uint8_t* message, int64_t rows, const qcomm::cpu::Chu
                      const qcomm::cpu::Params& p, float* const* out) {
   const int64_t row_bytes = x.row_bytes(BITS, SCHEME);
   std::vector<float*> row(x.count);
-  float mark = 0.0f;
   for (int64_t s = 0; s < rows; ++s) {
     for (int64_t i = 0; i < x.count; ++i) row[i] = out[i] + s * x.pre[i] * x.chunk[i];
-    decode_sum_chunks_t<BITS, SCHEME>(message + s * row_bytes, -1, x, 1.0f, p, row.data(), &mark);
+    decode_sum_chunks_t<BITS, SCHEME>(message + s * row_bytes, -1, x, 1.0f, p, row.data(), nullptr);
   }
 }
 
