@@ -121,8 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "exact mean")
   parser.add_argument("--sync", action="store_true",
                       help="with --tree: also time qcomm.sync(optax.sgd(0.1), codec=...)'s update "
-                           "and apply of the same gradients (what a user calls), and the update alone, in "
-                           "the same run")
+                           "and apply of the same gradients (what a user calls), and the update "
+                           "alone, in the same run")
   parser.add_argument("--comm-bucket", type=_common.parse_size, default=None, metavar="N",
                       help="with --tree: most float32 elements per communication buffer (default: "
                            "each codec's own comm_buffer_size)")

@@ -465,7 +465,8 @@ void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu
         }
         if (mark != nullptr) {
           for (int64_t k = 0; k < valid; ++k) {
-            nonfinite |= static_cast<uint32_t>((qcomm::float_bits(ob[k]) & 0x7F800000u) == 0x7F800000u);
+            const uint32_t exponent = qcomm::float_bits(ob[k]) & 0x7F800000u;
+            nonfinite |= static_cast<uint32_t>(exponent == 0x7F800000u);
           }
         }
         if (valid < B) std::copy(ob, ob + valid, dst);
