@@ -249,10 +249,11 @@ class Cycler:
 
 def time_interleaved(cyclers: dict[str, Cycler], *, repeats: int,
                      warmup: int) -> dict[str, _common.Timing]:
-  """Times the cyclers in rounds: every round runs one cycle of each (the order rotating from round
-  to round), so that a change of machine load hits all of them alike and ``Tstep - Ts`` compares
-  neighbouring cycles. Each cycle is waited for; across processes, cycle i of each cycler takes the
-  slowest process's time."""
+  """Times the cyclers in rounds: every round runs one cycle of each, in an order shuffled from
+  round to round (the same on every process: a fixed seed), so that a change of machine load hits
+  all of them alike, ``Tstep - Ts`` compares neighbouring cycles, and no cycler always follows the
+  same other one (a rotation would keep each one's predecessor). Each cycle is waited for; across
+  processes, cycle i of each cycler takes the slowest process's time."""
   if repeats < 1 or warmup < 1:
     raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
   names = list(cyclers)
@@ -260,9 +261,11 @@ def time_interleaved(cyclers: dict[str, Cycler], *, repeats: int,
     for _ in range(warmup):
       jax.block_until_ready(cyclers[name]())
   times: dict[str, list[float]] = {name: [] for name in names}
+  orders = np.random.default_rng(0)
   with _common.gc_paused():
-    for r in range(repeats):
-      for name in names[r % len(names):] + names[:r % len(names)]:
+    for _ in range(repeats):
+      for k in orders.permutation(len(names)):
+        name = names[k]
         start = time.perf_counter()
         jax.block_until_ready(cyclers[name]())
         times[name].append(time.perf_counter() - start)
