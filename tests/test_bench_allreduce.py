@@ -128,6 +128,8 @@ def test_tree_mode_counts_describes_bytes_and_the_error(tmp_path):
     assert r["update_over_allreduce"] == r["update_times_s"][0] / r["sync_allreduce_times_s"][0]
   assert rows["fp32"]["rel_error"] == 0 and rows["auto4"]["runs"] == "QSGD 4b/128 maxmin"
   assert 0.05 < rows["auto4"]["rel_error"] < 0.5
+  # what sync handed its optimizer: the exact mean at 32 bits, a 4-bit error at 4
+  assert rows["fp32"]["sync_rel_error"] < 1e-6 and 0.05 < rows["auto4"]["sync_rel_error"] < 0.5
   shapes = sharded.payload("resnet50")
   assert rows["auto4"]["wire_bytes_per_device"] == efficiency.tree_allreduce_bytes(
       shapes, 2, qcomm.QSGD(4))["bytes"]
