@@ -40,7 +40,11 @@ nodes, a 14 MB swap: whole 2.07x the link floor, pieces of 2 MB 1.66x, 1 MB 1.18
 1.08-1.11x, 0.25 MB 1.35-1.57x; the all-gather whole 1.52x, 1 MB 1.07x; the reduce-scatter whole
 2.07x, 1 MB 1.20x). From three processes the rounds are not swaps and pieces changed nothing
 (3 nodes, 6 MB rows: 1.14-1.17x at every piece size), so :data:`jax_qcomm.transport.GLOO` sends
-whole rows. Pieces change no value: each is the same collective on a slice.
+whole rows. Pieces change no value: each is the same collective on a slice. Each piece starts at
+a multiple of 8 bytes of its row (a payload's header words lie whole inside one piece).
+:func:`exchange_pieces` and :func:`gather_pieces` take the pieces as a kernel wrote them and
+return them as they arrived: joining them is a copy of the whole message, which a kernel that
+reads and writes the pieces where they lie does not need.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from typing import Hashable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_qcomm import transport as _transport
@@ -145,22 +150,40 @@ def check_method(method: str, name: str = "method") -> None:
     raise ValueError(f"{name} must be one of {METHODS}, got {method!r}")
 
 
-def _pieces(x: jax.Array, axis: int, devices: int) -> list[jax.Array]:
-  """``x`` cut along ``axis`` into pieces of at most the transport's ``message_bytes`` per row
-  (:func:`jax_qcomm.transport.current`; equal pieces but the last), or ``[x]`` where it has no
-  bound or the row fits."""
+def piece_widths(width: int, unit: int, devices: int) -> list[int]:
+  """How a row of ``width`` elements of ``unit`` bytes travels among ``devices``: the widths of
+  its pieces of at most the transport's ``message_bytes`` (:func:`jax_qcomm.transport.current`;
+  equal pieces but the last, each starting at a multiple of 8 bytes where the bound allows), or
+  ``[width]`` where it has no bound or the row fits."""
   bound = _transport.current(devices).message_bytes
-  w = x.shape[axis]
-  row_bytes = w * x.dtype.itemsize * math.prod(x.shape[axis + 1:])
-  if bound is None or row_bytes <= bound:
+  if bound is None or width * unit <= bound:
+    return [width]
+  step = -(-width // -(-(width * unit) // bound))
+  align = 8 // unit if 8 % unit == 0 else 1  # whole 8-byte words (a payload's header words)
+  if align * unit <= bound:
+    step = min(-(-step // align) * align, bound // unit // align * align)
+  return [min(step, width - s) for s in range(0, width, step)]
+
+
+def cut(x: jax.Array, axis: int, devices: int) -> list[jax.Array]:
+  """``x`` cut along ``axis`` as :func:`piece_widths` says its rows travel."""
+  unit = x.dtype.itemsize * math.prod(x.shape[axis + 1:])
+  widths = piece_widths(x.shape[axis], unit, devices)
+  if len(widths) == 1:
     return [x]
-  k = -(-row_bytes // bound)
-  step = -(-w // k)
-  return [lax.slice_in_dim(x, s, min(s + step, w), axis=axis) for s in range(0, w, step)]
+  starts = np.cumsum([0] + widths[:-1])
+  return [lax.slice_in_dim(x, int(s), int(s) + w, axis=axis) for s, w in zip(starts, widths)]
 
 
-def _joined(pieces: list[jax.Array], axis: int) -> jax.Array:
-  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
+def joined(pieces: Sequence, axis: int = 1) -> jax.Array:
+  """Pieces of rows, as :func:`cut`, :func:`exchange_pieces` or :func:`gather_pieces` give them
+  (a piece: an array, or a list of blocks of its rows), as one array."""
+  arrays = [p if isinstance(p, jax.Array) else _rows_joined(p) for p in pieces]
+  return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=axis)
+
+
+def _rows_joined(blocks: Sequence[jax.Array]) -> jax.Array:
+  return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0)
 
 
 def exchange(rows: jax.Array, axis_name: AxisName, method: str = "auto") -> jax.Array:
@@ -171,8 +194,18 @@ def exchange(rows: jax.Array, axis_name: AxisName, method: str = "auto") -> jax.
   of the traced program, so a jitted function sees the one its caller passed. Rows longer than
   the transport's ``message_bytes`` travel in pieces (see the module docstring).
   d must be the size of ``axis_name``."""
+  return joined(exchange_pieces(cut(rows, 1, rows.shape[0]), axis_name, method))
+
+
+def exchange_pieces(pieces: Sequence[jax.Array], axis_name: AxisName,
+                    method: str = "auto") -> list[list[jax.Array]]:
+  """:func:`exchange` of rows[d, W] cut along W as :func:`cut` cuts them, each piece its own
+  collective, the received pieces as they arrived: each a list of blocks of its rows, [1, w] per
+  row where the piece went by one ``lax.all_to_all`` (XLA hands its results over as they are),
+  else one [d, w]. For a consumer that reads them where they lie: :func:`joined` is a copy of
+  the whole message."""
   check_method(method)
-  d = rows.shape[0]
+  d = pieces[0].shape[0]
   if method == "rounds":
     one = lambda r: exchange_rounds(r, axis_name)  # noqa: E731
   # "auto" in one process, where collectives are memory copies: one all-to-all is cheaper
@@ -182,15 +215,22 @@ def exchange(rows: jax.Array, axis_name: AxisName, method: str = "auto") -> jax.
     one = lambda r: lax.platform_dependent(  # noqa: E731
         r, cpu=lambda q: exchange_rounds(q, axis_name),
         default=lambda q: lax.all_to_all(q, axis_name, 0, 0, tiled=True))
-  return _joined([one(r) for r in _pieces(rows, 1, d)], 1)
+  by_rows = d <= 2 or method == "all_to_all" or jax.process_count() == 1  # one lax.all_to_all
+  got = [one(r) for r in pieces]
+  return [[g[j:j + 1] for j in range(d)] if by_rows else [g] for g in got]
 
 
 def gather(x: jax.Array, axis_name: AxisName) -> jax.Array:
   """x[W] -> [D, W], every device's ``x`` in device order, the same everywhere: ``lax.all_gather(
   x, axis_name, to="invarying")``, in pieces where ``x`` is longer than the transport's
   ``message_bytes``."""
-  d = axis_size(axis_name)
-  return _joined([lax.all_gather(p, axis_name, to="invarying") for p in _pieces(x, 0, d)], 1)
+  return joined(gather_pieces(cut(x, 0, axis_size(axis_name)), axis_name))
+
+
+def gather_pieces(pieces: Sequence[jax.Array], axis_name: AxisName) -> list[list[jax.Array]]:
+  """:func:`gather` of x[W] cut as :func:`cut` cuts it, each piece its own collective, the
+  gathered pieces as they arrived (each one block [D, w])."""
+  return [[lax.all_gather(p, axis_name, to="invarying")] for p in pieces]
 
 
 def scatter_sum(x: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -199,5 +239,5 @@ def scatter_sum(x: jax.Array, axis_name: AxisName) -> jax.Array:
   than the transport's ``message_bytes``."""
   d = axis_size(axis_name)
   rows = x.reshape(d, -1)
-  return _joined([lax.psum_scatter(p, axis_name, scatter_dimension=0, tiled=True)
-                  for p in _pieces(rows, 1, d)], 1).reshape(-1)
+  return joined([lax.psum_scatter(p, axis_name, scatter_dimension=0, tiled=True)
+                 for p in cut(rows, 1, d)]).reshape(-1)

@@ -207,31 +207,54 @@ def summable_encode_leaves(leaves, shared: jax.Array, seed: jax.Array, *, bits: 
 
 
 def qsgd_encode_leaves(leaves, seeds: jax.Array, n: int, skip: jax.Array, *, bits: int,
-                       bucket_size: int, scheme: str, rounding: str) -> jax.Array:
+                       bucket_size: int, scheme: str, rounding: str, widths=None):
   """float32 leaves, seeds: uint32[rows, 2], skip: int32[] -> uint8[rows, payload_bytes(n)]:
   ``qsgd_encode`` of each row of n values (a multiple of ``bucket_size``) of the leaves' packed
   buffer (each leaf padded to whole buckets with its last value for maxmin, 0 for norm, as
   ``concat_leaves`` pads it), zeros after the leaves up to rows * n; read in place. Row ``skip``
-  (-1: none) is zeros."""
+  (-1: none) is zeros. With ``widths`` (summing to the payload's bytes), the rows cut along their
+  bytes into pieces of those widths, written in place: a list of uint8[rows, w], each made of
+  its rows written apart (XLA hands them to an all-to-all as they are)."""
   rows = seeds.shape[0]
   size = wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
-  return _call_leaves("qcomm_qsgd_encode_leaves", jax.ShapeDtypeStruct((rows, size), jnp.uint8),
-                      seeds, skip, *leaves,
-                      **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n)))
+  attrs = _attrs(bits, bucket_size, scheme, rounding, n=np.int64(n), rows=np.int64(rows))
+  if widths is None:
+    return _call_leaves("qcomm_qsgd_encode_leaves",
+                        [jax.ShapeDtypeStruct((rows, size), jnp.uint8)], seeds, skip, *leaves,
+                        **attrs)[0]
+  out = _call_leaves("qcomm_qsgd_encode_leaves",
+                     [jax.ShapeDtypeStruct((1, w), jnp.uint8) for w in widths for _ in range(rows)],
+                     seeds, skip, *leaves, **attrs)
+  return [jnp.concatenate(out[q * rows:(q + 1) * rows]) for q in range(len(widths))]
 
 
-def qsgd_decode_sum_reencode_own(payloads: jax.Array, seed: jax.Array, slot: jax.Array, leaves,
+def qsgd_decode_sum_reencode_own(blocks, seed: jax.Array, slot: jax.Array, leaves,
                                  row: jax.Array, n: int, scale: float, *, bits: int,
-                                 bucket_size: int, scheme: str, rounding: str) -> jax.Array:
-  """payloads: uint8[k, P], seed: uint32[2], slot, row: int32[], float32 leaves -> uint8[P] =
-  encode((v_0 + ... + v_{k-1}) * scale), summed in order, v_j the decode of payload j but
-  v_slot row ``row`` (n values, a multiple of ``bucket_size``) of the leaves' packed buffer, read
-  in place and exact."""
+                                 bucket_size: int, scheme: str, rounding: str, rows: int,
+                                 widths=None):
+  """blocks: the ``rows`` payloads of P bytes each, in pieces along their bytes (in order, each
+  piece uint8[rows, w] or ``rows`` uint8[1, w] of its rows; one uint8[rows, P]: the payloads
+  whole), seed: uint32[2], slot, row: int32[], float32 leaves -> uint8[P] = encode((v_0 + ... +
+  v_{k-1}) * scale), summed in order, v_j the decode of payload j but v_slot row ``row`` (n
+  values, a multiple of ``bucket_size``) of the leaves' packed buffer, read in place and exact.
+  With ``widths``: the result cut into pieces of those widths (a list of uint8[w])."""
   size = wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
-  return _call_leaves("qcomm_qsgd_decode_sum_reencode_own",
-                      jax.ShapeDtypeStruct((size,), jnp.uint8), payloads, seed, slot, row,
-                      *leaves, **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n),
-                                        scale=np.float32(scale)))
+  out = _call_leaves("qcomm_qsgd_decode_sum_reencode_own",
+                     [jax.ShapeDtypeStruct((w,), jnp.uint8) for w in (widths or [size])],
+                     seed, slot, row, *blocks, *leaves,
+                     **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n),
+                              scale=np.float32(scale), rows=np.int64(rows),
+                              pieces=np.int64(len(blocks))))
+  return out if widths is not None else out[0]
+
+
+def qsgd_decode_pieces(blocks, n: int, *, rows: int, bits: int, bucket_size: int,
+                       scheme: str) -> jax.Array:
+  """blocks: ``rows`` payloads of n values in pieces along their bytes (as
+  ``qsgd_decode_sum_reencode_own`` takes them) -> float32[rows, n], each row decoded, read where
+  the pieces lie."""
+  return _call_leaves("qcomm_qsgd_decode_pieces", jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                      *blocks, **_attrs(bits, bucket_size, scheme))
 
 
 def _chunks_attrs(leaves, devices: int, pre, chunk) -> dict:

@@ -16,16 +16,16 @@ namespace qcomm::cpu {
 #define QCOMM_DECLARE_ISA(ISA)                                                                    \
   namespace ISA {                                                                                 \
   void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* out);  \
-  void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p, \
+  void decode_sum(const Pieces& m, int64_t first, int64_t k, int64_t n, const Params& p,          \
                   float* out);                                                                    \
   void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,         \
                            float scale, const uint32_t seed[2], const Params& p, uint8_t* out);   \
-  void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, int64_t skip,         \
-                     const uint32_t* seeds, const Params& p, uint8_t* payloads);                  \
-  void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,  \
+  void encode_leaves(const Leaves<const float>& x, int64_t n, int64_t skip,                      \
+                     const uint32_t* seeds, const Params& p, const Pieces& payloads);             \
+  void decode_sum_reencode_own(const Pieces& payloads, int64_t slot,                              \
                                const Leaves<const float>& own, int64_t row, int64_t n,            \
                                float scale, const uint32_t seed[2], const Params& p,              \
-                               uint8_t* payload);                                                 \
+                               const Pieces& payload);                                            \
   void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,       \
                      uint8_t* message);                                                           \
   void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,   \
@@ -111,31 +111,29 @@ void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, 
   generic::encode(x, n, seed, p, payload);
 }
 
-void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, int64_t skip,
-                   const uint32_t* seeds, const Params& p, uint8_t* payloads) {
+void encode_leaves(const Leaves<const float>& x, int64_t n, int64_t skip, const uint32_t* seeds,
+                   const Params& p, const Pieces& payloads) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
-  if (which == Isa::kAvx512) return avx512::encode_leaves(x, rows, n, skip, seeds, p, payloads);
-  if (which == Isa::kAvx2) return avx2::encode_leaves(x, rows, n, skip, seeds, p, payloads);
+  if (which == Isa::kAvx512) return avx512::encode_leaves(x, n, skip, seeds, p, payloads);
+  if (which == Isa::kAvx2) return avx2::encode_leaves(x, n, skip, seeds, p, payloads);
 #endif
-  generic::encode_leaves(x, rows, n, skip, seeds, p, payloads);
+  generic::encode_leaves(x, n, skip, seeds, p, payloads);
 }
 
-void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
-                             const Leaves<const float>& own, int64_t row, int64_t n, float scale,
-                             const uint32_t seed[2], const Params& p, uint8_t* payload) {
+void decode_sum_reencode_own(const Pieces& payloads, int64_t slot, const Leaves<const float>& own,
+                             int64_t row, int64_t n, float scale, const uint32_t seed[2],
+                             const Params& p, const Pieces& payload) {
   FlushDenormals ftz;  // as XLA CPU adds and scales (DAZ: a subnormal own value adds as 0)
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
   if (which == Isa::kAvx512)
-    return avx512::decode_sum_reencode_own(payloads, k, stride, slot, own, row, n, scale, seed, p,
-                                           payload);
+    return avx512::decode_sum_reencode_own(payloads, slot, own, row, n, scale, seed, p, payload);
   if (which == Isa::kAvx2)
-    return avx2::decode_sum_reencode_own(payloads, k, stride, slot, own, row, n, scale, seed, p,
-                                         payload);
+    return avx2::decode_sum_reencode_own(payloads, slot, own, row, n, scale, seed, p, payload);
 #endif
-  generic::decode_sum_reencode_own(payloads, k, stride, slot, own, row, n, scale, seed, p, payload);
+  generic::decode_sum_reencode_own(payloads, slot, own, row, n, scale, seed, p, payload);
 }
 
 void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
@@ -184,15 +182,14 @@ void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own,
   generic::decode_sum_chunks(received, slot, own, scale, p, out, mark);
 }
 
-void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
-                float* out) {
+void decode_sum(const Pieces& m, int64_t first, int64_t k, int64_t n, const Params& p, float* out) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
-  if (which == Isa::kAvx512) return avx512::decode_sum(payloads, k, stride, n, p, out);
-  if (which == Isa::kAvx2) return avx2::decode_sum(payloads, k, stride, n, p, out);
+  if (which == Isa::kAvx512) return avx512::decode_sum(m, first, k, n, p, out);
+  if (which == Isa::kAvx2) return avx2::decode_sum(m, first, k, n, p, out);
 #endif
-  generic::decode_sum(payloads, k, stride, n, p, out);
+  generic::decode_sum(m, first, k, n, p, out);
 }
 
 void summable_encode(const Leaves<const float>& x, const int32_t* shared, const uint32_t seed[2],
@@ -227,7 +224,8 @@ void summable_scale(const Leaves<const float>& x, int32_t bucket, int32_t* out) 
 }
 
 void decode(const uint8_t* payload, int64_t n, const Params& p, float* out) {
-  decode_sum(payload, 1, 0, n, p, out);
+  const int64_t bytes = payload_bytes(n, p.bucket, p.bits, p.scheme);
+  decode_sum(whole_rows(payload, 1, bytes, bytes).pieces(), 0, 1, n, p, out);
 }
 
 void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,

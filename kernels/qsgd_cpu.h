@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "qsgd_math.h"
 
@@ -20,9 +21,38 @@ struct Params {
 void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, uint8_t* payload);
 // payload -> out[n].
 void decode(const uint8_t* payload, int64_t n, const Params& p, float* out);
-// out[n] = sum over j < k of decode(payloads + j * stride), summed in order j = 0, 1, ...
-void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
-                float* out);
+// Rows of payloads cut along their bytes, as a message travels in pieces: row j of piece q holds
+// bytes [begin(q), end[q]) of row j, at row(q, j). The rows of a piece may lie in one
+// [rows, width] buffer or apart. A whole [rows, bytes] buffer is one piece. The kernels read and
+// write a bucket in place where its header, or its codes, lie inside one piece, and through a
+// bucket-sized scratch otherwise.
+struct Pieces {
+  uint8_t* const* data;  // [count * rows]: row j of piece q at data[q * rows + j]
+  const int64_t* end;    // [count], increasing; end[count - 1] = the bytes of a row
+  int64_t count;
+  int64_t rows;
+
+  int64_t begin(int64_t q) const { return q == 0 ? 0 : end[q - 1]; }
+  int64_t bytes() const { return count == 0 ? 0 : end[count - 1]; }
+  uint8_t* row(int64_t q, int64_t j) const { return data[q * rows + j]; }
+};
+
+// The storage of a whole [rows, stride] buffer (rows of `bytes` <= stride) seen as one piece.
+struct WholeRows {
+  std::vector<uint8_t*> data;
+  int64_t end;
+  Pieces pieces() const { return {data.data(), &end, 1, static_cast<int64_t>(data.size())}; }
+};
+// (static: each translation unit, built for its own instruction set, keeps its own copy)
+static inline WholeRows whole_rows(const uint8_t* base, int64_t rows, int64_t stride,
+                                   int64_t bytes) {
+  WholeRows w{std::vector<uint8_t*>(static_cast<size_t>(rows)), bytes};
+  for (int64_t j = 0; j < rows; ++j) w.data[j] = const_cast<uint8_t*>(base) + j * stride;
+  return w;
+}
+
+// out[n] = sum over j < k of decode(row first + j of m), summed in order j = 0, 1, ...
+void decode_sum(const Pieces& m, int64_t first, int64_t k, int64_t n, const Params& p, float* out);
 
 // payload = encode(decode_sum(payloads) * scale, seed): the middle of a compressed allreduce. The
 // multiplication is skipped where scale == 1; the bytes equal those of the three steps done apart.
@@ -79,15 +109,15 @@ void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<
 // n is a multiple of the bucket. A leaf's span is padded with its last value (maxmin) or 0
 // (norm), as jax_qcomm's concat_leaves pads a leaf; the bytes are those of encode on that buffer.
 // Row `skip` (-1: none) is not encoded: its payload is zeros.
-void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, int64_t skip,
-                   const uint32_t* seeds, const Params& p, uint8_t* payloads);
+void encode_leaves(const Leaves<const float>& x, int64_t n, int64_t skip, const uint32_t* seeds,
+                   const Params& p, const Pieces& payloads);
 // payload = encode((v_0 + v_1 + ... + v_{k-1}) * scale, seed), summed in that order, where v_j is
-// decode(payloads + j * stride) but v_slot is row `row` (n values) of the buffer that `own` packs
-// (as encode_leaves reads it), exact: the middle of an allreduce in which a device's own chunk is
-// never quantised before the sum. n is a multiple of the bucket.
-void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
-                             const Leaves<const float>& own, int64_t row, int64_t n, float scale,
-                             const uint32_t seed[2], const Params& p, uint8_t* payload);
+// the decode of row j of `payloads` (k = payloads.rows) but v_slot is row `row` (n values) of the
+// buffer that `own` packs (as encode_leaves reads it), exact: the middle of an allreduce in which a
+// device's own chunk is never quantised before the sum. n is a multiple of the bucket.
+void decode_sum_reencode_own(const Pieces& payloads, int64_t slot, const Leaves<const float>& own,
+                             int64_t row, int64_t n, float scale, const uint32_t seed[2],
+                             const Params& p, const Pieces& payload);
 
 // ---- QSGD on the chunks of a sharded reduce-scatter, read and written in place ------------------
 // `count` leaves over `devices` devices, leaf i the devices * pre[i] * chunk[i] values at data[i]:

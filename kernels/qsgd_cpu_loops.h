@@ -161,6 +161,72 @@ struct BucketScratch {
   }
 };
 
+// Bytes [o, o + len) of row j of `m` (o + len <= m.bytes()): a pointer into the piece that holds
+// them, or `scratch` (len bytes) holding them, gathered from the pieces they span. `q` is a cursor,
+// the piece of the previous access: the offsets accessed through one cursor must not decrease.
+inline const uint8_t* piece_bytes(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, int64_t len,
+                                  int64_t* q, uint8_t* scratch) {
+  while (m.end[*q] <= o) ++*q;
+  int64_t lo = m.begin(*q);
+  if (o + len <= m.end[*q]) return m.row(*q, j) + (o - lo);
+  for (int64_t r = *q, done = 0; done < len; ++r) {
+    lo = m.begin(r);
+    const int64_t take = std::min(len - done, m.end[r] - (o + done));
+    memcpy(scratch + done, m.row(r, j) + (o + done - lo), take);
+    done += take;
+  }
+  return scratch;
+}
+
+// Where to write bytes [o, o + len) of row j of `m`: a pointer into the piece that holds them, or
+// `scratch`, which piece_write_back then copies to the pieces they span. `q`: as piece_bytes.
+inline uint8_t* piece_target(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, int64_t len,
+                             int64_t* q, uint8_t* scratch) {
+  while (m.end[*q] <= o) ++*q;
+  if (o + len <= m.end[*q]) return m.row(*q, j) + (o - m.begin(*q));
+  return scratch;
+}
+
+inline void piece_write_back(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, int64_t len,
+                             int64_t q, const uint8_t* target, const uint8_t* scratch) {
+  if (target != scratch) return;  // written in place
+  for (int64_t r = q, done = 0; done < len; ++r) {
+    const int64_t take = std::min(len - done, m.end[r] - (o + done));
+    memcpy(m.row(r, j) + (o + done - m.begin(r)), scratch + done, take);
+    done += take;
+  }
+}
+
+// Zeros in row j of every piece of `m`.
+inline void piece_zero_row(const qcomm::cpu::Pieces& m, int64_t j) {
+  for (int64_t q = 0; q < m.count; ++q) std::fill(m.row(q, j), m.row(q, j) + (m.end[q] - m.begin(q)), uint8_t{0});
+}
+
+// The cursors and scratch of accessing one bucket's header and codes in each row of Pieces.
+struct PieceCursors {
+  int64_t header = 0, codes = 0;
+  uint8_t header_scratch[8];
+  BucketScratch<uint8_t> code_scratch;
+  explicit PieceCursors(int64_t B) : code_scratch(B) {}
+  void rewind() { header = codes = 0; }
+};
+
+// Encodes the bucket xb into bucket b of the payload of nb buckets at the start of row j of `m`.
+template <int BITS, int SCHEME>
+inline void encode_bucket_to(const float* __restrict xb, int64_t B, int64_t start,
+                             const uint32_t* seed, bool stochastic, uint8_t* codes, int64_t valid,
+                             const qcomm::cpu::Pieces& m, int64_t j, int64_t nb, int64_t b,
+                             PieceCursors& c) {
+  const int64_t S = qcomm::scales_per_bucket(SCHEME);
+  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
+  const int64_t oh = 4 * S * b, oc = 4 * S * nb + b * code_bytes;
+  uint8_t* h = piece_target(m, j, oh, 4 * S, &c.header, c.header_scratch);
+  uint8_t* k = piece_target(m, j, oc, code_bytes, &c.codes, c.code_scratch.data);
+  encode_bucket<BITS, SCHEME>(xb, B, start, seed, stochastic, codes, valid, h, k);
+  piece_write_back(m, j, oh, 4 * S, c.header, h, c.header_scratch);
+  piece_write_back(m, j, oc, code_bytes, c.codes, k, c.code_scratch.data);
+}
+
 template <int BITS, int SCHEME>
 void encode_t(const float* x, int64_t n, const uint32_t seed[2], const qcomm::cpu::Params& p,
               uint8_t* payload) {
@@ -217,29 +283,26 @@ inline const float* leaves_bucket(const qcomm::cpu::Leaves<const float>& x, int6
 // whose payload is zeros. Every bucket is whole (n and the leaves' spans are multiples of B), so
 // its codes are those of encode_t on the packed row.
 template <int BITS, int SCHEME>
-void encode_leaves_t(const qcomm::cpu::Leaves<const float>& x, int64_t rows, int64_t n,
-                     int64_t skip, const uint32_t* seeds, const qcomm::cpu::Params& p,
-                     uint8_t* payloads) {
+void encode_leaves_t(const qcomm::cpu::Leaves<const float>& x, int64_t n, int64_t skip,
+                     const uint32_t* seeds, const qcomm::cpu::Params& p,
+                     const qcomm::cpu::Pieces& payloads) {
   const int64_t B = p.bucket;
   const int64_t nb = n / B;
-  const int64_t S = qcomm::scales_per_bucket(SCHEME);
-  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
-  const int64_t bytes = qcomm::payload_bytes(n, B, BITS, SCHEME);
   const bool stochastic = p.rounding == qcomm::kStochastic;
   BucketScratch<uint8_t> codes(B);
   BucketScratch<float> pad(B);
+  PieceCursors writes(B);
   int64_t leaf = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    uint8_t* header = payloads + r * bytes;
+  for (int64_t r = 0; r < payloads.rows; ++r) {
     if (r == skip) {
-      std::fill(header, header + bytes, uint8_t{0});
+      piece_zero_row(payloads, r);
       continue;
     }
-    uint8_t* packed = header + 4 * S * nb;
+    writes.rewind();
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = leaves_bucket<SCHEME>(x, r * n + b * B, B, &leaf, pad.data);
-      encode_bucket<BITS, SCHEME>(xb, B, b * B, seeds + 2 * r, stochastic, codes.data, B,
-                                  header + 4 * S * b, packed + b * code_bytes);
+      encode_bucket_to<BITS, SCHEME>(xb, B, b * B, seeds + 2 * r, stochastic, codes.data, B,
+                                     payloads, r, nb, b, writes);
     }
   }
 }
@@ -278,13 +341,14 @@ inline void decode_bucket(const uint8_t* header, const uint8_t* __restrict codes
   }
 }
 
-// Decodes bucket b of each of the k payloads into ob[0, B) (the first written, the rest added,
-// in order j = 0, 1, ...); term `slot` (-1: none) is `exact`, B float32 values, instead of the
-// decode of payload `slot`.
+// Decodes bucket b of the payloads of nb buckets at byte `base` of rows first .. first + k - 1 of
+// `m` into ob[0, B) (the first written, the rest
+// added, in order j = 0, 1, ...); term `slot` (-1: none) is `exact`, B float32 values, instead of
+// the decode of row first + slot. Buckets are read in increasing b (the cursors of `reads`).
 template <int BITS, int SCHEME>
-inline void decode_sum_bucket(const uint8_t* payloads, int64_t k, int64_t stride, int64_t nb,
-                              int64_t b, int64_t B, uint8_t* __restrict codes,
-                              float* __restrict ob, int64_t slot = -1,
+inline void decode_sum_bucket(const qcomm::cpu::Pieces& m, int64_t first, int64_t k, int64_t base,
+                              int64_t nb, int64_t b, int64_t B, PieceCursors& reads,
+                              uint8_t* __restrict codes, float* __restrict ob, int64_t slot = -1,
                               const float* __restrict exact = nullptr) {
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
@@ -297,9 +361,10 @@ inline void decode_sum_bucket(const uint8_t* payloads, int64_t k, int64_t stride
       }
       continue;
     }
-    const uint8_t* pj = payloads + j * stride;
-    const uint8_t* header = pj + 4 * S * b;
-    const uint8_t* packed = pj + 4 * S * nb + b * code_bytes;
+    const uint8_t* header = piece_bytes(m, first + j, base + 4 * S * b, 4 * S, &reads.header,
+                                        reads.header_scratch);
+    const uint8_t* packed = piece_bytes(m, first + j, base + 4 * S * nb + b * code_bytes,
+                                        code_bytes, &reads.codes, reads.code_scratch.data);
     unpack_codes<BITS>(packed, B, codes);
     if (j == 0) {
       decode_bucket<BITS, SCHEME, false>(header, codes, B, ob);
@@ -310,17 +375,18 @@ inline void decode_sum_bucket(const uint8_t* payloads, int64_t k, int64_t stride
 }
 
 template <int BITS, int SCHEME>
-void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
+void decode_sum_t(const qcomm::cpu::Pieces& m, int64_t first, int64_t k, int64_t n,
                   const qcomm::cpu::Params& p, float* out) {
   const int64_t B = p.bucket;
   const int64_t nb = qcomm::num_buckets(n, B);
   BucketScratch<float> tail(B);
   BucketScratch<uint8_t> codes(B);
+  PieceCursors reads(B);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, n - start);
     float* ob = valid == B ? out + start : tail.data;
-    decode_sum_bucket<BITS, SCHEME>(payloads, k, stride, nb, b, B, codes.data, ob);
+    decode_sum_bucket<BITS, SCHEME>(m, first, k, 0, nb, b, B, reads, codes.data, ob);
     if (valid < B) std::copy(tail.data, tail.data + valid, out + start);
   }
 }
@@ -332,20 +398,18 @@ void decode_sum_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
 // With `own` (qsgd_cpu.h, decode_sum_reencode_own; n a multiple of B), term `slot` of the sum is
 // row `row` of the buffer that `own` packs, exact, instead of the decode of payload `slot`.
 template <int BITS, int SCHEME>
-void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
-                           float scale, const uint32_t seed[2], const qcomm::cpu::Params& p,
-                           uint8_t* payload, const qcomm::cpu::Leaves<const float>* own = nullptr,
+void decode_sum_reencode_t(const qcomm::cpu::Pieces& m, int64_t n, float scale,
+                           const uint32_t seed[2], const qcomm::cpu::Params& p,
+                           const qcomm::cpu::Pieces& payload,
+                           const qcomm::cpu::Leaves<const float>* own = nullptr,
                            int64_t slot = -1, int64_t row = 0) {
   const int64_t B = p.bucket;
   const int64_t nb = qcomm::num_buckets(n, B);
-  const int64_t S = qcomm::scales_per_bucket(SCHEME);
-  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
   const bool stochastic = p.rounding == qcomm::kStochastic;
   BucketScratch<float> sum(B);
   BucketScratch<float> pad(B);
   BucketScratch<uint8_t> codes(B);
-  uint8_t* header = payload;
-  uint8_t* packed = payload + 4 * S * nb;
+  PieceCursors reads(B), writes(B);
   int64_t leaf = 0;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t start = b * B;
@@ -353,14 +417,14 @@ void decode_sum_reencode_t(const uint8_t* payloads, int64_t k, int64_t stride, i
     float* __restrict xb = sum.data;
     const float* exact =
         own == nullptr ? nullptr : leaves_bucket<SCHEME>(*own, row * n + start, B, &leaf, pad.data);
-    decode_sum_bucket<BITS, SCHEME>(payloads, k, stride, nb, b, B, codes.data, xb,
+    decode_sum_bucket<BITS, SCHEME>(m, 0, m.rows, 0, nb, b, B, reads, codes.data, xb,
                                     own == nullptr ? -1 : slot, exact);
     if (scale != 1.0f) {
       for (int64_t i = 0; i < valid; ++i) xb[i] *= scale;
     }
     if (valid < B) pad_bucket<SCHEME>(xb, valid, B);
-    encode_bucket<BITS, SCHEME>(xb, B, start, seed, stochastic, codes.data, valid,
-                                header + 4 * S * b, packed + b * code_bytes);
+    encode_bucket_to<BITS, SCHEME>(xb, B, start, seed, stochastic, codes.data, valid, payload, 0,
+                                   nb, b, writes);
   }
 }
 
@@ -447,8 +511,11 @@ void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu
   BucketScratch<float> tail(B);
   BucketScratch<float> pad(B);
   BucketScratch<uint8_t> codes(B);
+  PieceCursors reads(B);
   uint32_t nonfinite = 0;  // an integer OR, which vectorises where a float sum would not
-  const uint8_t* payloads = received;  // payload (i, r) of row 0; row s at s * row_bytes after it
+  const qcomm::cpu::WholeRows whole = qcomm::cpu::whole_rows(received, D, row_bytes, row_bytes);
+  const qcomm::cpu::Pieces rows = whole.pieces();
+  int64_t base = 0;  // payload (i, r) of each row
   for (int64_t i = 0; i < own.count; ++i) {
     const int64_t runs = own.runs(i), n = own.n(i), nb = qcomm::num_buckets(n, B);
     for (int64_t r = 0; r < runs; ++r) {
@@ -458,7 +525,7 @@ void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu
             slot < 0 ? nullptr : shard_bucket<SCHEME>(own, i, slot, r * n + start, valid, B, pad.data);
         float* dst = out[i] + r * n + start;
         float* __restrict ob = valid == B ? dst : tail.data;
-        decode_sum_bucket<BITS, SCHEME>(payloads, D, row_bytes, nb, b, B, codes.data, ob, slot,
+        decode_sum_bucket<BITS, SCHEME>(rows, 0, D, base, nb, b, B, reads, codes.data, ob, slot,
                                         exact);
         if (scale != 1.0f) {
           for (int64_t k = 0; k < valid; ++k) ob[k] *= scale;
@@ -471,7 +538,7 @@ void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu
         }
         if (valid < B) std::copy(ob, ob + valid, dst);
       }
-      payloads += qcomm::payload_bytes(n, B, BITS, SCHEME);
+      base += qcomm::payload_bytes(n, B, BITS, SCHEME);
     }
   }
   if (mark != nullptr) *mark = nonfinite ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
@@ -516,18 +583,19 @@ struct EncodeF {
 };
 template <int BITS, int SCHEME>
 struct EncodeLeavesF {
-  static void run(const qcomm::cpu::Leaves<const float>* x, int64_t rows, int64_t n, int64_t skip,
-                  const uint32_t* seeds, const qcomm::cpu::Params* p, uint8_t* payloads) {
-    encode_leaves_t<BITS, SCHEME>(*x, rows, n, skip, seeds, *p, payloads);
+  static void run(const qcomm::cpu::Leaves<const float>* x, int64_t n, int64_t skip,
+                  const uint32_t* seeds, const qcomm::cpu::Params* p,
+                  const qcomm::cpu::Pieces* payloads) {
+    encode_leaves_t<BITS, SCHEME>(*x, n, skip, seeds, *p, *payloads);
   }
 };
 template <int BITS, int SCHEME>
 struct DecodeSumReencodeOwnF {
-  static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
+  static void run(const qcomm::cpu::Pieces* payloads, int64_t slot,
                   const qcomm::cpu::Leaves<const float>* own, int64_t row, int64_t n, float scale,
-                  const uint32_t* seed, const qcomm::cpu::Params* p, uint8_t* payload) {
-    decode_sum_reencode_t<BITS, SCHEME>(payloads, k, stride, n, scale, seed, *p, payload, own, slot,
-                                        row);
+                  const uint32_t* seed, const qcomm::cpu::Params* p,
+                  const qcomm::cpu::Pieces* payload) {
+    decode_sum_reencode_t<BITS, SCHEME>(*payloads, n, scale, seed, *p, *payload, own, slot, row);
   }
 };
 template <int BITS, int SCHEME>
@@ -562,14 +630,18 @@ template <int BITS, int SCHEME>
 struct DecodeSumReencodeF {
   static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,
                   const uint32_t* seed, const qcomm::cpu::Params* p, uint8_t* payload) {
-    decode_sum_reencode_t<BITS, SCHEME>(payloads, k, stride, n, scale, seed, *p, payload);
+    // k rows of `stride` bytes, each holding a payload at its start
+    const int64_t bytes = qcomm::payload_bytes(n, p->bucket, BITS, SCHEME);
+    const qcomm::cpu::WholeRows in = qcomm::cpu::whole_rows(payloads, k, stride, bytes);
+    const qcomm::cpu::WholeRows out = qcomm::cpu::whole_rows(payload, 1, bytes, bytes);
+    decode_sum_reencode_t<BITS, SCHEME>(in.pieces(), n, scale, seed, *p, out.pieces());
   }
 };
 template <int BITS, int SCHEME>
 struct DecodeSumF {
-  static void run(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n,
+  static void run(const qcomm::cpu::Pieces* m, int64_t first, int64_t k, int64_t n,
                   const qcomm::cpu::Params* p, float* out) {
-    decode_sum_t<BITS, SCHEME>(payloads, k, stride, n, *p, out);
+    decode_sum_t<BITS, SCHEME>(*m, first, k, n, *p, out);
   }
 };
 
@@ -581,21 +653,19 @@ void encode(const float* x, int64_t n, const uint32_t seed[2], const Params& p, 
   dispatch<EncodeF>(p, x, n, seed, &p, payload);
 }
 
-void decode_sum(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, const Params& p,
-                float* out) {
-  dispatch<DecodeSumF>(p, payloads, k, stride, n, &p, out);
+void decode_sum(const Pieces& m, int64_t first, int64_t k, int64_t n, const Params& p, float* out) {
+  dispatch<DecodeSumF>(p, &m, first, k, n, &p, out);
 }
 
-void encode_leaves(const Leaves<const float>& x, int64_t rows, int64_t n, int64_t skip,
-                   const uint32_t* seeds, const Params& p, uint8_t* payloads) {
-  dispatch<EncodeLeavesF>(p, &x, rows, n, skip, seeds, &p, payloads);
+void encode_leaves(const Leaves<const float>& x, int64_t n, int64_t skip, const uint32_t* seeds,
+                   const Params& p, const Pieces& payloads) {
+  dispatch<EncodeLeavesF>(p, &x, n, skip, seeds, &p, &payloads);
 }
 
-void decode_sum_reencode_own(const uint8_t* payloads, int64_t k, int64_t stride, int64_t slot,
-                             const Leaves<const float>& own, int64_t row, int64_t n, float scale,
-                             const uint32_t seed[2], const Params& p, uint8_t* payload) {
-  dispatch<DecodeSumReencodeOwnF>(p, payloads, k, stride, slot, &own, row, n, scale, seed, &p,
-                                  payload);
+void decode_sum_reencode_own(const Pieces& payloads, int64_t slot, const Leaves<const float>& own,
+                             int64_t row, int64_t n, float scale, const uint32_t seed[2],
+                             const Params& p, const Pieces& payload) {
+  dispatch<DecodeSumReencodeOwnF>(p, &payloads, slot, &own, row, n, scale, seed, &p, &payload);
 }
 
 void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,

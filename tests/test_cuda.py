@@ -36,7 +36,7 @@ CPU_ONLY = {"qcomm_summable_scale", "qcomm_summable_encode", "qcomm_summable_dec
             "qcomm_summable_decode_leaves", "qcomm_qsgd_encode_leaves",
             "qcomm_qsgd_decode_sum_reencode_own", "qcomm_qsgd_encode_chunks",
             "qcomm_qsgd_decode_sum_chunks", "qcomm_qsgd_encode_differences",
-            "qcomm_qsgd_decode_chunks"}
+            "qcomm_qsgd_decode_chunks", "qcomm_qsgd_decode_pieces"}
 
 
 # ---- the build (no GPU needed) ---------------------------------------------------------------------

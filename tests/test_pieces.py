@@ -11,6 +11,7 @@ they put a transport with tiny messages in its place.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _exchange, transport as T
+from jax_qcomm import _exchange, _ffi, transport as T
 
 from test_protocol import _COLLECTIVE, AX, PARAMS, _grads, _mesh, _sync_step, hlo_sent_bytes
 import test_sharded
@@ -134,3 +135,24 @@ def test_pieces_across_two_processes():
                         cwd=os.path.dirname(os.path.dirname(worker)))
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   assert proc.stdout.count(": OK") == 2, proc.stdout[-4000:]
+
+
+@pytest.mark.skipif(not _ffi.has_cpu_kernels(), reason="no CPU kernels built")
+def test_kernels_read_and_write_the_pieces_where_they_lie(monkeypatch):
+  """sync(bits=4)'s step in pieces on CPU: the encode writes the pieces that travel, the
+  reduction reads the received ones and writes the pieces it sends on, the last decode reads the
+  gathered ones, all where they lie: the compiled program never copies a message (no uint8
+  concatenate, slice or copy), and the kernels take the pieces as operands."""
+  _use(monkeypatch, SMALL)
+  tx = qcomm.sync(optax.sgd(0.1), axis_name=AX, codec=qcomm.QSGD(4))
+  init, run = _sync_step(tx, _mesh(2), PARAMS)
+  text = run.lower(PARAMS, init(PARAMS), _grads(2, 0, PARAMS)).compile().as_text()
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  copies = re.findall(r"= u8\[[^\]]*\]\S* (concatenate|fusion|slice|copy|dynamic-slice)\(", entry)
+  assert not copies, copies
+  for target in ("qcomm_qsgd_encode_leaves", "qcomm_qsgd_decode_sum_reencode_own",
+                 "qcomm_qsgd_decode_pieces"):
+    calls = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
+    assert calls, target
+    assert all(line.count("u8[") > 10 for line in calls), target  # pieces in or out

@@ -45,7 +45,8 @@ def _leaves(sizes, seed):
 def test_encode_leaves_equals_the_packed_rows(config, rows, extra, skip):
   """The kernel's payloads equal the FFI and the reference encode of the packed rows (each leaf
   padded to whole buckets with its last value (maxmin) or 0 (norm), zeros to rows * n), rows
-  past the leaves included; leaves of 0, 1, B - 1, B and B + 1 values; row ``skip`` is zeros."""
+  past the leaves included; leaves of 0, 1, B - 1, B and B + 1 values; row ``skip`` is zeros;
+  written in pieces along their bytes, the same bytes."""
   bits, b, scheme, rounding = config
   sizes = [5 * b + 3, 0, 1, b - 1 if b > 1 else 1, b, b + 1]
   parts = _leaves(sizes, seed=bits)
@@ -56,6 +57,11 @@ def test_encode_leaves_equals_the_packed_rows(config, rows, extra, skip):
   kw = dict(bits=bits, bucket_size=b, scheme=scheme, rounding=rounding)
   got = np.asarray(jax.jit(lambda s, k, ps: _ffi.qsgd_encode_leaves(ps, s, n, k, **kw))(
       seeds, jnp.int32(skip), parts))
+  widths = _widths(got.shape[1])  # written in pieces, each row apart: the same bytes
+  cut = jax.jit(lambda s, k, ps: _ffi.qsgd_encode_leaves(ps, s, n, k, widths=widths, **kw))(
+      seeds, jnp.int32(skip), parts)
+  assert [c.shape for c in cut] == [(rows, w) for w in widths]
+  np.testing.assert_array_equal(np.concatenate([np.asarray(c) for c in cut], axis=1), got)
   for impl in ("ffi", "jax"):
     codec = qcomm.QSGD(bits, b, scheme, rounding, impl=impl)
     packed = jnp.pad(concat_leaves(parts, codec), (0, rows * n - span)).reshape(rows, n)
@@ -70,10 +76,14 @@ def test_encode_leaves_equals_the_packed_rows(config, rows, extra, skip):
 @pytest.mark.parametrize("k,slot,row,scale", [(1, 0, 0, 1.0), (3, 0, 1, 1 / 3), (3, 2, 2, 1 / 3),
                                               (4, 1, 5, 0.25), (2, 1, 0, 1e-30)],
                          ids=["k1", "slot0", "slot-last", "row-past-leaves", "underflow"])
-def test_reencode_own_equals_the_composition(config, k, slot, row, scale):
+@pytest.mark.parametrize("cut", ["whole", "pieces", "rows"])
+def test_reencode_own_equals_the_composition(config, k, slot, row, scale, cut):
   """The fused middle step with the own row exact equals the FFI and the reference composition:
   decode every payload, put row ``row`` of the leaves' packed buffer in place of term ``slot``,
-  sum in order, scale, encode; rows past the leaves are zeros; sums that underflow flush alike."""
+  sum in order, scale, encode; rows past the leaves are zeros; sums that underflow flush alike.
+  With the payloads cut along their bytes into pieces (as a message travels in pieces, the cuts
+  inside header words and codes; each piece whole or its rows apart), and the result written in
+  pieces, the same bytes."""
   bits, b, scheme, rounding = config
   sizes = [3 * b + 1, 1, b]
   parts = _leaves(sizes, seed=bits + k)
@@ -87,8 +97,12 @@ def test_reencode_own_equals_the_composition(config, k, slot, row, scale):
   xs = (r.standard_normal((k, n)) * (1e-36 if scale < 1e-20 else 2.0)).astype(np.float32)
   payloads = jax.jit(jax.vmap(codec.wire_encode))(jnp.asarray(xs),
                                                   jax.random.split(jax.random.key(k), k))
-  got = np.asarray(jax.jit(lambda p, ps: _ffi.qsgd_decode_sum_reencode_own(
-      p, seed_words(key), jnp.int32(slot), ps, jnp.int32(row), n, scale, **kw))(payloads, parts))
+  size = wire.qsgd_payload_bytes(n, bits, b, scheme)
+  widths = None if cut == "whole" else _widths(size)
+  got = jax.jit(lambda p, ps: _ffi.qsgd_decode_sum_reencode_own(
+      _cut(p, cut), seed_words(key), jnp.int32(slot), ps, jnp.int32(row), n, scale, rows=k,
+      widths=widths, **kw))(payloads, parts)
+  got = np.asarray(got if widths is None else jnp.concatenate(got))
   for impl in ("ffi", "jax"):
     c = qcomm.QSGD(bits, b, scheme, rounding, impl=impl)
     packed = jnp.pad(concat_leaves(parts, c), (0, rows_total * n - span)).reshape(-1, n)
@@ -103,6 +117,77 @@ def test_reencode_own_equals_the_composition(config, k, slot, row, scale):
       return c.wire_encode(out, key)
 
     np.testing.assert_array_equal(got, np.asarray(jax.jit(composed)(payloads)), err_msg=impl)
+
+
+def _widths(size):
+  """Widths 1, 3, 5, ..., 37, 1, 3, ... summing to ``size``: a header word, a bucket's codes and a
+  row's last byte each split somewhere, and pieces of 1 byte."""
+  widths, step = [], 1
+  while sum(widths) < size:
+    widths.append(min(step, size - sum(widths)))
+    step = step + 2 if step < 37 else 1
+  return widths
+
+
+def _cut(payloads, cut):
+  """[k, P] -> the blocks of its pieces along P: one piece ("whole"), pieces of :func:`_widths`
+  ("pieces"), or the same pieces each as k rows [1, w] apart ("rows")."""
+  if cut == "whole":
+    return [payloads]
+  ends = np.cumsum(_widths(payloads.shape[1]))
+  pieces = [payloads[:, a:b] for a, b in zip([0, *ends[:-1]], ends)]
+  if cut == "rows":
+    return [p[j:j + 1] for p in pieces for j in range(payloads.shape[0])]
+  return pieces
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_decode_pieces_equals_the_decode_of_each_row(config):
+  """Rows of payloads cut into pieces along their bytes decode, read where the pieces lie, to
+  the decode of each whole row (FFI and reference), a non-finite bucket included."""
+  bits, b, scheme, rounding = config
+  n = 3 * b + 5
+  kw = dict(bits=bits, bucket_size=b, scheme=scheme)
+  r = np.random.default_rng(bits)
+  xs = (r.standard_normal((3, n)) * np.exp(r.uniform(-3, 3))).astype(np.float32)
+  xs[1, 2] = np.inf
+  codec = qcomm.QSGD(bits, b, scheme, rounding, impl="ffi")
+  payloads = jax.jit(jax.vmap(codec.wire_encode))(jnp.asarray(xs),
+                                                  jax.random.split(jax.random.key(1), 3))
+  for cut in ("whole", "pieces", "rows"):
+    got = np.asarray(jax.jit(lambda p: _ffi.qsgd_decode_pieces(_cut(p, cut), n, rows=3, **kw))(
+        payloads))
+    for impl in ("ffi", "jax"):
+      c = qcomm.QSGD(bits, b, scheme, rounding, impl=impl)
+      want = np.asarray(jax.jit(jax.vmap(lambda w, c=c: c.wire_decode_sum(w[None], n)))(payloads))
+      np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
+                                    err_msg=f"{cut} {impl}")
+
+
+@needs_kernels
+def test_pieces_are_checked():
+  """The pieces' widths, in and out, must add up to one payload, and every piece has every row,
+  of one width."""
+  kw = dict(bits=4, bucket_size=128, scheme="maxmin")
+  size = wire.qsgd_payload_bytes(256, 4, 128, "maxmin")
+  p = jnp.zeros((2, size), jnp.uint8)
+  with pytest.raises(Exception, match="add up to the payload size"):
+    jax.block_until_ready(_ffi.qsgd_decode_pieces([p[:, :10], p[:, 11:]], 256, rows=2, **kw))
+  with pytest.raises(Exception, match="every row"):
+    jax.block_until_ready(_ffi.qsgd_decode_pieces([p[:, :10], p[:1, 10:]], 256, rows=2, **kw))
+  with pytest.raises(Exception, match="same width"):
+    jax.block_until_ready(_ffi.qsgd_decode_pieces([p[:1, :10], p[1:, :9], p[:, 9:]], 256,
+                                                  rows=2, **kw))
+  parts = _leaves([300], seed=0)
+  with pytest.raises(Exception, match="add up to the payload size"):
+    jax.block_until_ready(_ffi.qsgd_decode_sum_reencode_own(
+        [p[:, 1:]], jnp.zeros(2, jnp.uint32), jnp.int32(0), parts, jnp.int32(0), 256, 0.5,
+        rows=2, rounding="nearest", **kw))
+  with pytest.raises(Exception, match="add up to the payload size"):
+    jax.block_until_ready(_ffi.qsgd_decode_sum_reencode_own(
+        [p], jnp.zeros(2, jnp.uint32), jnp.int32(0), parts, jnp.int32(0), 256, 0.5,
+        rows=2, rounding="nearest", widths=[size - 1], **kw))
 
 
 @needs_kernels
@@ -120,7 +205,7 @@ def test_encode_leaves_rejects_bad_sizes():
   payloads = jnp.zeros((2, wire.qsgd_payload_bytes(256, 4, 128, "maxmin")), jnp.uint8)
   with pytest.raises(Exception, match="slot must"):
     jax.block_until_ready(_ffi.qsgd_decode_sum_reencode_own(
-        payloads, seeds[0], jnp.int32(2), parts, jnp.int32(0), 256, 0.5, **kw))
+        [payloads], seeds[0], jnp.int32(2), parts, jnp.int32(0), 256, 0.5, rows=2, **kw))
 
 
 @needs_kernels

@@ -52,9 +52,11 @@ ffi::Error DecodeSumImpl(ffi::Buffer<ffi::U8> payloads, ffi::ResultBuffer<ffi::F
                                             n == 0 ? 0 : out->element_count() / n, &s);
       e.failure())
     return e;
+  const qcomm::cpu::WholeRows whole =
+      qcomm::cpu::whole_rows(payloads.typed_data(), s.rows * s.k, s.bytes, s.bytes);
   for (int64_t r = 0; r < s.rows; ++r)
-    qcomm::cpu::decode_sum(payloads.typed_data() + r * s.k * s.bytes, s.k, s.bytes, s.n,
-                           CpuParams(p), out->typed_data() + r * s.n);
+    qcomm::cpu::decode_sum(whole.pieces(), r * s.k, s.k, s.n, CpuParams(p),
+                           out->typed_data() + r * s.n);
   return ffi::Error::Success();
 }
 
@@ -194,12 +196,96 @@ struct LeafList {
   }
 };
 
-ffi::Error InputLeaves(const ffi::RemainingArgs& args, int64_t bucket, LeafList<const float>* out) {
-  for (size_t i = 0; i < args.size(); ++i) {
+ffi::Error InputLeaves(const ffi::RemainingArgs& args, int64_t bucket, LeafList<const float>* out,
+                       size_t first = 0) {
+  for (size_t i = first; i < args.size(); ++i) {
     ffi::ErrorOr<ffi::Buffer<ffi::F32>> leaf = args.get<ffi::Buffer<ffi::F32>>(i);
     if (leaf.has_error()) return leaf.error();
     out->add(leaf->typed_data(), static_cast<int64_t>(leaf->element_count()), bucket);
   }
+  return ffi::Error::Success();
+}
+
+// Payload rows in pieces (kernels/qsgd_cpu.h, Pieces) from the buffers that hold them, operands or
+// results, in order: each u8[r, width] (or u8[width], r = 1) is a whole piece (r = rows) or one
+// row of a piece (r = 1), the rows of a piece consecutive and in order. `pieces` points into
+// `data` and `end`.
+struct PieceList {
+  std::vector<uint8_t*> data;
+  std::vector<int64_t> end;
+  qcomm::cpu::Pieces pieces{};
+  int64_t open = 0, width = 0;  // rows gathered of the piece being read, and its width
+
+  ffi::Error add(uint8_t* buffer, ffi::Span<const int64_t> dims, int64_t rows) {
+    const int64_t r = dims.size() == 2 ? dims[0] : 1;
+    const int64_t w = dims.size() == 0 ? 0 : dims.back();
+    if (dims.size() < 1 || dims.size() > 2 || w < 1 || (r != rows && r != 1))
+      return ffi::Error::InvalidArgument(
+          "each piece must be u8[rows, width >= 1], or u8[1, width] for one row of a piece");
+    if (open > 0 && w != width)
+      return ffi::Error::InvalidArgument("the rows of a piece must have the same width");
+    for (int64_t j = 0; j < r; ++j) data.push_back(buffer + j * w);
+    open += r;
+    width = w;
+    if (open == rows) {
+      end.push_back((end.empty() ? 0 : end.back()) + w);
+      open = 0;
+    }
+    return ffi::Error::Success();
+  }
+  ffi::Error finish(int64_t rows, int64_t bytes) {
+    if (open != 0 || end.empty())
+      return ffi::Error::InvalidArgument("a piece must have every row");
+    if (end.back() != bytes)
+      return ffi::Error::InvalidArgument("the pieces' widths must add up to the payload size");
+    pieces = {data.data(), end.data(), static_cast<int64_t>(end.size()), rows};
+    return ffi::Error::Success();
+  }
+};
+
+// Operands [first, first + count): the pieces of `rows` payloads of `bytes` each.
+ffi::Error InputPieces(const ffi::RemainingArgs& args, size_t first, size_t count, int64_t rows,
+                       int64_t bytes, PieceList* out) {
+  if (rows < 1) return ffi::Error::InvalidArgument("rows must be >= 1");
+  if (count < 1 || first + count > args.size())
+    return ffi::Error::InvalidArgument("the payloads must be in at least one operand");
+  for (size_t q = first; q < first + count; ++q) {
+    ffi::ErrorOr<ffi::Buffer<ffi::U8>> piece = args.get<ffi::Buffer<ffi::U8>>(q);
+    if (piece.has_error()) return piece.error();
+    if (ffi::Error e = out->add(piece->typed_data(), piece->dimensions(), rows); e.failure())
+      return e;
+  }
+  return out->finish(rows, bytes);
+}
+
+// Every result: the pieces of `rows` payloads of `bytes` each.
+ffi::Error OutputPieces(const ffi::RemainingRets& rets, int64_t rows, int64_t bytes,
+                        PieceList* out) {
+  if (rows < 1) return ffi::Error::InvalidArgument("rows must be >= 1");
+  for (size_t q = 0; q < rets.size(); ++q) {
+    ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::U8>>> piece = rets.get<ffi::Buffer<ffi::U8>>(q);
+    if (piece.has_error()) return piece.error();
+    if (ffi::Error e = out->add((*piece)->typed_data(), (*piece)->dimensions(), rows); e.failure())
+      return e;
+  }
+  return out->finish(rows, bytes);
+}
+
+// pieces... (PieceList) -> out[rows, n] f32: each row's payload, its bytes the pieces' in order,
+// decoded where the pieces lie.
+ffi::Error QsgdDecodePiecesImpl(ffi::RemainingArgs pieces, ffi::ResultBuffer<ffi::F32> out,
+                                int32_t bits, int32_t bucket_size, int32_t scheme) {
+  const common::Params p{bits, bucket_size, scheme, qcomm::kNearest};
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
+  const auto dims = out->dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("out must be [rows, n]");
+  PieceList m;
+  if (ffi::Error e = InputPieces(pieces, 0, pieces.size(), dims[0],
+                                 qcomm::payload_bytes(dims[1], bucket_size, bits, scheme), &m);
+      e.failure())
+    return e;
+  for (int64_t r = 0; r < dims[0]; ++r)
+    qcomm::cpu::decode_sum(m.pieces, r, 1, dims[1], CpuParams(p), out->typed_data() + r * dims[1]);
   return ffi::Error::Success();
 }
 
@@ -220,20 +306,21 @@ ffi::Error QsgdLeavesInput(const common::Params& p, int64_t n, const ffi::Remain
   return InputLeaves(leaves, p.bucket, x);
 }
 
-// seed[rows, 2] u32, skip[] s32, leaves... f32 -> payloads[rows, P] u8: QSGD's encode of the rows
-// of n values of the packed buffer that the leaves span (each padded to whole buckets), zeros
-// after them; row `skip` (-1: none) is zeros.
+// seed[rows, 2] u32, skip[] s32, leaves... f32 -> the pieces (PieceList) of payloads[rows, P] u8:
+// QSGD's encode of the rows of n values of the packed buffer that the leaves span (each padded to
+// whole buckets), zeros after them; row `skip` (-1: none) is zeros.
 ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> skip,
-                                ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::U8> payloads,
+                                ffi::RemainingArgs leaves, ffi::RemainingRets payloads,
                                 int32_t bits, int32_t bucket_size, int32_t scheme, int32_t rounding,
-                                int64_t n) {
+                                int64_t n, int64_t rows) {
   const common::Params p{bits, bucket_size, scheme, rounding};
   LeafList<const float> x;
   if (ffi::Error e = QsgdLeavesInput(p, n, leaves, &x); e.failure()) return e;
-  const int64_t bytes = qcomm::payload_bytes(n, bucket_size, bits, scheme);
-  if (common::LastDim(payloads->dimensions()) != bytes)
-    return ffi::Error::InvalidArgument("payload size does not match n");
-  const int64_t rows = payloads->element_count() / bytes;
+  PieceList out;
+  if (ffi::Error e = OutputPieces(payloads, rows, qcomm::payload_bytes(n, bucket_size, bits, scheme),
+                                  &out);
+      e.failure())
+    return e;
   if (x.start.back() > rows * n)
     return ffi::Error::InvalidArgument("the leaves hold more than rows * n elements");
   if (seed.element_count() != 2 * rows)
@@ -242,39 +329,43 @@ ffi::Error QsgdEncodeLeavesImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32
   if (skipped.has_error()) return skipped.error();
   if (*skipped < -1 || *skipped >= rows)
     return ffi::Error::InvalidArgument("skip must be -1 or a row index");
-  qcomm::cpu::encode_leaves(x.leaves(), rows, n, *skipped, seed.typed_data(), CpuParams(p),
-                            payloads->typed_data());
+  qcomm::cpu::encode_leaves(x.leaves(), n, *skipped, seed.typed_data(), CpuParams(p), out.pieces);
   return ffi::Error::Success();
 }
 
-// payloads[k, P] u8, seed[2] u32, slot[] s32, row[] s32, leaves... f32 -> payload[P] u8:
+// seed[2] u32, slot[] s32, row[] s32, then the first `pieces` operands the pieces (PieceList) of
+// k = `rows` payloads, then leaves... f32 -> the pieces of payload[P] u8 (one row):
 // encode((v_0 + ... + v_{k-1}) * scale), v_j the decode of payload j but v_slot row `row` of the
 // leaves' packed buffer (n values per row), exact.
-ffi::Error QsgdDecodeSumReencodeOwnImpl(ffi::Buffer<ffi::U8> payloads, ffi::Buffer<ffi::U32> seed,
-                                        ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> row,
-                                        ffi::RemainingArgs leaves,
-                                        ffi::ResultBuffer<ffi::U8> payload,
-                                        int32_t bits, int32_t bucket_size, int32_t scheme,
-                                        int32_t rounding, int64_t n, float scale) {
+ffi::Error QsgdDecodeSumReencodeOwnImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> slot,
+                                        ffi::Buffer<ffi::S32> row, ffi::RemainingArgs operands,
+                                        ffi::RemainingRets payload, int32_t bits,
+                                        int32_t bucket_size, int32_t scheme, int32_t rounding,
+                                        int64_t n, float scale, int64_t rows, int64_t pieces) {
   const common::Params p{bits, bucket_size, scheme, rounding};
-  LeafList<const float> own;
-  if (ffi::Error e = QsgdLeavesInput(p, n, leaves, &own); e.failure()) return e;
+  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
+  if (n <= 0 || n % p.bucket != 0)
+    return ffi::Error::InvalidArgument("n must be a positive multiple of bucket_size");
+  if (pieces < 1) return ffi::Error::InvalidArgument("pieces must be >= 1");
   const int64_t bytes = qcomm::payload_bytes(n, bucket_size, bits, scheme);
-  const auto dims = payloads.dimensions();
-  if (dims.size() != 2 || dims[1] != bytes || payload->element_count() != bytes)
-    return ffi::Error::InvalidArgument(
-        "payloads must be [k, payload_bytes(n)] and the result one payload");
-  const int64_t k = dims[0];
+  PieceList m, out;
+  if (ffi::Error e = InputPieces(operands, 0, static_cast<size_t>(pieces), rows, bytes, &m);
+      e.failure())
+    return e;
+  LeafList<const float> own;
+  if (ffi::Error e = InputLeaves(operands, p.bucket, &own, static_cast<size_t>(pieces));
+      e.failure())
+    return e;
+  if (ffi::Error e = OutputPieces(payload, 1, bytes, &out); e.failure()) return e;
   if (seed.element_count() != 2)
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words");
   ffi::ErrorOr<int64_t> s = ScalarIndex(slot, "slot"), r = ScalarIndex(row, "row");
   if (s.has_error()) return s.error();
   if (r.has_error()) return r.error();
-  if (*s < 0 || *s >= k) return ffi::Error::InvalidArgument("slot must index a payload");
+  if (*s < 0 || *s >= rows) return ffi::Error::InvalidArgument("slot must index a payload");
   if (*r < 0) return ffi::Error::InvalidArgument("row must be >= 0");  // past the leaves: zeros
-  qcomm::cpu::decode_sum_reencode_own(payloads.typed_data(), k, bytes, *s, own.leaves(), *r, n,
-                                      scale, seed.typed_data(), CpuParams(p),
-                                      payload->typed_data());
+  qcomm::cpu::decode_sum_reencode_own(m.pieces, *s, own.leaves(), *r, n, scale, seed.typed_data(),
+                                      CpuParams(p), out.pieces);
   return ffi::Error::Success();
 }
 
@@ -571,16 +662,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeLeaves, QsgdEncodeLeavesImpl,
                                                   .Arg<ffi::Buffer<ffi::U32>>()
                                                   .Arg<ffi::Buffer<ffi::S32>>()
                                                   .RemainingArgs()
-                                                  .Ret<ffi::Buffer<ffi::U8>>()));
+                                                  .RemainingRets())
+                                  .Attr<int64_t>("rows"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumReencodeOwn, QsgdDecodeSumReencodeOwnImpl,
                               QsgdLeavesAttrs(ffi::Ffi::Bind()
-                                                  .Arg<ffi::Buffer<ffi::U8>>()
                                                   .Arg<ffi::Buffer<ffi::U32>>()
                                                   .Arg<ffi::Buffer<ffi::S32>>()
                                                   .Arg<ffi::Buffer<ffi::S32>>()
                                                   .RemainingArgs()
-                                                  .Ret<ffi::Buffer<ffi::U8>>())
-                                  .Attr<float>("scale"));
+                                                  .RemainingRets())
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("pieces"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodePieces, QsgdDecodePiecesImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bucket_size")
+                                  .Attr<int32_t>("scheme"));
 // The QSGD handlers on chunks: the format's attributes, the devices and each leaf's (pre, chunk).
 template <typename B>
 auto QsgdChunksAttrs(B&& binding) {
@@ -642,6 +742,7 @@ NB_MODULE(_qcomm_cpu, m) {
     d["qcomm_qsgd_encode_leaves"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeLeaves));
     d["qcomm_qsgd_decode_sum_reencode_own"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodeSumReencodeOwn));
+    d["qcomm_qsgd_decode_pieces"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdDecodePieces));
     d["qcomm_qsgd_encode_chunks"] = nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeChunks));
     d["qcomm_qsgd_encode_differences"] =
         nb::capsule(reinterpret_cast<void*>(QcommQsgdEncodeDifferences));

@@ -406,7 +406,8 @@ class Codec(abc.ABC):
 
   def _scatter_reduce_allgather(self, x, axis_name, key, op, exchange):
     """The SRA of :meth:`allreduce_flat`: ``(out, residual, gathered, c)``, ``gathered`` the D
-    reduced chunk payloads of ``c`` values each that every device decodes (the same everywhere)."""
+    reduced chunk payloads of ``c`` values each that every device decodes (the same everywhere),
+    as the pieces they travelled in."""
     n = x.shape[0]
     d = axis_size(axis_name)
     flat = _pad_to(x, self.buffer_length(n, d))  # one leaf of whole buckets: its own packed buffer
@@ -426,45 +427,63 @@ class Codec(abc.ABC):
 
   def _sra_rows(self, parts, d, c, axis_name, key, op, exchange):
     """The SRA of the D rows of ``c`` values of the parts' packed buffer (:meth:`_packed_rows`):
-    ``(out float32[D * c], residual float32[D * c], gathered, c)``. Each device encodes the rows
+    ``(out float32[D * c], residual float32[D * c], gathered, c)``, ``gathered`` the D reduced
+    rows' payloads in the pieces they travelled in. Each device encodes the rows
     (:meth:`_encode_packed_rows`), sends row j to device j, reduces what it received
-    (:meth:`_reduce_received`) and gathers the reduced rows. Where :attr:`_own_row_exact`, its own
+    (:meth:`_reduce_received`), gathers the reduced rows and decodes them (:meth:`_decode_pieces`).
+    Where :attr:`_own_row_exact`, its own
     row is not encoded: the reduction adds it exactly, and its residual is 0."""
     me = lax.axis_index(axis_name)
     chunks = self._packed_rows(parts, d, c)  # read by the residual only, where it is wanted
-    payloads = self._encode_packed_rows(parts, d, c, device_key(key, axis_name, 0),
-                                        skip=me if self._own_row_exact else None)
-    residual = chunks - self._decode_rows(payloads, c)
+    payloads = self._encode_packed_pieces(parts, d, c, device_key(key, axis_name, 0),
+                                          skip=me if self._own_row_exact else None)
+    residual = chunks - self._decode_rows(_exchange.joined(payloads), c)
     if self._own_row_exact:
       residual = jnp.where((jnp.arange(d) == me)[:, None], jnp.float32(0), residual)
-    received = _exchange.exchange(payloads, axis_name, exchange)  # row s: my chunk from device s
+    # row s: my chunk from device s, in the pieces it travelled in
+    received = _exchange.exchange_pieces(payloads, axis_name, exchange)
     scale = 1.0 / d if op == "mean" else 1.0
     mine = self._reduce_received(received, parts, chunks, me, c,
                                  device_key(key, axis_name, 1), scale)
-    gathered = _exchange.gather(mine, axis_name)  # [D, W], the same everywhere
-    return self._decode_rows(gathered, c).reshape(-1), residual.reshape(-1), gathered, c
+    gathered = _exchange.gather_pieces(mine, axis_name)  # [D, W] in pieces, the same everywhere
+    return self._decode_pieces(gathered, c).reshape(-1), residual.reshape(-1), gathered, c
 
   #: Whether the SRA leaves each device's own row unquantised in its first half (QSGD); the
   #: default encodes every row and :meth:`_reduce_received` decodes all D.
   _own_row_exact = False
 
   def _reduce_received(self, received, parts, chunks, me, c, key, scale):
-    """The SRA's middle: the D payloads this device received (row s from device s) -> its reduced
-    row's payload. Default: :meth:`wire_decode_sum_reencode` of all D. A codec with
+    """The SRA's middle: the D payloads this device received (row s from device s), as the pieces
+    they travelled in (:func:`jax_qcomm._exchange.exchange_pieces`) -> its reduced row's payload.
+    Default: :meth:`wire_decode_sum_reencode` of all D, joined. A codec with
     :attr:`_own_row_exact` sums its own row (row ``me`` of ``chunks``, the packed rows of
-    ``parts``) in place of ``received[me]``."""
-    del parts, chunks, me
-    return self.wire_decode_sum_reencode(received, c, key, scale)
+    ``parts``) in place of ``received[me]``. The payload is cut as it travels
+    (:func:`jax_qcomm._exchange.cut`)."""
+    del parts, me
+    mine = self.wire_decode_sum_reencode(_exchange.joined(received), c, key, scale)
+    return _exchange.cut(mine, 0, chunks.shape[0])
+
+  def _decode_pieces(self, pieces, c: int) -> jax.Array:
+    """Payload rows of ``c`` values as the pieces they travelled in (:func:`jax_qcomm._exchange.
+    gather_pieces`) -> float32[rows, c]. Default: :meth:`_decode_rows` of the rows joined; a codec
+    whose kernel reads the pieces where they lie overrides it (QSGD on CPU)."""
+    return self._decode_rows(_exchange.joined(pieces), c)
 
   def _packed_rows(self, parts: Sequence[jax.Array], d: int, c: int) -> jax.Array:
     """[float32[n_i]] -> float32[d, c]: :func:`concat_leaves` of the parts, zeros to d * c."""
     return _pad_to(concat_leaves(parts, self), d * c).reshape(d, c)
 
+  def _encode_packed_pieces(self, parts: Sequence[jax.Array], d: int, c: int,
+                            key: jax.Array | None, skip: jax.Array | None = None) -> list:
+    """:meth:`_encode_packed_rows` cut as the rows travel (:func:`jax_qcomm._exchange.cut`). A
+    codec whose kernel writes the pieces where they travel from overrides it (QSGD on CPU)."""
+    return _exchange.cut(self._encode_packed_rows(parts, d, c, key, skip), 1, d)
+
   def _encode_packed_rows(self, parts: Sequence[jax.Array], d: int, c: int,
                           key: jax.Array | None, skip: jax.Array | None = None) -> jax.Array:
     """wire[d, W]: :meth:`_encode_rows` of :meth:`_packed_rows`. Row ``skip`` (a traced index,
     or None) is never read: a codec may leave it unencoded. A codec whose kernel reads the leaves
-    where they lie overrides it with the same bytes (QSGD on CPU)."""
+    where they lie overrides :meth:`_encode_packed_pieces` with the same bytes (QSGD on CPU)."""
     del skip
     return self._encode_rows(self._packed_rows(parts, d, c), key)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_qcomm import _ffi, _reference, wire
+from jax_qcomm import _exchange, _ffi, _reference, wire
 from jax_qcomm._checks import check_int, check_int_in
 from jax_qcomm.codecs.base import _sum_in_order
 from jax_qcomm.codecs.bucketed import _Bucketed
@@ -226,54 +226,83 @@ class QSGD(_Bucketed):
   # re-encode), where the other rows are quantised twice, and one encode and one decode fewer.
   _own_row_exact = True
 
-  def _encode_packed_rows(self, parts, d, c, key, skip=None):
+  def _encode_packed_pieces(self, parts, d, c, key, skip=None):
     """On CPU one kernel reads the rows of the packed buffer from the leaves themselves (no
-    packed copy: ResNet-50's 25.6M values take 10 ms to copy on one core) and leaves row ``skip``
-    as zeros; elsewhere the packed rows' encode (every row: ``skip`` is not read)."""
+    packed copy: ResNet-50's 25.6M values take 10 ms to copy on one core), writes them in the
+    pieces they travel in (no slices) and leaves row ``skip`` as zeros; elsewhere the packed
+    rows' encode (every row: ``skip`` is not read), cut."""
     if c == 0 or self.needs_key and key is None:  # (the packed path says what is wrong)
-      return super()._encode_packed_rows(parts, d, c, key)
+      return super()._encode_packed_pieces(parts, d, c, key)
     seeds = (jnp.zeros((d, 2), jnp.uint32) if key is None
              else jax.vmap(self._seed)(jax.random.split(key, d)))
     skip = jnp.int32(-1) if skip is None else jnp.asarray(skip, jnp.int32)
     kw = dict(rounding=self.rounding, **self._fmt)
-    return self._select(lambda s, k, *ps: _ffi.qsgd_encode_leaves(ps, s, c, k, **kw),
-                        lambda s, k, *ps: super(QSGD, self)._encode_packed_rows(ps, d, c, key),
-                        seeds, skip, *parts, only=("cpu",))
+    widths = _exchange.piece_widths(self.payload_size(c), 1, d)
+    return self._select(
+        lambda s, k, *ps: _ffi.qsgd_encode_leaves(ps, s, c, k, widths=widths, **kw),
+        lambda s, k, *ps: super(QSGD, self)._encode_packed_pieces(ps, d, c, key),
+        seeds, skip, *parts, only=("cpu",))
 
   def _reduce_received(self, received, parts, chunks, me, c, key, scale):
-    """encode((v_0 + ... + v_{D-1}) * scale), summed in order, v_s the decode of ``received[s]``
-    but v_me this device's own row, exact. On CPU one kernel, reading the row from the leaves
-    where they lie; elsewhere the decodes, a select and the re-encode (the same bytes)."""
+    """encode((v_0 + ... + v_{D-1}) * scale), summed in order, v_s the decode of row s of the
+    received pieces but v_me this device's own row, exact, cut as it travels. On CPU one kernel,
+    reading the pieces and the leaves where they lie and writing the pieces; elsewhere the
+    decodes, a select and the re-encode (the same bytes)."""
     if c == 0:
       return super()._reduce_received(received, parts, chunks, me, c, key, scale)
-    d = received.shape[0]
+    d = chunks.shape[0]
+    blocks = [b for piece in received for b in piece]
+    k = len(blocks)
+    widths = _exchange.piece_widths(self.payload_size(c), 1, d)
     kw = dict(rounding=self.rounding, **self._fmt)
 
-    def composed(p, s, slot, *ps):
-      del s, ps
+    def composed(s, slot, *ops):
+      del s
       own = lax.dynamic_index_in_dim(chunks, slot, keepdims=False)
-      vals = jnp.where((jnp.arange(d) == slot)[:, None], own[None], self._decode_rows(p, c))
+      decoded = self._decode_rows(_exchange.joined(_blocks_as_pieces(ops[:k], received)), c)
+      vals = jnp.where((jnp.arange(d) == slot)[:, None], own[None], decoded)
       reduced = _sum_in_order(vals)
       if scale != 1.0:
         reduced = reduced * jnp.float32(scale)
-      return self.wire_encode(reduced, key)
+      return _exchange.cut(self.wire_encode(reduced, key), 0, d)
 
     if self.needs_key and key is None:
-      return composed(received, None, me)
+      return composed(None, me, *blocks)
     return self._select(
-        lambda p, s, slot, *ps: _ffi.qsgd_decode_sum_reencode_own(p, s, slot, ps, slot, c, scale,
-                                                                  **kw),
-        composed, received, self._seed(key), jnp.asarray(me, jnp.int32), *parts, only=("cpu",))
+        lambda s, slot, *ops: _ffi.qsgd_decode_sum_reencode_own(
+            ops[:k], s, slot, ops[k:], slot, c, scale, rows=d, widths=widths, **kw),
+        composed, self._seed(key), jnp.asarray(me, jnp.int32), *blocks, *parts, only=("cpu",))
 
-  def _headers_mark(self, payloads: jax.Array, n: int) -> jax.Array:
-    """0, or NaN where a payload of ``n`` values (rows of ``payloads``) has a non-finite bucket:
-    a header word whose float bits, the step word's low byte (its exponent k) cleared, are NaN or
-    Inf (finite buckets store a finite min and a finite step there)."""
-    words = wire.num_buckets(n, self.bucket_size) * (2 if self.scheme == "maxmin" else 1)
-    head = lax.bitcast_convert_type(
-        payloads[:, :4 * words].reshape(payloads.shape[0], words, 4), jnp.uint32)
-    bad = jnp.any((head & jnp.uint32(0x7FFFFF00)) >= jnp.uint32(0x7F800000))
-    return jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0))
+  def _decode_pieces(self, pieces, c):
+    """On CPU one kernel reads the rows where the pieces lie (no joined copy of the message);
+    elsewhere the rows joined and decoded."""
+    if c == 0:
+      return super()._decode_pieces(pieces, c)
+    blocks = [b for piece in pieces for b in piece]
+    rows = sum(b.shape[0] for b in pieces[0])
+    return self._select(
+        lambda *bs: _ffi.qsgd_decode_pieces(bs, c, rows=rows, **self._fmt),
+        lambda *bs: super(QSGD, self)._decode_pieces(_blocks_as_pieces(bs, pieces), c), *blocks,
+        only=("cpu",))
+
+  def _headers_mark(self, pieces, n: int) -> jax.Array:
+    """0, or NaN where a payload of ``n`` values (rows of the ``pieces``: the payloads cut along
+    their bytes, as :func:`jax_qcomm._exchange.gather_pieces` gives them) has a non-finite
+    bucket: a header word whose float bits, the step word's low byte (its exponent k) cleared,
+    are NaN or Inf (finite buckets store a finite min and a finite step there). Read in each
+    piece that holds header words, where it lies."""
+    head_bytes = 4 * wire.num_buckets(n, self.bucket_size) * (2 if self.scheme == "maxmin" else 1)
+    pieces = [[p] if isinstance(p, jax.Array) else list(p) for p in pieces]
+    if any(p[0].shape[1] % 4 for p in pieces[:-1]):  # a piece splits a word: read them joined
+      pieces = [[_exchange.joined(pieces)]]
+    bad, start = [jnp.bool_(False)], 0
+    for blocks in pieces:
+      take = min(blocks[0].shape[1], head_bytes - start)
+      for b in blocks if take > 0 else ():
+        head = lax.bitcast_convert_type(b[:, :take].reshape(b.shape[0], take // 4, 4), jnp.uint32)
+        bad.append(jnp.any((head & jnp.uint32(0x7FFFFF00)) >= jnp.uint32(0x7F800000)))
+      start += blocks[0].shape[1]
+    return jnp.where(jnp.any(jnp.stack(bad)), jnp.float32(jnp.nan), jnp.float32(0))
 
   def wire_decode_sum_reencode(self, payloads, n, key, scale=1.0):
     # One kernel on the FFI platforms (CPU, CUDA); the pure-JAX reference composes the three steps.
@@ -291,3 +320,12 @@ class QSGD(_Bucketed):
 
     return self._select(
         lambda p, s: _ffi.qsgd_decode_sum_reencode(p, s, n, scale, **kw), reference, payloads, seed)
+
+
+def _blocks_as_pieces(blocks, like):
+  """The flat ``blocks`` back in the nested pieces of ``like`` (a list of lists of blocks)."""
+  out, i = [], 0
+  for piece in like:
+    out.append(list(blocks[i:i + len(piece)]))
+    i += len(piece)
+  return out

@@ -2,15 +2,19 @@
 this folder: per codec the median over the runs of each run's median, with the lowest and highest,
 and the median over the runs of each run's median per-round ratio.
 
-    python notebooks/data/sync_update_2n_1gbit_20261128/summarise.py 1 2 3
+    python notebooks/data/sync_update_2n_1gbit_20261128/summarise.py [FOLDER] 1 2 3
+
+FOLDER (default: this one) holds the runs of run.sh, or of a copy of it that writes elsewhere.
 """
 import json
 import pathlib
 import statistics
 import sys
 
-HERE = pathlib.Path(__file__).parent
-runs = sys.argv[1:] or ["1", "2", "3"]
+args = sys.argv[1:]
+HERE = pathlib.Path(args.pop(0)) if args and pathlib.Path(args[0]).is_dir() \
+    else pathlib.Path(__file__).parent
+runs = args or ["1", "2", "3"]
 jax = [{r["codec"]: r for r in json.load(open(HERE / f"jax_{i}.json"))["rows"]} for i in runs]
 
 
