@@ -428,11 +428,11 @@ class Codec(abc.ABC):
   def _sra_rows(self, parts, d, c, axis_name, key, op, exchange):
     """The SRA of the D rows of ``c`` values of the parts' packed buffer (:meth:`_packed_rows`):
     ``(out float32[D * c], residual float32[D * c], gathered, c)``, ``gathered`` the D reduced
-    rows' payloads in the pieces they travelled in. Each device encodes the rows
-    (:meth:`_encode_packed_rows`), sends row j to device j, reduces what it received
-    (:meth:`_reduce_received`), gathers the reduced rows and decodes them (:meth:`_decode_pieces`).
-    Where :attr:`_own_row_exact`, its own
-    row is not encoded: the reduction adds it exactly, and its residual is 0."""
+    rows' payloads in the pieces they travelled in. Each device encodes the rows in the pieces
+    they travel in (:meth:`_encode_packed_pieces`), sends row j to device j, reduces what it
+    received (:meth:`_reduce_received`), gathers the reduced rows and decodes them
+    (:meth:`_decode_pieces`). Where :attr:`_own_row_exact`, its own row is not encoded: the
+    reduction adds it exactly, and its residual is 0."""
     me = lax.axis_index(axis_name)
     chunks = self._packed_rows(parts, d, c)  # read by the residual only, where it is wanted
     payloads = self._encode_packed_pieces(parts, d, c, device_key(key, axis_name, 0),
