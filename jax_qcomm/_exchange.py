@@ -206,16 +206,17 @@ def exchange_pieces(pieces: Sequence[jax.Array], axis_name: AxisName,
   the whole message."""
   check_method(method)
   d = pieces[0].shape[0]
+  by_rows = d <= 2  # whether one lax.all_to_all moves each piece (exchange_rounds at d <= 2)
   if method == "rounds":
     one = lambda r: exchange_rounds(r, axis_name)  # noqa: E731
   # "auto" in one process, where collectives are memory copies: one all-to-all is cheaper
   elif method == "all_to_all" or jax.process_count() == 1:
     one = lambda r: lax.all_to_all(r, axis_name, 0, 0, tiled=True)  # noqa: E731
+    by_rows = True
   else:
     one = lambda r: lax.platform_dependent(  # noqa: E731
         r, cpu=lambda q: exchange_rounds(q, axis_name),
         default=lambda q: lax.all_to_all(q, axis_name, 0, 0, tiled=True))
-  by_rows = d <= 2 or method == "all_to_all" or jax.process_count() == 1  # one lax.all_to_all
   got = [one(r) for r in pieces]
   return [[g[j:j + 1] for j in range(d)] if by_rows else [g] for g in got]
 

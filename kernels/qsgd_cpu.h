@@ -33,7 +33,6 @@ struct Pieces {
   int64_t rows;
 
   int64_t begin(int64_t q) const { return q == 0 ? 0 : end[q - 1]; }
-  int64_t bytes() const { return count == 0 ? 0 : end[count - 1]; }
   uint8_t* row(int64_t q, int64_t j) const { return data[q * rows + j]; }
 };
 

@@ -161,25 +161,21 @@ struct BucketScratch {
   }
 };
 
-// Bytes [o, o + len) of row j of `m` (o + len <= m.bytes()): a pointer into the piece that holds
-// them, or `scratch` (len bytes) holding them, gathered from the pieces they span. `q` is a cursor,
-// the piece of the previous access: the offsets accessed through one cursor must not decrease.
-inline const uint8_t* piece_bytes(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, int64_t len,
-                                  int64_t* q, uint8_t* scratch) {
-  while (m.end[*q] <= o) ++*q;
-  int64_t lo = m.begin(*q);
-  if (o + len <= m.end[*q]) return m.row(*q, j) + (o - lo);
-  for (int64_t r = *q, done = 0; done < len; ++r) {
-    lo = m.begin(r);
-    const int64_t take = std::min(len - done, m.end[r] - (o + done));
-    memcpy(scratch + done, m.row(r, j) + (o + done - lo), take);
+// Calls f(at, done, take) for each part of bytes [o, o + len) of row j of `m` that lies in one
+// piece, from piece q on: `take` bytes at `at`, bytes [o + done, o + done + take) of the row.
+template <typename F>
+inline void piece_spans(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, int64_t len, int64_t q,
+                        F f) {
+  for (int64_t done = 0; done < len; ++q) {
+    const int64_t take = std::min(len - done, m.end[q] - (o + done));
+    f(m.row(q, j) + (o + done - m.begin(q)), done, take);
     done += take;
   }
-  return scratch;
 }
 
-// Where to write bytes [o, o + len) of row j of `m`: a pointer into the piece that holds them, or
-// `scratch`, which piece_write_back then copies to the pieces they span. `q`: as piece_bytes.
+// Where bytes [o, o + len) of row j of `m` lie (o + len <= the bytes of a row): a pointer into the
+// piece that holds them all, or `scratch` where they span several. `q` is a cursor, the piece of
+// the previous access: the offsets accessed through one cursor must not decrease.
 inline uint8_t* piece_target(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, int64_t len,
                              int64_t* q, uint8_t* scratch) {
   while (m.end[*q] <= o) ++*q;
@@ -187,19 +183,31 @@ inline uint8_t* piece_target(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, 
   return scratch;
 }
 
+// Bytes [o, o + len) of row j of `m` to read: piece_target, the scratch filled from the pieces.
+inline const uint8_t* piece_bytes(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, int64_t len,
+                                  int64_t* q, uint8_t* scratch) {
+  const uint8_t* at = piece_target(m, j, o, len, q, scratch);
+  if (at == scratch) {
+    piece_spans(m, j, o, len, *q, [&](const uint8_t* p, int64_t done, int64_t take) {
+      memcpy(scratch + done, p, take);
+    });
+  }
+  return at;
+}
+
+// After writing bytes [o, o + len) of row j at `target` (piece_target's answer, cursor q): the
+// scratch copied to the pieces they span.
 inline void piece_write_back(const qcomm::cpu::Pieces& m, int64_t j, int64_t o, int64_t len,
                              int64_t q, const uint8_t* target, const uint8_t* scratch) {
   if (target != scratch) return;  // written in place
-  for (int64_t r = q, done = 0; done < len; ++r) {
-    const int64_t take = std::min(len - done, m.end[r] - (o + done));
-    memcpy(m.row(r, j) + (o + done - m.begin(r)), scratch + done, take);
-    done += take;
-  }
+  piece_spans(m, j, o, len, q,
+              [&](uint8_t* p, int64_t done, int64_t take) { memcpy(p, scratch + done, take); });
 }
 
 // Zeros in row j of every piece of `m`.
 inline void piece_zero_row(const qcomm::cpu::Pieces& m, int64_t j) {
-  for (int64_t q = 0; q < m.count; ++q) std::fill(m.row(q, j), m.row(q, j) + (m.end[q] - m.begin(q)), uint8_t{0});
+  for (int64_t q = 0; q < m.count; ++q)
+    std::fill(m.row(q, j), m.row(q, j) + (m.end[q] - m.begin(q)), uint8_t{0});
 }
 
 // The cursors and scratch of accessing one bucket's header and codes in each row of Pieces.
@@ -342,9 +350,9 @@ inline void decode_bucket(const uint8_t* header, const uint8_t* __restrict codes
 }
 
 // Decodes bucket b of the payloads of nb buckets at byte `base` of rows first .. first + k - 1 of
-// `m` into ob[0, B) (the first written, the rest
-// added, in order j = 0, 1, ...); term `slot` (-1: none) is `exact`, B float32 values, instead of
-// the decode of row first + slot. Buckets are read in increasing b (the cursors of `reads`).
+// `m` into ob[0, B) (the first written, the rest added, in order j = 0, 1, ...); term `slot` (-1:
+// none) is `exact`, B float32 values, instead of the decode of row first + slot. Buckets are read
+// in increasing b (the cursors of `reads`).
 template <int BITS, int SCHEME>
 inline void decode_sum_bucket(const qcomm::cpu::Pieces& m, int64_t first, int64_t k, int64_t base,
                               int64_t nb, int64_t b, int64_t B, PieceCursors& reads,

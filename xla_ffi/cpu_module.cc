@@ -297,13 +297,13 @@ ffi::ErrorOr<int64_t> ScalarIndex(ffi::Buffer<ffi::S32> index, const char* name)
 }
 
 // The checks both QSGD handlers on leaves share: the format, the row length n (whole buckets) and
-// the leaves themselves (into `x`).
+// the leaves themselves, operands `first` on (into `x`).
 ffi::Error QsgdLeavesInput(const common::Params& p, int64_t n, const ffi::RemainingArgs& leaves,
-                           LeafList<const float>* x) {
+                           LeafList<const float>* x, size_t first = 0) {
   if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
   if (n <= 0 || n % p.bucket != 0)
     return ffi::Error::InvalidArgument("n must be a positive multiple of bucket_size");
-  return InputLeaves(leaves, p.bucket, x);
+  return InputLeaves(leaves, p.bucket, x, first);
 }
 
 // seed[rows, 2] u32, skip[] s32, leaves... f32 -> the pieces (PieceList) of payloads[rows, P] u8:
@@ -343,17 +343,14 @@ ffi::Error QsgdDecodeSumReencodeOwnImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<
                                         int32_t bucket_size, int32_t scheme, int32_t rounding,
                                         int64_t n, float scale, int64_t rows, int64_t pieces) {
   const common::Params p{bits, bucket_size, scheme, rounding};
-  if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
-  if (n <= 0 || n % p.bucket != 0)
-    return ffi::Error::InvalidArgument("n must be a positive multiple of bucket_size");
   if (pieces < 1) return ffi::Error::InvalidArgument("pieces must be >= 1");
+  LeafList<const float> own;
+  if (ffi::Error e = QsgdLeavesInput(p, n, operands, &own, static_cast<size_t>(pieces));
+      e.failure())
+    return e;
   const int64_t bytes = qcomm::payload_bytes(n, bucket_size, bits, scheme);
   PieceList m, out;
   if (ffi::Error e = InputPieces(operands, 0, static_cast<size_t>(pieces), rows, bytes, &m);
-      e.failure())
-    return e;
-  LeafList<const float> own;
-  if (ffi::Error e = InputLeaves(operands, p.bucket, &own, static_cast<size_t>(pieces));
       e.failure())
     return e;
   if (ffi::Error e = OutputPieces(payload, 1, bytes, &out); e.failure()) return e;
