@@ -182,6 +182,11 @@ def joined(pieces: Sequence, axis: int = 1) -> jax.Array:
   return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=axis)
 
 
+def blocks_of(pieces: Sequence) -> list[list[jax.Array]]:
+  """Pieces of rows, as :func:`joined` takes them, each as the list of blocks of its rows."""
+  return [[p] if isinstance(p, jax.Array) else list(p) for p in pieces]
+
+
 def _rows_joined(blocks: Sequence[jax.Array]) -> jax.Array:
   return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0)
 

@@ -206,26 +206,33 @@ def summable_encode_leaves(leaves, shared: jax.Array, seed: jax.Array, *, bits: 
                       **_attrs(bits, bucket_size, rounding=rounding, devices=np.int32(devices)))
 
 
+def _call_into_pieces(target: str, rows: int, size: int, widths, /, *operands, **attrs):
+  """``_call_leaves`` of a kernel that writes ``rows`` payloads of ``size`` bytes: uint8[rows,
+  size]; with ``widths`` (summing to ``size``), the rows cut along their bytes into pieces of those
+  widths, a list of uint8[rows, w], each made of its rows written apart (XLA hands them to an
+  all-to-all as they are)."""
+  if widths is None:
+    return _call_leaves(target, [jax.ShapeDtypeStruct((rows, size), jnp.uint8)], *operands,
+                        **attrs)[0]
+  out = _call_leaves(target,
+                     [jax.ShapeDtypeStruct((1, w), jnp.uint8) for w in widths for _ in range(rows)],
+                     *operands, **attrs)
+  return [jnp.concatenate(out[q * rows:(q + 1) * rows]) for q in range(len(widths))]
+
+
 def qsgd_encode_leaves(leaves, seeds: jax.Array, n: int, skip: jax.Array, *, bits: int,
                        bucket_size: int, scheme: str, rounding: str, widths=None):
   """float32 leaves, seeds: uint32[rows, 2], skip: int32[] -> uint8[rows, payload_bytes(n)]:
   ``qsgd_encode`` of each row of n values (a multiple of ``bucket_size``) of the leaves' packed
   buffer (each leaf padded to whole buckets with its last value for maxmin, 0 for norm, as
   ``concat_leaves`` pads it), zeros after the leaves up to rows * n; read in place. Row ``skip``
-  (-1: none) is zeros. With ``widths`` (summing to the payload's bytes), the rows cut along their
-  bytes into pieces of those widths, written in place: a list of uint8[rows, w], each made of
-  its rows written apart (XLA hands them to an all-to-all as they are)."""
+  (-1: none) is zeros. With ``widths`` (summing to the payload's bytes), the rows in pieces of
+  those widths, written in place (``_call_into_pieces``)."""
   rows = seeds.shape[0]
   size = wire.qsgd_payload_bytes(n, bits, bucket_size, scheme)
-  attrs = _attrs(bits, bucket_size, scheme, rounding, n=np.int64(n), rows=np.int64(rows))
-  if widths is None:
-    return _call_leaves("qcomm_qsgd_encode_leaves",
-                        [jax.ShapeDtypeStruct((rows, size), jnp.uint8)], seeds, skip, *leaves,
-                        **attrs)[0]
-  out = _call_leaves("qcomm_qsgd_encode_leaves",
-                     [jax.ShapeDtypeStruct((1, w), jnp.uint8) for w in widths for _ in range(rows)],
-                     seeds, skip, *leaves, **attrs)
-  return [jnp.concatenate(out[q * rows:(q + 1) * rows]) for q in range(len(widths))]
+  return _call_into_pieces("qcomm_qsgd_encode_leaves", rows, size, widths, seeds, skip, *leaves,
+                           **_attrs(bits, bucket_size, scheme, rounding, n=np.int64(n),
+                                    rows=np.int64(rows)))
 
 
 def qsgd_decode_sum_reencode_own(blocks, seed: jax.Array, slot: jax.Array, leaves,
@@ -275,65 +282,74 @@ def qsgd_chunks_row_bytes(pre, chunk, *, bits: int, bucket_size: int, scheme: st
 
 
 def qsgd_encode_chunks(leaves, seeds: jax.Array, skip: jax.Array, *, devices: int, pre, chunk,
-                       bits: int, bucket_size: int, scheme: str, rounding: str) -> jax.Array:
+                       bits: int, bucket_size: int, scheme: str, rounding: str, widths=None):
   """float32 leaves, leaf i ``devices * pre[i] * chunk[i]`` values (``pre[i]`` runs of
   ``devices`` chunks; device j's shard: chunk j of every run), seeds: uint32[payloads, 2],
   skip: int32[] -> uint8[devices, W]: row j every leaf's payloads of shard j, leaf by leaf, each
   shard as :func:`jax_qcomm.wire.chunk_runs` payloads, payload (i, r, j) encoded with seed
   ``s_i + r * devices + j`` (``s_i`` the payloads of the leaves before i). Read in place; row
-  ``skip`` (-1: none) is zeros."""
+  ``skip`` (-1: none) is zeros. With ``widths`` (summing to W), the rows in pieces of those
+  widths, written in place (``_call_into_pieces``)."""
   size = qsgd_chunks_row_bytes(pre, chunk, bits=bits, bucket_size=bucket_size, scheme=scheme)
-  return _call_leaves("qcomm_qsgd_encode_chunks",
-                      jax.ShapeDtypeStruct((devices, size), jnp.uint8), seeds, skip, *leaves,
-                      **_attrs(bits, bucket_size, scheme, rounding,
-                               **_chunks_attrs(leaves, devices, pre, chunk)))
+  return _call_into_pieces("qcomm_qsgd_encode_chunks", devices, size, widths, seeds, skip, *leaves,
+                           **_attrs(bits, bucket_size, scheme, rounding,
+                                    **_chunks_attrs(leaves, devices, pre, chunk)))
 
 
 def qsgd_encode_differences(news, olds, seeds: jax.Array, shard: jax.Array, *, devices: int, pre,
-                            chunk, bits: int, bucket_size: int, scheme: str,
-                            rounding: str) -> jax.Array:
+                            chunk, bits: int, bucket_size: int, scheme: str, rounding: str,
+                            widths=None):
   """news: float32[pre[i] * chunk[i]] per leaf, olds: float32[pre[i] * devices * chunk[i]] per
   leaf (``pre[i]`` runs of ``devices`` chunks), seeds: uint32[leaves, 2], shard: int32[] ->
   uint8[1, W]: one payload per leaf (seed i) of ``new[i]`` less shard ``shard`` of ``old[i]``,
-  value by value, laid out as :func:`qsgd_encode_chunks` lays a row; read where both lie."""
+  value by value, laid out as :func:`qsgd_encode_chunks` lays a row; read where both lie. With
+  ``widths``, in pieces as :func:`qsgd_encode_chunks` writes them."""
   if len(news) != len(olds):
     raise ValueError(f"news and olds must have one entry per leaf, got {len(news)} and "
                      f"{len(olds)}")
   size = qsgd_chunks_row_bytes([1] * len(pre), [int(p) * int(c) for p, c in zip(pre, chunk)],
                                bits=bits, bucket_size=bucket_size, scheme=scheme)
-  return _call_leaves("qcomm_qsgd_encode_differences",
-                      jax.ShapeDtypeStruct((1, size), jnp.uint8), seeds, shard, *news, *olds,
-                      **_attrs(bits, bucket_size, scheme, rounding,
-                               **_chunks_attrs(olds, devices, pre, chunk)))
+  return _call_into_pieces("qcomm_qsgd_encode_differences", 1, size, widths, seeds, shard, *news,
+                           *olds, **_attrs(bits, bucket_size, scheme, rounding,
+                                           **_chunks_attrs(olds, devices, pre, chunk)))
 
 
-def qsgd_decode_chunks(message: jax.Array, *, pre, chunk, bits: int, bucket_size: int,
+def _blocks(message) -> list:
+  """A message as the blocks of its pieces: one uint8[rows, W] array, or the pieces' blocks in
+  order (each uint8[rows, w], or uint8[1, w] for one row of a piece)."""
+  return [message] if isinstance(message, jax.Array) else list(message)
+
+
+def qsgd_decode_chunks(message, *, rows: int, pre, chunk, bits: int, bucket_size: int,
                        scheme: str) -> list:
-  """message: uint8[rows, W], each row one device's row of :func:`qsgd_encode_chunks` (for
-  ``devices == 1``: leaf i its ``pre[i]`` runs of ``chunk[i]`` values) -> float32[rows, pre[i] *
-  chunk[i]] per leaf: each row's decodes, written in place of per-leaf slices."""
+  """message: ``rows`` rows of W bytes, each one device's row of :func:`qsgd_encode_chunks` (for
+  ``devices == 1``: leaf i its ``pre[i]`` runs of ``chunk[i]`` values), as one uint8[rows, W] or
+  the blocks of its pieces (``_blocks``) -> float32[rows, pre[i] * chunk[i]] per leaf: each row's
+  decodes, read where the pieces lie and written in place of per-leaf slices."""
   if len(pre) != len(chunk):
     raise ValueError(f"pre and chunk must have one entry per leaf, got {len(pre)} and "
                      f"{len(chunk)}")
-  rows = message.shape[0]
   results = [jax.ShapeDtypeStruct((rows, int(p) * int(c)), jnp.float32) for p, c in zip(pre, chunk)]
-  return list(_call_leaves("qcomm_qsgd_decode_chunks", results, message,
+  return list(_call_leaves("qcomm_qsgd_decode_chunks", results, *_blocks(message),
                            **_attrs(bits, bucket_size, scheme, pre=np.asarray(pre, np.int64),
-                                    chunk=np.asarray(chunk, np.int64))))
+                                    chunk=np.asarray(chunk, np.int64), rows=np.int64(rows))))
 
 
-def qsgd_decode_sum_chunks(received: jax.Array, slot: jax.Array, leaves, scale: float, *,
-                           devices: int, pre, chunk, bits: int, bucket_size: int,
+def qsgd_decode_sum_chunks(received, slot: jax.Array, leaves, scale: float, *, devices: int, pre,
+                           chunk, bits: int, bucket_size: int,
                            scheme: str) -> tuple[jax.Array, list]:
-  """received: uint8[devices, W] (row s: device s's row of :func:`qsgd_encode_chunks` for this
-  device), slot: int32[], the leaves as ``qsgd_encode_chunks`` takes them -> ``(mark, shards)``:
-  shard i float32[pre[i] * chunk[i]] = (v_0 + ... + v_{devices-1}) * scale, summed in order, v_s
-  the decode of row s's payloads of leaf i but v_slot (slot -1: none) shard ``slot`` of leaf i,
-  exact; mark a float32 scalar, 0 where every value of the shards is finite, else NaN."""
+  """received: ``devices`` rows (row s: device s's row of :func:`qsgd_encode_chunks` for this
+  device), one uint8[devices, W] or the blocks of its pieces (``_blocks``), slot: int32[], the
+  leaves as ``qsgd_encode_chunks`` takes them -> ``(mark, shards)``: shard i float32[pre[i] *
+  chunk[i]] = (v_0 + ... + v_{devices-1}) * scale, summed in order, v_s the decode of row s's
+  payloads of leaf i but v_slot (slot -1: none) shard ``slot`` of leaf i, exact; mark a float32
+  scalar, 0 where every value of the shards is finite, else NaN. Read where the pieces lie."""
+  blocks = _blocks(received)
   results = [jax.ShapeDtypeStruct((), jnp.float32)] + [
       jax.ShapeDtypeStruct((int(p) * int(c),), jnp.float32) for p, c in zip(pre, chunk)]
-  out = _call_leaves("qcomm_qsgd_decode_sum_chunks", results, received, slot, *leaves,
+  out = _call_leaves("qcomm_qsgd_decode_sum_chunks", results, slot, *blocks, *leaves,
                      **_attrs(bits, bucket_size, scheme, scale=np.float32(scale),
+                              pieces=np.int64(len(blocks)),
                               **_chunks_attrs(leaves, devices, pre, chunk)))
   return out[0], list(out[1:])
 

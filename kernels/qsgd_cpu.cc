@@ -27,13 +27,12 @@ namespace qcomm::cpu {
                                float scale, const uint32_t seed[2], const Params& p,              \
                                const Pieces& payload);                                            \
   void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,       \
-                     uint8_t* message);                                                           \
-  void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,   \
+                     const Pieces& message);                                                      \
+  void decode_sum_chunks(const Pieces& received, int64_t slot, const Chunks& own, float scale,    \
                          const Params& p, float* const* out, float* mark);                        \
-  void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,       \
-                     float* const* out);                                                          \
+  void decode_chunks(const Pieces& message, const Chunks& x, const Params& p, float* const* out);  \
   void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shard,              \
-                                const uint32_t* seeds, const Params& p, uint8_t* message);        \
+                                const uint32_t* seeds, const Params& p, const Pieces& message);   \
   void summable_encode(const Leaves<const float>& x, const int32_t* shared,                       \
                        const uint32_t seed[2], const SummableParams& p, uint32_t* words);         \
   void summable_decode(const uint32_t* words, const int32_t* shared, const Leaves<float>& out,    \
@@ -137,7 +136,7 @@ void decode_sum_reencode_own(const Pieces& payloads, int64_t slot, const Leaves<
 }
 
 void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
-                   uint8_t* message) {
+                   const Pieces& message) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
@@ -148,7 +147,7 @@ void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const P
 }
 
 void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shard,
-                              const uint32_t* seeds, const Params& p, uint8_t* message) {
+                              const uint32_t* seeds, const Params& p, const Pieces& message) {
   FlushDenormals ftz;  // as XLA CPU subtracts
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
@@ -159,18 +158,17 @@ void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shar
   generic::encode_chunk_differences(x, minus, shard, seeds, p, message);
 }
 
-void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,
-                   float* const* out) {
+void decode_chunks(const Pieces& message, const Chunks& x, const Params& p, float* const* out) {
   FlushDenormals ftz;
 #if defined(QCOMM_HAVE_X86_VARIANTS)
   const Isa which = current();
-  if (which == Isa::kAvx512) return avx512::decode_chunks(message, rows, x, p, out);
-  if (which == Isa::kAvx2) return avx2::decode_chunks(message, rows, x, p, out);
+  if (which == Isa::kAvx512) return avx512::decode_chunks(message, x, p, out);
+  if (which == Isa::kAvx2) return avx2::decode_chunks(message, x, p, out);
 #endif
-  generic::decode_chunks(message, rows, x, p, out);
+  generic::decode_chunks(message, x, p, out);
 }
 
-void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
+void decode_sum_chunks(const Pieces& received, int64_t slot, const Chunks& own, float scale,
                        const Params& p, float* const* out, float* mark) {
   FlushDenormals ftz;  // as XLA CPU adds and scales
 #if defined(QCOMM_HAVE_X86_VARIANTS)

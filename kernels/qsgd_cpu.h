@@ -149,28 +149,28 @@ struct Chunks {
     return total;
   }
 };
-// message[devices, W] = the payloads of every leaf's shard j in row j (leaf by leaf, run by run),
-// payload (i, r, j) the encode of run r of shard j of leaf i with seed seeds + 2 * (s_i + r *
-// devices + j), s_i the payloads of the leaves before i; W the sum of runs(i) * payload_bytes(n(i)).
-// Row `skip` (-1: none) is not encoded: its bytes are zeros.
+// message (Pieces of `devices` rows of W bytes) = the payloads of every leaf's shard j in row j
+// (leaf by leaf, run by run), payload (i, r, j) the encode of run r of shard j of leaf i with seed
+// seeds + 2 * (s_i + r * devices + j), s_i the payloads of the leaves before i; W the sum of
+// runs(i) * payload_bytes(n(i)). Row `skip` (-1: none) is not encoded: its bytes are zeros.
 void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
-                   uint8_t* message);
+                   const Pieces& message);
 // encode_chunks of the differences x - (shard `shard` of `minus`), value by value: leaf i of
 // `minus` holds minus.pre[i] * minus.chunk[i] values per shard, as many as a shard of leaf i of x.
 // What the sharded mode all-gathers: the new values of a device's shards less the current ones,
 // read where both lie.
 void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shard,
-                              const uint32_t* seeds, const Params& p, uint8_t* message);
-// received[devices, W] (row s: the payloads of this device's shards that device s sent, laid out
-// as encode_chunks lays a row) -> out[i] (pre[i] * chunk[i] values): the sum over s, in order, of
-// the decodes of row s, times scale, but term `slot` (-1: none) shard `slot` of `own`, exact.
-// *mark = 0 if every value written is finite, else NaN.
-void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
+                              const uint32_t* seeds, const Params& p, const Pieces& message);
+// received (Pieces of `devices` rows; row s: the payloads of this device's shards that device s
+// sent, laid out as encode_chunks lays a row) -> out[i] (pre[i] * chunk[i] values): the sum over s,
+// in order, of the decodes of row s, times scale, but term `slot` (-1: none) shard `slot` of
+// `own`, exact. *mark = 0 if every value written is finite, else NaN.
+void decode_sum_chunks(const Pieces& received, int64_t slot, const Chunks& own, float scale,
                        const Params& p, float* const* out, float* mark);
-// message[rows, W] (each row laid out as encode_chunks lays one; x.devices == 1, x.data unread)
-// -> out[i] (rows * pre[i] * chunk[i] values): row s's decodes of leaf i at s * pre[i] * chunk[i].
-void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,
-                   float* const* out);
+// message (Pieces of `rows` rows, each laid out as encode_chunks lays one; x.devices == 1, x.data
+// unread) -> out[i] (rows * pre[i] * chunk[i] values): row s's decodes of leaf i at
+// s * pre[i] * chunk[i].
+void decode_chunks(const Pieces& message, const Chunks& x, const Params& p, float* const* out);
 
 // Name of the instruction set the kernels run ("avx512", "avx2" or "generic").
 const char* isa();

@@ -219,15 +219,15 @@ struct PieceCursors {
   void rewind() { header = codes = 0; }
 };
 
-// Encodes the bucket xb into bucket b of the payload of nb buckets at the start of row j of `m`.
+// Encodes the bucket xb into bucket b of the payload of nb buckets at byte `base` of row j of `m`.
 template <int BITS, int SCHEME>
 inline void encode_bucket_to(const float* __restrict xb, int64_t B, int64_t start,
                              const uint32_t* seed, bool stochastic, uint8_t* codes, int64_t valid,
-                             const qcomm::cpu::Pieces& m, int64_t j, int64_t nb, int64_t b,
-                             PieceCursors& c) {
+                             const qcomm::cpu::Pieces& m, int64_t j, int64_t base, int64_t nb,
+                             int64_t b, PieceCursors& c) {
   const int64_t S = qcomm::scales_per_bucket(SCHEME);
   const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
-  const int64_t oh = 4 * S * b, oc = 4 * S * nb + b * code_bytes;
+  const int64_t oh = base + 4 * S * b, oc = base + 4 * S * nb + b * code_bytes;
   uint8_t* h = piece_target(m, j, oh, 4 * S, &c.header, c.header_scratch);
   uint8_t* k = piece_target(m, j, oc, code_bytes, &c.codes, c.code_scratch.data);
   encode_bucket<BITS, SCHEME>(xb, B, start, seed, stochastic, codes, valid, h, k);
@@ -310,7 +310,7 @@ void encode_leaves_t(const qcomm::cpu::Leaves<const float>& x, int64_t n, int64_
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = leaves_bucket<SCHEME>(x, r * n + b * B, B, &leaf, pad.data);
       encode_bucket_to<BITS, SCHEME>(xb, B, b * B, seeds + 2 * r, stochastic, codes.data, B,
-                                     payloads, r, nb, b, writes);
+                                     payloads, r, 0, nb, b, writes);
     }
   }
 }
@@ -432,7 +432,7 @@ void decode_sum_reencode_t(const qcomm::cpu::Pieces& m, int64_t n, float scale,
     }
     if (valid < B) pad_bucket<SCHEME>(xb, valid, B);
     encode_bucket_to<BITS, SCHEME>(xb, B, start, seed, stochastic, codes.data, valid, payload, 0,
-                                   nb, b, writes);
+                                   0, nb, b, writes);
   }
 }
 
@@ -466,29 +466,27 @@ inline const float* shard_bucket(const qcomm::cpu::Chunks& x, int64_t i, int64_t
 // (qsgd_cpu.h, encode_chunk_differences), the bucket padded as encode pads the differences.
 template <int BITS, int SCHEME>
 void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* seeds,
-                     const qcomm::cpu::Params& p, uint8_t* message,
+                     const qcomm::cpu::Params& p, const qcomm::cpu::Pieces& message,
                      const qcomm::cpu::Chunks* minus = nullptr, int64_t shard = 0) {
-  const int64_t B = p.bucket, D = x.devices;
-  const int64_t S = qcomm::scales_per_bucket(SCHEME);
-  const int64_t code_bytes = qcomm::code_bytes_per_bucket(B, BITS);
-  const int64_t row_bytes = x.row_bytes(BITS, SCHEME);
+  const int64_t B = p.bucket;
   const bool stochastic = p.rounding == qcomm::kStochastic;
   BucketScratch<uint8_t> codes(B);
   BucketScratch<float> pad(B);
   BucketScratch<float> pad_minus(B);
   BucketScratch<float> diff(B);
-  for (int64_t j = 0; j < D; ++j) {
-    uint8_t* out = message + j * row_bytes;
+  PieceCursors writes(B);
+  for (int64_t j = 0; j < message.rows; ++j) {
     if (j == skip) {
-      std::fill(out, out + row_bytes, uint8_t{0});
+      piece_zero_row(message, j);
       continue;
     }
+    writes.rewind();
+    int64_t base = 0;  // payload (i, r) of row j
     const uint32_t* seed_i = seeds;  // leaf i's seeds: its runs(i) * D payloads, run-major
     for (int64_t i = 0; i < x.count; ++i) {
       const int64_t runs = x.runs(i), n = x.n(i), nb = qcomm::num_buckets(n, B);
       for (int64_t r = 0; r < runs; ++r) {
-        uint8_t* packed = out + 4 * S * nb;
-        const uint32_t* seed = seed_i + 2 * (r * D + j);
+        const uint32_t* seed = seed_i + 2 * (r * x.devices + j);
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t valid = std::min<int64_t>(B, n - b * B);
           const float* xb = shard_bucket<SCHEME>(x, i, j, r * n + b * B, valid, B, pad.data);
@@ -499,30 +497,29 @@ void encode_chunks_t(const qcomm::cpu::Chunks& x, int64_t skip, const uint32_t* 
             if (valid < B) pad_bucket<SCHEME>(diff.data, valid, B);
             xb = diff.data;
           }
-          encode_bucket<BITS, SCHEME>(xb, B, b * B, seed, stochastic, codes.data, valid,
-                                      out + 4 * S * b, packed + b * code_bytes);
+          encode_bucket_to<BITS, SCHEME>(xb, B, b * B, seed, stochastic, codes.data, valid,
+                                         message, j, base, nb, b, writes);
         }
-        out += qcomm::payload_bytes(n, B, BITS, SCHEME);
+        base += qcomm::payload_bytes(n, B, BITS, SCHEME);
       }
-      seed_i += 2 * runs * D;
+      seed_i += 2 * runs * x.devices;
     }
   }
 }
 
-// The reduced shards of every leaf from the D received rows (row `slot`: this device's own values,
-// read where they lie); with `mark`, 0 or NaN as the results are all finite or not (nullptr: none).
+// The reduced shards of every leaf from rows first .. first + k - 1 of `m` (row first + `slot`:
+// this device's own values, read where they lie); with `mark`, 0 or NaN as the results are all
+// finite or not (nullptr: none).
 template <int BITS, int SCHEME>
-void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu::Chunks& own,
-                         float scale, const qcomm::cpu::Params& p, float* const* out, float* mark) {
-  const int64_t B = p.bucket, D = own.devices;
-  const int64_t row_bytes = own.row_bytes(BITS, SCHEME);
+void decode_sum_chunks_t(const qcomm::cpu::Pieces& m, int64_t first, int64_t k, int64_t slot,
+                         const qcomm::cpu::Chunks& own, float scale, const qcomm::cpu::Params& p,
+                         float* const* out, float* mark) {
+  const int64_t B = p.bucket;
   BucketScratch<float> tail(B);
   BucketScratch<float> pad(B);
   BucketScratch<uint8_t> codes(B);
   PieceCursors reads(B);
   uint32_t nonfinite = 0;  // an integer OR, which vectorises where a float sum would not
-  const qcomm::cpu::WholeRows whole = qcomm::cpu::whole_rows(received, D, row_bytes, row_bytes);
-  const qcomm::cpu::Pieces rows = whole.pieces();
   int64_t base = 0;  // payload (i, r) of each row
   for (int64_t i = 0; i < own.count; ++i) {
     const int64_t runs = own.runs(i), n = own.n(i), nb = qcomm::num_buckets(n, B);
@@ -533,14 +530,14 @@ void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu
             slot < 0 ? nullptr : shard_bucket<SCHEME>(own, i, slot, r * n + start, valid, B, pad.data);
         float* dst = out[i] + r * n + start;
         float* __restrict ob = valid == B ? dst : tail.data;
-        decode_sum_bucket<BITS, SCHEME>(rows, 0, D, base, nb, b, B, reads, codes.data, ob, slot,
+        decode_sum_bucket<BITS, SCHEME>(m, first, k, base, nb, b, B, reads, codes.data, ob, slot,
                                         exact);
         if (scale != 1.0f) {
-          for (int64_t k = 0; k < valid; ++k) ob[k] *= scale;
+          for (int64_t t = 0; t < valid; ++t) ob[t] *= scale;
         }
         if (mark != nullptr) {
-          for (int64_t k = 0; k < valid; ++k) {
-            const uint32_t exponent = qcomm::float_bits(ob[k]) & 0x7F800000u;
+          for (int64_t t = 0; t < valid; ++t) {
+            const uint32_t exponent = qcomm::float_bits(ob[t]) & 0x7F800000u;
             nonfinite |= static_cast<uint32_t>(exponent == 0x7F800000u);
           }
         }
@@ -555,13 +552,12 @@ void decode_sum_chunks_t(const uint8_t* received, int64_t slot, const qcomm::cpu
 // Each row on its own: decode_sum_chunks_t of one payload per value (x.devices == 1, no own term),
 // written at row s of each leaf's result.
 template <int BITS, int SCHEME>
-void decode_chunks_t(const uint8_t* message, int64_t rows, const qcomm::cpu::Chunks& x,
+void decode_chunks_t(const qcomm::cpu::Pieces& m, const qcomm::cpu::Chunks& x,
                      const qcomm::cpu::Params& p, float* const* out) {
-  const int64_t row_bytes = x.row_bytes(BITS, SCHEME);
   std::vector<float*> row(x.count);
-  for (int64_t s = 0; s < rows; ++s) {
+  for (int64_t s = 0; s < m.rows; ++s) {
     for (int64_t i = 0; i < x.count; ++i) row[i] = out[i] + s * x.pre[i] * x.chunk[i];
-    decode_sum_chunks_t<BITS, SCHEME>(message + s * row_bytes, -1, x, 1.0f, p, row.data(), nullptr);
+    decode_sum_chunks_t<BITS, SCHEME>(m, s, 1, -1, x, 1.0f, p, row.data(), nullptr);
   }
 }
 
@@ -609,29 +605,31 @@ struct DecodeSumReencodeOwnF {
 template <int BITS, int SCHEME>
 struct EncodeChunksF {
   static void run(const qcomm::cpu::Chunks* x, int64_t skip, const uint32_t* seeds,
-                  const qcomm::cpu::Params* p, uint8_t* message) {
-    encode_chunks_t<BITS, SCHEME>(*x, skip, seeds, *p, message);
+                  const qcomm::cpu::Params* p, const qcomm::cpu::Pieces* message) {
+    encode_chunks_t<BITS, SCHEME>(*x, skip, seeds, *p, *message);
   }
 };
 template <int BITS, int SCHEME>
 struct EncodeChunkDifferencesF {
   static void run(const qcomm::cpu::Chunks* x, const qcomm::cpu::Chunks* minus, int64_t shard,
-                  const uint32_t* seeds, const qcomm::cpu::Params* p, uint8_t* message) {
-    encode_chunks_t<BITS, SCHEME>(*x, -1, seeds, *p, message, minus, shard);
+                  const uint32_t* seeds, const qcomm::cpu::Params* p,
+                  const qcomm::cpu::Pieces* message) {
+    encode_chunks_t<BITS, SCHEME>(*x, -1, seeds, *p, *message, minus, shard);
   }
 };
 template <int BITS, int SCHEME>
 struct DecodeChunksF {
-  static void run(const uint8_t* message, int64_t rows, const qcomm::cpu::Chunks* x,
+  static void run(const qcomm::cpu::Pieces* message, const qcomm::cpu::Chunks* x,
                   const qcomm::cpu::Params* p, float* const* out) {
-    decode_chunks_t<BITS, SCHEME>(message, rows, *x, *p, out);
+    decode_chunks_t<BITS, SCHEME>(*message, *x, *p, out);
   }
 };
 template <int BITS, int SCHEME>
 struct DecodeSumChunksF {
-  static void run(const uint8_t* received, int64_t slot, const qcomm::cpu::Chunks* own, float scale,
-                  const qcomm::cpu::Params* p, float* const* out, float* mark) {
-    decode_sum_chunks_t<BITS, SCHEME>(received, slot, *own, scale, *p, out, mark);
+  static void run(const qcomm::cpu::Pieces* received, int64_t slot, const qcomm::cpu::Chunks* own,
+                  float scale, const qcomm::cpu::Params* p, float* const* out, float* mark) {
+    decode_sum_chunks_t<BITS, SCHEME>(*received, 0, received->rows, slot, *own, scale, *p, out,
+                                      mark);
   }
 };
 template <int BITS, int SCHEME>
@@ -677,23 +675,22 @@ void decode_sum_reencode_own(const Pieces& payloads, int64_t slot, const Leaves<
 }
 
 void encode_chunks(const Chunks& x, int64_t skip, const uint32_t* seeds, const Params& p,
-                   uint8_t* message) {
-  dispatch<EncodeChunksF>(p, &x, skip, seeds, &p, message);
+                   const Pieces& message) {
+  dispatch<EncodeChunksF>(p, &x, skip, seeds, &p, &message);
 }
 
 void encode_chunk_differences(const Chunks& x, const Chunks& minus, int64_t shard,
-                              const uint32_t* seeds, const Params& p, uint8_t* message) {
-  dispatch<EncodeChunkDifferencesF>(p, &x, &minus, shard, seeds, &p, message);
+                              const uint32_t* seeds, const Params& p, const Pieces& message) {
+  dispatch<EncodeChunkDifferencesF>(p, &x, &minus, shard, seeds, &p, &message);
 }
 
-void decode_chunks(const uint8_t* message, int64_t rows, const Chunks& x, const Params& p,
-                   float* const* out) {
-  dispatch<DecodeChunksF>(p, message, rows, &x, &p, out);
+void decode_chunks(const Pieces& message, const Chunks& x, const Params& p, float* const* out) {
+  dispatch<DecodeChunksF>(p, &message, &x, &p, out);
 }
 
-void decode_sum_chunks(const uint8_t* received, int64_t slot, const Chunks& own, float scale,
+void decode_sum_chunks(const Pieces& received, int64_t slot, const Chunks& own, float scale,
                        const Params& p, float* const* out, float* mark) {
-  dispatch<DecodeSumChunksF>(p, received, slot, &own, scale, &p, out, mark);
+  dispatch<DecodeSumChunksF>(p, &received, slot, &own, scale, &p, out, mark);
 }
 
 void decode_sum_reencode(const uint8_t* payloads, int64_t k, int64_t stride, int64_t n, float scale,

@@ -137,22 +137,32 @@ def test_pieces_across_two_processes():
   assert proc.stdout.count(": OK") == 2, proc.stdout[-4000:]
 
 
+#: The kernels of each mode's step that take or write the message's pieces.
+_PIECE_KERNELS = {
+    False: ("qcomm_qsgd_encode_leaves", "qcomm_qsgd_decode_sum_reencode_own",
+            "qcomm_qsgd_decode_pieces"),
+    True: ("qcomm_qsgd_encode_chunks", "qcomm_qsgd_decode_sum_chunks",
+           "qcomm_qsgd_encode_differences", "qcomm_qsgd_decode_chunks"),
+}
+
+
 @pytest.mark.skipif(not _ffi.has_cpu_kernels(), reason="no CPU kernels built")
-def test_kernels_read_and_write_the_pieces_where_they_lie(monkeypatch):
-  """sync(bits=4)'s step in pieces on CPU: the encode writes the pieces that travel, the
-  reduction reads the received ones and writes the pieces it sends on, the last decode reads the
-  gathered ones, all where they lie: the compiled program never copies a message (no uint8
-  concatenate, slice or copy), and the kernels take the pieces as operands."""
+@pytest.mark.parametrize("shard_state", [False, True], ids=["replicated", "sharded"])
+def test_kernels_read_and_write_the_pieces_where_they_lie(monkeypatch, shard_state):
+  """sync(bits=4)'s step in pieces on CPU, replicated and sharded: the encodes write the pieces
+  that travel, the reductions read the received ones (and the replicated one writes the pieces it
+  sends on), the last decodes read the gathered ones, all where they lie: the compiled program
+  never copies a message (no uint8 concatenate, slice or copy), and the kernels take the pieces
+  as operands or results."""
   _use(monkeypatch, SMALL)
-  tx = qcomm.sync(optax.sgd(0.1), axis_name=AX, codec=qcomm.QSGD(4))
+  tx = qcomm.sync(optax.sgd(0.1), axis_name=AX, codec=qcomm.QSGD(4), shard_state=shard_state)
   init, run = _sync_step(tx, _mesh(2), PARAMS)
   text = run.lower(PARAMS, init(PARAMS), _grads(2, 0, PARAMS)).compile().as_text()
   entry = text[text.index("\nENTRY"):]
   entry = entry[:entry.index("\n}")]
   copies = re.findall(r"= u8\[[^\]]*\]\S* (concatenate|fusion|slice|copy|dynamic-slice)\(", entry)
   assert not copies, copies
-  for target in ("qcomm_qsgd_encode_leaves", "qcomm_qsgd_decode_sum_reencode_own",
-                 "qcomm_qsgd_decode_pieces"):
+  for target in _PIECE_KERNELS[shard_state]:
     calls = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
     assert calls, target
     assert all(line.count("u8[") > 10 for line in calls), target  # pieces in or out

@@ -411,10 +411,10 @@ ffi::Error ResultParts(const ffi::RemainingRets& out, int64_t rows, ffi::Span<co
   return ffi::Error::Success();
 }
 
-// seed[payloads, 2] u32, skip[] s32, leaves... f32 -> message[devices, W] u8: every leaf's
-// payloads of shard j in row j, row `skip` (-1: none) zeros.
+// seed[payloads, 2] u32, skip[] s32, leaves... f32 -> the pieces (PieceList) of message[devices,
+// W] u8: every leaf's payloads of shard j in row j, row `skip` (-1: none) zeros.
 ffi::Error QsgdEncodeChunksImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> skip,
-                                ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::U8> message,
+                                ffi::RemainingArgs leaves, ffi::RemainingRets message,
                                 int32_t bits, int32_t bucket_size, int32_t scheme, int32_t rounding,
                                 int64_t devices, ffi::Span<const int64_t> pre,
                                 ffi::Span<const int64_t> chunk) {
@@ -423,25 +423,26 @@ ffi::Error QsgdEncodeChunksImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32
   if (leaves.size() != pre.size())
     return ffi::Error::InvalidArgument("pre and chunk must have one entry per leaf");
   if (ffi::Error e = InputChunks(p, devices, pre, chunk, leaves, 0, &x); e.failure()) return e;
-  const auto dims = message->dimensions();
-  if (dims.size() != 2 || dims[0] != devices || dims[1] != x.chunks.row_bytes(bits, scheme))
-    return ffi::Error::InvalidArgument("the message must be [devices, the payloads' bytes]");
+  PieceList out;
+  if (ffi::Error e = OutputPieces(message, devices, x.chunks.row_bytes(bits, scheme), &out);
+      e.failure())
+    return e;
   if (static_cast<int64_t>(seed.element_count()) != 2 * x.chunks.payloads() * devices)
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per payload");
   ffi::ErrorOr<int64_t> skipped = ScalarIndex(skip, "skip");
   if (skipped.has_error()) return skipped.error();
   if (*skipped < -1 || *skipped >= devices)
     return ffi::Error::InvalidArgument("skip must be -1 or a device index");
-  qcomm::cpu::encode_chunks(x.chunks, *skipped, seed.typed_data(), CpuParams(p),
-                            message->typed_data());
+  qcomm::cpu::encode_chunks(x.chunks, *skipped, seed.typed_data(), CpuParams(p), out.pieces);
   return ffi::Error::Success();
 }
 
-// seed[n, 2] u32, shard[] s32, news... f32 (n), olds... f32 (n) -> message[1, W] u8: one
-// payload per leaf, of new[i] - (shard `shard` of old[i]), old[i] held as pre[i] runs of `devices`
-// chunks of chunk[i] values and new[i] as pre[i] * chunk[i] values; read where both lie.
+// seed[n, 2] u32, shard[] s32, news... f32 (n), olds... f32 (n) -> the pieces (PieceList) of
+// message[1, W] u8: one payload per leaf, of new[i] - (shard `shard` of old[i]), old[i] held as
+// pre[i] runs of `devices` chunks of chunk[i] values and new[i] as pre[i] * chunk[i] values; read
+// where both lie.
 ffi::Error QsgdEncodeDifferencesImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> shard,
-                                     ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::U8> message,
+                                     ffi::RemainingArgs leaves, ffi::RemainingRets message,
                                      int32_t bits, int32_t bucket_size, int32_t scheme,
                                      int32_t rounding, int64_t devices, ffi::Span<const int64_t> pre,
                                      ffi::Span<const int64_t> chunk) {
@@ -460,62 +461,71 @@ ffi::Error QsgdEncodeDifferencesImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi
       InputChunks(p, devices, pre, chunk, leaves, n, &old).failure())
     return ffi::Error::InvalidArgument(
         "new i must hold pre[i] * chunk[i] values and old i devices times as many");
-  if (message->element_count() != static_cast<size_t>(x.chunks.row_bytes(bits, scheme)))
-    return ffi::Error::InvalidArgument("the message must be [1, the payloads' bytes]");
+  PieceList out;
+  if (ffi::Error e = OutputPieces(message, 1, x.chunks.row_bytes(bits, scheme), &out); e.failure())
+    return e;
   if (static_cast<int64_t>(seed.element_count()) != 2 * x.chunks.payloads())
     return ffi::Error::InvalidArgument("seed must hold 2 uint32 words per payload");
   ffi::ErrorOr<int64_t> s = ScalarIndex(shard, "shard");
   if (s.has_error()) return s.error();
   if (*s < 0 || *s >= devices) return ffi::Error::InvalidArgument("shard must be a device index");
   qcomm::cpu::encode_chunk_differences(x.chunks, old.chunks, *s, seed.typed_data(), CpuParams(p),
-                                       message->typed_data());
+                                       out.pieces);
   return ffi::Error::Success();
 }
 
-// message[rows, W] u8 -> out... f32[rows, pre[i] * chunk[i]]: each row's decodes, leaf by leaf
-// (one device's chunks: the rows of an all-gather of encode_chunks' messages).
-ffi::Error QsgdDecodeChunksImpl(ffi::Buffer<ffi::U8> message, ffi::RemainingRets out, int32_t bits,
+// pieces... (PieceList of `rows` rows of W bytes) -> out... f32[rows, pre[i] * chunk[i]]: each
+// row's decodes, leaf by leaf (one device's chunks: the rows of an all-gather of encode_chunks'
+// messages), read where the pieces lie.
+ffi::Error QsgdDecodeChunksImpl(ffi::RemainingArgs message, ffi::RemainingRets out, int32_t bits,
                                 int32_t bucket_size, int32_t scheme, ffi::Span<const int64_t> pre,
-                                ffi::Span<const int64_t> chunk) {
+                                ffi::Span<const int64_t> chunk, int64_t rows) {
   const common::Params p{bits, bucket_size, scheme, qcomm::kNearest};
   if (ffi::Error e = common::CheckParams(p); e.failure()) return e;
-  const auto dims = message.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("the message must be [rows, W]");
-  const int64_t rows = dims[0];
   std::vector<float*> parts;
   if (ffi::Error e = ResultParts(out, rows, pre, chunk, &parts); e.failure()) return e;
   const qcomm::cpu::Chunks x{nullptr, pre.begin(), chunk.begin(), static_cast<int64_t>(out.size()),
                              1, bucket_size};
-  if (dims[1] != x.row_bytes(bits, scheme))
-    return ffi::Error::InvalidArgument("the message must be [rows, the payloads' bytes]");
-  qcomm::cpu::decode_chunks(message.typed_data(), rows, x, CpuParams(p), parts.data());
+  PieceList m;
+  if (ffi::Error e = InputPieces(message, 0, message.size(), rows, x.row_bytes(bits, scheme), &m);
+      e.failure())
+    return e;
+  qcomm::cpu::decode_chunks(m.pieces, x, CpuParams(p), parts.data());
   return ffi::Error::Success();
 }
 
-// received[devices, W] u8, slot[] s32, leaves... f32 -> mark[] f32, out... f32[pre[i] * chunk[i]]:
-// the reduced shard of each leaf (term `slot` this device's own shard of the leaves, exact), and
-// 0 or NaN where a value written is not finite.
-ffi::Error QsgdDecodeSumChunksImpl(ffi::Buffer<ffi::U8> received, ffi::Buffer<ffi::S32> slot,
-                                   ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::F32> mark,
-                                   ffi::RemainingRets out, int32_t bits, int32_t bucket_size,
-                                   int32_t scheme, int64_t devices, ffi::Span<const int64_t> pre,
-                                   ffi::Span<const int64_t> chunk, float scale) {
+// slot[] s32, then the first `pieces` operands the pieces (PieceList) of received[devices, W] u8
+// (row s: device s's row of encode_chunks for this device), then leaves... f32 -> mark[] f32,
+// out... f32[pre[i] * chunk[i]]: the reduced shard of each leaf (term `slot` this device's own
+// shard of the leaves, exact), and 0 or NaN where a value written is not finite.
+ffi::Error QsgdDecodeSumChunksImpl(ffi::Buffer<ffi::S32> slot, ffi::RemainingArgs operands,
+                                   ffi::ResultBuffer<ffi::F32> mark, ffi::RemainingRets out,
+                                   int32_t bits, int32_t bucket_size, int32_t scheme,
+                                   int64_t devices, ffi::Span<const int64_t> pre,
+                                   ffi::Span<const int64_t> chunk, float scale, int64_t pieces) {
   const common::Params p{bits, bucket_size, scheme, qcomm::kNearest};
+  if (pieces < 1 || static_cast<size_t>(pieces) > operands.size())
+    return ffi::Error::InvalidArgument("pieces must be >= 1 and at most the operands");
   ChunkList own;
-  if (leaves.size() != pre.size())
+  if (operands.size() - static_cast<size_t>(pieces) != pre.size())
     return ffi::Error::InvalidArgument("pre and chunk must have one entry per leaf");
-  if (ffi::Error e = InputChunks(p, devices, pre, chunk, leaves, 0, &own); e.failure()) return e;
-  const auto dims = received.dimensions();
-  if (dims.size() != 2 || dims[0] != devices || dims[1] != own.chunks.row_bytes(bits, scheme))
-    return ffi::Error::InvalidArgument("received must be [devices, the payloads' bytes]");
-  if (mark->element_count() != 1 || out.size() != leaves.size())
+  if (ffi::Error e = InputChunks(p, devices, pre, chunk, operands, static_cast<size_t>(pieces),
+                                 &own);
+      e.failure())
+    return e;
+  PieceList received;
+  if (ffi::Error e = InputPieces(operands, 0, static_cast<size_t>(pieces), devices,
+                                 own.chunks.row_bytes(bits, scheme), &received);
+      e.failure())
+    return e;
+  if (mark->element_count() != 1 || out.size() != pre.size())
     return ffi::Error::InvalidArgument("the results must be the mark and one shard per leaf");
   std::vector<float*> shards;
   if (ffi::Error e = ResultParts(out, 1, pre, chunk, &shards); e.failure()) return e;
   ffi::ErrorOr<int64_t> s = ScalarIndex(slot, "slot");
   if (s.has_error()) return s.error();
   if (*s < -1 || *s >= devices) return ffi::Error::InvalidArgument("slot must be -1 or a device index");
-  qcomm::cpu::decode_sum_chunks(received.typed_data(), *s, own.chunks, scale, CpuParams(p),
+  qcomm::cpu::decode_sum_chunks(received.pieces, *s, own.chunks, scale, CpuParams(p),
                                 shards.data(), mark->typed_data());
   return ffi::Error::Success();
 }
@@ -687,13 +697,14 @@ auto QsgdChunksAttrs(B&& binding) {
       .template Attr<ffi::Span<const int64_t>>("chunk");
 }
 
-// The two encodes on chunks: seed[payloads, 2] u32, an index s32[], the leaves -> the message u8.
+// The two encodes on chunks: seed[payloads, 2] u32, an index s32[], the leaves -> the message's
+// pieces u8.
 auto BindEncodeChunks() {
   return QsgdChunksAttrs(ffi::Ffi::Bind()
                              .Arg<ffi::Buffer<ffi::U32>>()
                              .Arg<ffi::Buffer<ffi::S32>>()
                              .RemainingArgs()
-                             .Ret<ffi::Buffer<ffi::U8>>()
+                             .RemainingRets()
                              .Attr<int32_t>("bits")
                              .Attr<int32_t>("bucket_size")
                              .Attr<int32_t>("scheme")
@@ -705,16 +716,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncodeDifferences, QsgdEncodeDifferencesI
                               BindEncodeChunks());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeChunks, QsgdDecodeChunksImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("bucket_size")
                                   .Attr<int32_t>("scheme")
                                   .Attr<ffi::Span<const int64_t>>("pre")
-                                  .Attr<ffi::Span<const int64_t>>("chunk"));
+                                  .Attr<ffi::Span<const int64_t>>("chunk")
+                                  .Attr<int64_t>("rows"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumChunks, QsgdDecodeSumChunksImpl,
                               QsgdChunksAttrs(ffi::Ffi::Bind()
-                                                  .Arg<ffi::Buffer<ffi::U8>>()
                                                   .Arg<ffi::Buffer<ffi::S32>>()
                                                   .RemainingArgs()
                                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -722,7 +733,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSumChunks, QsgdDecodeSumChunksImpl,
                                                   .Attr<int32_t>("bits")
                                                   .Attr<int32_t>("bucket_size")
                                                   .Attr<int32_t>("scheme"))
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("pieces"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdEncode, EncodeImpl,
                               common::BindEncode(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcommQsgdDecodeSum, DecodeSumImpl,

@@ -284,8 +284,9 @@ class Codec(abc.ABC):
     and call the flat collective; a codec whose flat collective is the payload exchange above
     sends each shard as :func:`jax_qcomm.wire.chunk_runs` payloads and a buffer's payloads in one
     message (:meth:`_reduce_scatter_payloads`, :meth:`_all_gather_payloads`: :class:`QSGD`,
-    whose kernels read and write the chunks where they lie through :meth:`_encode_chunk_rows`,
-    :meth:`_reduce_chunk_rows`, :meth:`_decode_chunk_rows` and :meth:`_encode_chunk_differences`);
+    whose kernels read the chunks and write and read the message's pieces where they lie through
+    :meth:`_encode_chunk_pieces`, :meth:`_reduce_chunk_pieces`, :meth:`_decode_chunk_pieces` and
+    :meth:`_encode_chunk_differences`);
     :class:`NoCompression` where messages cost no latency scatters a list of the chunks.
     ``reduce_scatter_leaves_marked`` adds the blocks' :func:`nonfinite_mark` (this device's;
     default one pass over them) and ``all_gather_differences(news, olds, index, axis_name, key)``
@@ -581,39 +582,36 @@ class Codec(abc.ABC):
   def _reduce_scatter_payloads(self, chunks, axis_name, key, op, exchange):
     """:meth:`reduce_scatter_leaves_marked` as a payload codec runs it: device j's shard of each
     leaf as :func:`jax_qcomm.wire.chunk_runs` payloads (a key per leaf and payload), every leaf's
-    payloads of shard j in row j of one message, one all-to-all, and each leaf's reduced shard
-    from its D received payloads. The chunks are read where they lie (:meth:`_encode_chunk_rows`,
-    :meth:`_reduce_chunk_rows`). Where :attr:`_own_row_exact`, a device's own shard is not
-    encoded: the reduction adds it exactly, and its residual is 0. ``(blocks, residuals, mark)``."""
+    payloads of shard j in row j of one message, one all-to-all (in the pieces the message
+    travels in), and each leaf's reduced shard from its D received payloads. The chunks are read
+    and the pieces written and read where they lie (:meth:`_encode_chunk_pieces`,
+    :meth:`_reduce_chunk_pieces`). Where :attr:`_own_row_exact`, a device's own shard is not
+    encoded: the reduction adds it exactly, and its residual is 0. ``(blocks, residuals,
+    mark)``."""
     d = axis_size(axis_name)
     own = lax.axis_index(axis_name) if self._own_row_exact else None
     runs = [wire.chunk_runs(p, c, self.pad_multiple) for p, _, c in (x.shape for x in chunks)]
-    message = self._encode_chunk_rows(chunks, runs, d, device_key(key, axis_name, 0), own)
+    message = self._encode_chunk_pieces(chunks, runs, d, device_key(key, axis_name, 0), own)
     residuals = []  # read only where wanted (error feedback): XLA drops it otherwise
-    for x, rn, decoded in zip(chunks, runs, self._decode_chunk_rows(message, runs)):
+    for x, rn, decoded in zip(chunks, runs, self._decode_chunk_pieces(message, runs)):
       lost = _run_rows(x, rn) - jnp.swapaxes(decoded.reshape(d, *rn), 0, 1)  # [runs, D, n]
       if own is not None:
         lost = jnp.where((jnp.arange(d) == own)[None, :, None], jnp.float32(0), lost)
       residuals.append(lost if lost.shape == x.shape else _chunks_of(lost[0], x.shape))
-    received = _exchange.exchange(message, axis_name, exchange)
+    received = _exchange.exchange_pieces(message, axis_name, exchange)
     scale = 1.0 / d if op == "mean" else 1.0
-    blocks, mark = self._reduce_chunk_rows(received, chunks, runs, own, scale)
+    blocks, mark = self._reduce_chunk_pieces(received, chunks, runs, own, scale)
     return blocks, residuals, mark
 
   def _chunk_row_widths(self, runs: Sequence[tuple[int, int]]) -> list[int]:
     """Words of :attr:`wire_dtype` each leaf takes in a row of :meth:`_encode_chunk_rows`."""
     return [r * self.wire_size(n) for r, n in runs]
 
-  def _split_chunk_rows(self, message: jax.Array, runs) -> list[jax.Array]:
-    """wire[k, W] -> each leaf's part, wire[k, runs_i * W_i] (run-major)."""
-    return split_leaves(message, self._chunk_row_widths(runs), 1)
-
   def _encode_chunk_rows(self, chunks, runs, d: int, key: jax.Array | None,
                          skip: jax.Array | None) -> jax.Array:
     """wire[D, W]: row j every leaf's payloads of shard j, leaf by leaf and run by run (leaf i's
     key ``fold_in(key, i)``, split over its ``runs * D`` payloads in run-major order). Row ``skip``
-    (a traced index, or None) is zeros. A codec whose kernel reads the chunks where they lie
-    overrides it with the same bytes (QSGD on CPU)."""
+    (a traced index, or None) is zeros. The composition of per-payload encodes."""
     parts = []
     for i, (x, rn) in enumerate(zip(chunks, runs)):
       rows = _run_rows(x, rn)
@@ -625,22 +623,36 @@ class Codec(abc.ABC):
       message = jnp.where((jnp.arange(d) == skip)[:, None], jnp.zeros((), message.dtype), message)
     return message
 
-  def _decode_chunk_rows(self, message: jax.Array, runs) -> list[jax.Array]:
-    """wire[k, W] (rows laid out as :meth:`_encode_chunk_rows` lays one) -> each leaf's decodes,
-    float32[k, runs_i * n_i]. A codec with a kernel that writes them in place of per-leaf slices
-    overrides it (QSGD on CPU)."""
+  def _encode_chunk_pieces(self, chunks, runs, d: int, key: jax.Array | None,
+                           skip: jax.Array | None, devices: int | None = None) -> list:
+    """:meth:`_encode_chunk_rows` cut as its rows travel among ``devices`` (default ``d``;
+    :func:`jax_qcomm._exchange.cut`). A codec whose kernel reads the chunks where they lie and
+    writes the pieces overrides it with the same bytes (QSGD on CPU)."""
+    return _exchange.cut(self._encode_chunk_rows(chunks, runs, d, key, skip), 1, devices or d)
+
+  def _decode_chunk_pieces(self, pieces, runs) -> list[jax.Array]:
+    """k rows laid out as :meth:`_encode_chunk_rows` lays one, in the pieces they travel in (as
+    :func:`jax_qcomm._exchange.cut`, ``exchange_pieces`` or ``gather_pieces`` give them) -> each
+    leaf's decodes, float32[k, runs_i * n_i]. Default: the rows joined, each leaf's payloads
+    decoded; a codec with a kernel that reads the pieces where they lie overrides it (QSGD on
+    CPU)."""
+    message = _exchange.joined(pieces)
     k = message.shape[0]
     return [self._decode_rows(m.reshape(k * r, -1), n).reshape(k, r * n)
-            for (r, n), m in zip(runs, self._split_chunk_rows(message, runs))]
+            for (r, n), m in zip(runs, split_leaves(message, self._chunk_row_widths(runs), 1))]
 
-  def _reduce_chunk_rows(self, received, chunks, runs, own: jax.Array | None,
-                         scale: float) -> tuple[list[jax.Array], jax.Array]:
-    """The D received rows (row s from device s) -> (each leaf's reduced shard float32[P_i *
-    c_i], its :func:`nonfinite_mark`): per payload the in-order sum of its D decodes, times
-    ``scale``; with ``own``, the term of device ``own`` its own shard, exact."""
+  def _reduce_chunk_pieces(self, received, chunks, runs, own: jax.Array | None,
+                           scale: float) -> tuple[list[jax.Array], jax.Array]:
+    """The D received rows (row s from device s), in the pieces they travelled in -> (each
+    leaf's reduced shard float32[P_i * c_i], its :func:`nonfinite_mark`): per payload the in-order
+    sum of its D decodes, times ``scale``; with ``own``, the term of device ``own`` its own shard,
+    exact. Default: the rows joined; a codec whose kernel reads the pieces where they lie
+    overrides it (QSGD on CPU)."""
+    received = _exchange.joined(received)
     d = received.shape[0]
     blocks = []
-    for x, (r, n), m in zip(chunks, runs, self._split_chunk_rows(received, runs)):
+    for x, (r, n), m in zip(chunks, runs,
+                            split_leaves(received, self._chunk_row_widths(runs), 1)):
       m = m.reshape(d, r, -1)
       if own is None:
         block = jax.vmap(lambda w: self.wire_decode_sum(w, n), in_axes=1)(m)
@@ -654,23 +666,27 @@ class Codec(abc.ABC):
 
   def _all_gather_payloads(self, parts, axis_name, key, minus=None):
     """:meth:`all_gather_leaves` as a payload codec runs it: each part its own payload (a key per
-    part), written into one message (:meth:`_encode_chunk_rows` of the parts as one device's
-    single chunks), one all-gather, and each part's D rows decoded from it
-    (:meth:`_decode_chunk_rows`). With ``minus = (olds, index)`` the parts less shard ``index``
-    of the olds' chunks (:meth:`all_gather_differences`; :meth:`_encode_chunk_differences`)."""
+    part), written into one message in the pieces it travels in (:meth:`_encode_chunk_pieces` of
+    the parts as one device's single chunks), one all-gather per piece, and each part's D rows
+    decoded from the gathered pieces (:meth:`_decode_chunk_pieces`). With ``minus = (olds,
+    index)`` the parts less shard ``index`` of the olds' chunks (:meth:`all_gather_differences`;
+    :meth:`_encode_chunk_differences`)."""
+    d = axis_size(axis_name)
     flat = [x.astype(jnp.float32).reshape(1, 1, -1) for x in parts]
     runs = [(1, x.shape[2]) for x in flat]
     k = device_key(key, axis_name, 0)
-    message = (self._encode_chunk_rows(flat, runs, 1, k, None) if minus is None
+    message = (self._encode_chunk_pieces(flat, runs, 1, k, None, devices=d) if minus is None
                else self._encode_chunk_differences(flat, runs, *minus, k))
-    return self._decode_chunk_rows(_exchange.gather(message[0], axis_name), runs)
+    gathered = _exchange.gather_pieces([p.reshape(-1) for p in message], axis_name)
+    return self._decode_chunk_pieces(gathered, runs)
 
-  def _encode_chunk_differences(self, flat, runs, olds, index, key) -> jax.Array:
-    """:meth:`_encode_chunk_rows` (one device: wire[1, W]) of ``flat[i]`` (float32[1, 1, m_i])
-    less shard ``index`` of ``olds[i]`` (float32[P_i, D, c_i], P_i * c_i = m_i). A codec whose
-    kernel reads both where they lie overrides it with the same bytes (QSGD on CPU)."""
+  def _encode_chunk_differences(self, flat, runs, olds, index, key) -> list:
+    """:meth:`_encode_chunk_pieces` (one device's row, cut as it travels among the D devices of
+    the olds) of ``flat[i]`` (float32[1, 1, m_i]) less shard ``index`` of ``olds[i]``
+    (float32[P_i, D, c_i], P_i * c_i = m_i). A codec whose kernel reads both where they lie
+    overrides it with the same bytes (QSGD on CPU)."""
     diffs = [x - _shard_of(o, index).reshape(x.shape) for x, o in zip(flat, olds)]
-    return self._encode_chunk_rows(diffs, runs, 1, key, None)
+    return self._encode_chunk_pieces(diffs, runs, 1, key, None, devices=olds[0].shape[1])
 
   def traffic(self, n: int, devices: int,
               collective: str = "allreduce") -> tuple[tuple[str, float], ...]:

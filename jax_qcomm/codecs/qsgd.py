@@ -123,42 +123,56 @@ class QSGD(_Bucketed):
   def reduce_scatter_leaves_marked(self, rows, axis_name, key, op="mean", exchange="auto"):
     return self._reduce_scatter_payloads(rows, axis_name, key, op, exchange)
 
-  def _encode_chunk_rows(self, chunks, runs, d, key, skip):
-    """On CPU one kernel reads every leaf's chunks where they lie and writes the message (no
-    copy of the gradient, no per-leaf call); elsewhere the composition (the same bytes)."""
-    composed = super()._encode_chunk_rows
+  def _encode_chunk_pieces(self, chunks, runs, d, key, skip, devices=None):
+    """On CPU one kernel reads every leaf's chunks where they lie and writes the message in the
+    pieces it travels in (no copy of the gradient, no per-leaf call, no slices); elsewhere the
+    composition, cut (the same bytes)."""
+    composed = super()._encode_chunk_pieces
     if self.needs_key and key is None:  # (the composition says what is wrong)
-      return composed(chunks, runs, d, key, skip)
+      return composed(chunks, runs, d, key, skip, devices)
     seeds = self._chunk_seeds(runs, d, key)
     skip_ = jnp.int32(-1) if skip is None else jnp.asarray(skip, jnp.int32)
+    widths = _exchange.piece_widths(sum(self._chunk_row_widths(runs)), 1, devices or d)
     kw = dict(devices=d, pre=[x.shape[0] for x in chunks], chunk=[x.shape[2] for x in chunks],
-              rounding=self.rounding, **self._fmt)
+              rounding=self.rounding, widths=widths, **self._fmt)
     return self._select(
         lambda s, k, *xs: _ffi.qsgd_encode_chunks([x.reshape(-1) for x in xs], s, k, **kw),
-        lambda s, k, *xs: composed(list(xs), runs, d, key, skip), seeds, skip_, *chunks,
+        lambda s, k, *xs: composed(list(xs), runs, d, key, skip, devices), seeds, skip_, *chunks,
         only=("cpu",))
 
-  def _decode_chunk_rows(self, message, runs):
-    """On CPU one kernel writes every leaf's decodes (no per-leaf slice of the message)."""
-    composed = super()._decode_chunk_rows
-    kw = dict(pre=[r for r, _ in runs], chunk=[n for _, n in runs], **self._fmt)
-    return self._select(lambda m: _ffi.qsgd_decode_chunks(m, **kw),
-                        lambda m: composed(m, runs), message, only=("cpu",))
+  def _decode_chunk_pieces(self, pieces, runs):
+    """On CPU one kernel reads the rows where the pieces lie and writes every leaf's decodes (no
+    joined copy of the message, no per-leaf slice of it)."""
+    composed = super()._decode_chunk_pieces
+    pieces = _exchange.blocks_of(pieces)
+    blocks = [b for piece in pieces for b in piece]
+    kw = dict(rows=sum(b.shape[0] for b in pieces[0]), pre=[r for r, _ in runs],
+              chunk=[n for _, n in runs], **self._fmt)
+    return self._select(lambda *bs: _ffi.qsgd_decode_chunks(bs, **kw),
+                        lambda *bs: composed(_blocks_as_pieces(bs, pieces), runs), *blocks,
+                        only=("cpu",))
 
-  def _reduce_chunk_rows(self, received, chunks, runs, own, scale):
-    """On CPU one kernel: every leaf's shard, its own term read where it lies, and the mark;
-    elsewhere the composition (the same values)."""
-    d = received.shape[0]
+  def _reduce_chunk_pieces(self, received, chunks, runs, own, scale):
+    """On CPU one kernel: every leaf's shard, the received rows read where their pieces lie, its
+    own term read where it lies, and the mark; elsewhere the composition (the same values)."""
+    received = _exchange.blocks_of(received)
+    blocks = [b for piece in received for b in piece]
+    k = len(blocks)
     slot = jnp.int32(-1) if own is None else jnp.asarray(own, jnp.int32)
-    kw = dict(devices=d, pre=[x.shape[0] for x in chunks], chunk=[x.shape[2] for x in chunks],
-              **self._fmt)
+    kw = dict(devices=sum(b.shape[0] for b in received[0]), pre=[x.shape[0] for x in chunks],
+              chunk=[x.shape[2] for x in chunks], **self._fmt)
 
-    def kernel(m, s, *xs):
-      mark, blocks = _ffi.qsgd_decode_sum_chunks(m, s, [x.reshape(-1) for x in xs], scale, **kw)
-      return blocks, mark
+    def kernel(s, *ops):
+      mark, shards = _ffi.qsgd_decode_sum_chunks(
+          ops[:k], s, [x.reshape(-1) for x in ops[k:]], scale, **kw)
+      return shards, mark
 
-    return self._select(kernel, lambda m, s, *xs: super(QSGD, self)._reduce_chunk_rows(
-        m, list(xs), runs, own, scale), received, slot, *chunks, only=("cpu",))
+    def composed(s, *ops):
+      del s
+      return super(QSGD, self)._reduce_chunk_pieces(_blocks_as_pieces(ops[:k], received),
+                                                    list(ops[k:]), runs, own, scale)
+
+    return self._select(kernel, composed, slot, *blocks, *chunks, only=("cpu",))
 
   def all_gather_leaves(self, parts, axis_name, key):
     return self._all_gather_payloads(parts, axis_name, key)
@@ -191,13 +205,15 @@ class QSGD(_Bucketed):
 
   def _encode_chunk_differences(self, flat, runs, olds, index, key):
     """On CPU one kernel reads the new values and the current ones where they lie (the
-    differences are never written out); elsewhere the composition (the same bytes)."""
+    differences are never written out) and writes the pieces the row travels in; elsewhere the
+    composition, cut (the same bytes)."""
     composed = super()._encode_chunk_differences
     if self.needs_key and key is None:  # (the composition says what is wrong)
       return composed(flat, runs, olds, index, key)
     d = olds[0].shape[1]
+    widths = _exchange.piece_widths(sum(self._chunk_row_widths(runs)), 1, d)
     kw = dict(devices=d, pre=[o.shape[0] for o in olds], chunk=[o.shape[2] for o in olds],
-              rounding=self.rounding, **self._fmt)
+              rounding=self.rounding, widths=widths, **self._fmt)
     k = len(flat)
     return self._select(
         lambda s, i, *xs: _ffi.qsgd_encode_differences(
@@ -292,7 +308,7 @@ class QSGD(_Bucketed):
     are NaN or Inf (finite buckets store a finite min and a finite step there). Read in each
     piece that holds header words, where it lies."""
     head_bytes = 4 * wire.num_buckets(n, self.bucket_size) * (2 if self.scheme == "maxmin" else 1)
-    pieces = [[p] if isinstance(p, jax.Array) else list(p) for p in pieces]
+    pieces = _exchange.blocks_of(pieces)
     if any(p[0].shape[1] % 4 for p in pieces[:-1]):  # a piece splits a word: read them joined
       pieces = [[_exchange.joined(pieces)]]
     bad, start = [jnp.bool_(False)], 0
