@@ -121,10 +121,13 @@ def test_reencode_own_equals_the_composition(config, k, slot, row, scale, cut):
 
 def _widths(size):
   """Widths 1, 3, 5, ..., 37, 1, 3, ... summing to ``size``: a header word, a bucket's codes and a
-  row's last byte each split somewhere, and pieces of 1 byte."""
+  row's last byte each split somewhere, and pieces of 1 byte. Past 1 KiB each width but the
+  first is the step times an odd factor (about 50 pieces): every cut still falls at an odd byte,
+  and a large payload does not become thousands of operands."""
+  scale = max(1, size // 1024) | 1
   widths, step = [], 1
   while sum(widths) < size:
-    widths.append(min(step, size - sum(widths)))
+    widths.append(min(step if not widths else step * scale, size - sum(widths)))
     step = step + 2 if step < 37 else 1
   return widths
 
