@@ -144,10 +144,8 @@ class QSGD(_Bucketed):
     """On CPU one kernel reads the rows where the pieces lie and writes every leaf's decodes (no
     joined copy of the message, no per-leaf slice of it)."""
     composed = super()._decode_chunk_pieces
-    pieces = _exchange.blocks_of(pieces)
-    blocks = [b for piece in pieces for b in piece]
-    kw = dict(rows=sum(b.shape[0] for b in pieces[0]), pre=[r for r, _ in runs],
-              chunk=[n for _, n in runs], **self._fmt)
+    pieces, blocks, rows = _flat(pieces)
+    kw = dict(rows=rows, pre=[r for r, _ in runs], chunk=[n for _, n in runs], **self._fmt)
     return self._select(lambda *bs: _ffi.qsgd_decode_chunks(bs, **kw),
                         lambda *bs: composed(_blocks_as_pieces(bs, pieces), runs), *blocks,
                         only=("cpu",))
@@ -155,12 +153,11 @@ class QSGD(_Bucketed):
   def _reduce_chunk_pieces(self, received, chunks, runs, own, scale):
     """On CPU one kernel: every leaf's shard, the received rows read where their pieces lie, its
     own term read where it lies, and the mark; elsewhere the composition (the same values)."""
-    received = _exchange.blocks_of(received)
-    blocks = [b for piece in received for b in piece]
+    received, blocks, d = _flat(received)
     k = len(blocks)
     slot = jnp.int32(-1) if own is None else jnp.asarray(own, jnp.int32)
-    kw = dict(devices=sum(b.shape[0] for b in received[0]), pre=[x.shape[0] for x in chunks],
-              chunk=[x.shape[2] for x in chunks], **self._fmt)
+    kw = dict(devices=d, pre=[x.shape[0] for x in chunks], chunk=[x.shape[2] for x in chunks],
+              **self._fmt)
 
     def kernel(s, *ops):
       mark, shards = _ffi.qsgd_decode_sum_chunks(
@@ -267,7 +264,7 @@ class QSGD(_Bucketed):
     if c == 0:
       return super()._reduce_received(received, parts, chunks, me, c, key, scale)
     d = chunks.shape[0]
-    blocks = [b for piece in received for b in piece]
+    received, blocks, _ = _flat(received)
     k = len(blocks)
     widths = _exchange.piece_widths(self.payload_size(c), 1, d)
     kw = dict(rounding=self.rounding, **self._fmt)
@@ -294,8 +291,7 @@ class QSGD(_Bucketed):
     elsewhere the rows joined and decoded."""
     if c == 0:
       return super()._decode_pieces(pieces, c)
-    blocks = [b for piece in pieces for b in piece]
-    rows = sum(b.shape[0] for b in pieces[0])
+    pieces, blocks, rows = _flat(pieces)
     return self._select(
         lambda *bs: _ffi.qsgd_decode_pieces(bs, c, rows=rows, **self._fmt),
         lambda *bs: super(QSGD, self)._decode_pieces(_blocks_as_pieces(bs, pieces), c), *blocks,
@@ -336,6 +332,14 @@ class QSGD(_Bucketed):
 
     return self._select(
         lambda p, s: _ffi.qsgd_decode_sum_reencode(p, s, n, scale, **kw), reference, payloads, seed)
+
+
+def _flat(pieces):
+  """Pieces of rows (as :func:`jax_qcomm._exchange.joined` takes them) -> ``(nested, blocks,
+  rows)``: each piece as its list of blocks, every block in order (a kernel's operands, which
+  :func:`_blocks_as_pieces` nests again) and the rows of a piece."""
+  nested = _exchange.blocks_of(pieces)
+  return nested, [b for piece in nested for b in piece], sum(b.shape[0] for b in nested[0])
 
 
 def _blocks_as_pieces(blocks, like):
