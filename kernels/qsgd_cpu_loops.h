@@ -21,20 +21,23 @@ namespace {
 
 constexpr int kMaxBucketOnStack = 4096;
 
-template <int SCHEME>
-inline qcomm::EncodeScales bucket_scales(const float* __restrict x, int64_t bucket, uint32_t levels) {
+// The scales of one bucket. LEVELS is a template argument so that recip_levels(LEVELS) folds to a
+// constant, and the function is inlined into each bit width's loop: out of line, one copy served
+// every width and spent a division per bucket on 1 / L.
+template <int SCHEME, uint32_t LEVELS>
+__attribute__((always_inline)) inline qcomm::EncodeScales bucket_scales(const float* __restrict x,
+                                                                        int64_t bucket) {
   if constexpr (SCHEME == qcomm::kMaxMin) {
     // Min and max over order-preserving integer keys of the float bits: integer min/max
-    // vectorise without -ffast-math, and NaNs are detected separately.
+    // vectorise without -ffast-math. A NaN's key lies beyond the keys of both infinities, so the
+    // two extremes also say whether the bucket holds a NaN (qcomm::keys_hold_nan).
     int32_t lo = INT32_MAX, hi = INT32_MIN;
-    uint32_t any_nan = 0;
     for (int64_t i = 0; i < bucket; ++i) {
       const int32_t k = qcomm::order_key(x[i]);
       lo = k < lo ? k : lo;
       hi = k > hi ? k : hi;
-      any_nan |= qcomm::nan_flag(x[i]);
     }
-    return qcomm::maxmin_scales(lo, hi, any_nan, levels);
+    return qcomm::maxmin_scales(lo, hi, qcomm::keys_hold_nan(lo, hi), LEVELS);
   } else {
     // The largest |x| (an exact unsigned max of the bits) gives the scale 2^-k; then the squares
     // of the scaled values, in the format's 8 lanes.
@@ -48,7 +51,7 @@ inline qcomm::EncodeScales bucket_scales(const float* __restrict x, int64_t buck
     for (int64_t g = 0; g < bucket; g += 8) {
       for (int j = 0; j < 8; ++j) acc[j] += qcomm::norm_square(x[g + j] * down);
     }
-    return qcomm::norm_scales(max_abs, qcomm::norm_tree(acc), levels);
+    return qcomm::norm_scales(max_abs, qcomm::norm_tree(acc), LEVELS);
   }
 }
 
@@ -111,7 +114,7 @@ inline void encode_bucket(const float* __restrict xb, int64_t B, int64_t start,
                           int64_t valid, uint8_t* header, uint8_t* __restrict packed) {
   constexpr uint32_t levels =
       SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
-  const qcomm::EncodeScales s = bucket_scales<SCHEME>(xb, B, levels);
+  const qcomm::EncodeScales s = bucket_scales<SCHEME, levels>(xb, B);
   if (stochastic) {
     bucket_codes<BITS, SCHEME, true>(xb, static_cast<uint32_t>(B), s, seed[0], seed[1],
                                      static_cast<uint32_t>(start), codes);

@@ -204,6 +204,12 @@ QCOMM_HD float from_order_key(int32_t k) {
   return bits_float(static_cast<uint32_t>(k) ^ (static_cast<uint32_t>(k >> 31) >> 1));
 }
 QCOMM_HD uint32_t nan_flag(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
+// Whether the smallest and largest order keys of a bucket say it holds a NaN: a NaN with the sign
+// bit clear has a key above +Inf's, one with it set a key below -Inf's. The same answer as an OR of
+// nan_flag over the bucket's values.
+QCOMM_HD uint32_t keys_hold_nan(int32_t lo_key, int32_t hi_key) {
+  return (hi_key > order_key(bits_float(0x7f800000u))) | (lo_key < order_key(bits_float(0xff800000u)));
+}
 // |x| as bits, for the norm scheme's max-abs reduction (an exact unsigned max).
 QCOMM_HD uint32_t abs_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 

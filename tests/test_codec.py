@@ -632,7 +632,12 @@ NF_N = 3 * NF_BUCKET + 5  # three whole buckets and a partial one
 def _nonfinite_rows():
   """(rows, per row the buckets that hold a non-finite value)."""
   base = np.random.default_rng(9).standard_normal(NF_N).astype(np.float32)
+  # NaNs with the sign bit set and with other payloads: the kernels find a NaN from the order
+  # keys of a bucket's extremes, which must catch every NaN bit pattern, not only the canonical one
+  neg_nan, neg_low_nan, low_nan = np.array([0xFFC00000, 0xFF800001, 0x7F800001],
+                                           np.uint32).view(np.float32)
   cases = [({20: np.nan}, {1}), ({20: np.inf}, {1}), ({20: -np.inf}, {1}),
+           ({21: neg_nan}, {1}), ({2: neg_low_nan}, {0}), ({40: low_nan, 41: -np.inf}, {2}),
            ({17: np.inf, 30: -np.inf}, {1}), ({0: -np.inf}, {0}), ({47: np.inf}, {2}),
            ({48: np.nan}, {3}), ({48: -np.inf}, {3}), ({52: np.inf}, {3}),
            ({5: np.nan, 50: np.inf}, {0, 3}), ({33: np.inf, 34: np.nan}, {2})]
