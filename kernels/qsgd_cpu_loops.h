@@ -29,15 +29,14 @@ __attribute__((always_inline)) inline qcomm::EncodeScales bucket_scales(const fl
                                                                         int64_t bucket) {
   if constexpr (SCHEME == qcomm::kMaxMin) {
     // Min and max over order-preserving integer keys of the float bits: integer min/max
-    // vectorise without -ffast-math. A NaN's key lies beyond the keys of both infinities, so the
-    // two extremes also say whether the bucket holds a NaN (qcomm::keys_hold_nan).
+    // vectorise without -ffast-math; a NaN is one of the extremes (qcomm::maxmin_scales).
     int32_t lo = INT32_MAX, hi = INT32_MIN;
     for (int64_t i = 0; i < bucket; ++i) {
       const int32_t k = qcomm::order_key(x[i]);
       lo = k < lo ? k : lo;
       hi = k > hi ? k : hi;
     }
-    return qcomm::maxmin_scales(lo, hi, qcomm::keys_hold_nan(lo, hi), LEVELS);
+    return qcomm::maxmin_scales(lo, hi, LEVELS);
   } else {
     // The largest |x| (an exact unsigned max of the bits) gives the scale 2^-k; then the squares
     // of the scaled values, in the format's 8 lanes.

@@ -216,10 +216,10 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
       }
 
       // -- pass 1: the bucket's reductions --
-      // maxmin: min/max order keys and the NaN flag; norm: the largest |x| (bits), which sets the
+      // maxmin: min/max order keys (a NaN is one of them); norm: the largest |x| (bits), which sets the
       // scale 2^-k of the squares summed in pass 1b. All exact, reduced by shuffles.
       int32_t lo = INT32_MAX, hi = INT32_MIN;
-      uint32_t any_nan = 0, max_abs = 0;
+      uint32_t max_abs = 0;
       float v[8];
       for (int c0 = 0; c0 < G; c0 += TEAM) {
         const int g = c0 + t;
@@ -236,7 +236,6 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
               const int32_t key = order_key(v[i]);
               lo = min(lo, key);
               hi = max(hi, key);
-              any_nan |= nan_flag(v[i]);
             } else {
               max_abs = max(max_abs, abs_bits(v[i]));
             }
@@ -248,7 +247,6 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
         if constexpr (SCHEME == kMaxMin) {
           lo = min(lo, __shfl_xor_sync(kFull, lo, off));
           hi = max(hi, __shfl_xor_sync(kFull, hi, off));
-          any_nan |= __shfl_xor_sync(kFull, any_nan, off);
         } else {
           max_abs = max(max_abs, __shfl_xor_sync(kFull, max_abs, off));
         }
@@ -256,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 4) encode_kernel(Src src, EncodeArgs
 
       EncodeScales es;
       if constexpr (SCHEME == kMaxMin) {
-        es = maxmin_scales(lo, hi, any_nan, levels);
+        es = maxmin_scales(lo, hi, levels);
       } else {
         // -- pass 1b (norm): the squares of the scaled values, in the format's 8 lanes --
         const float down = pow2(-scale_exponent(max_abs));

@@ -203,20 +203,14 @@ QCOMM_HD int32_t order_key(float x) {
 QCOMM_HD float from_order_key(int32_t k) {
   return bits_float(static_cast<uint32_t>(k) ^ (static_cast<uint32_t>(k >> 31) >> 1));
 }
-QCOMM_HD uint32_t nan_flag(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
-// Whether the smallest and largest order keys of a bucket say it holds a NaN: a NaN with the sign
-// bit clear has a key above +Inf's, one with it set a key below -Inf's. The same answer as an OR of
-// nan_flag over the bucket's values.
-QCOMM_HD uint32_t keys_hold_nan(int32_t lo_key, int32_t hi_key) {
-  return (hi_key > order_key(bits_float(0x7f800000u))) | (lo_key < order_key(bits_float(0xff800000u)));
-}
 // |x| as bits, for the norm scheme's max-abs reduction (an exact unsigned max).
 QCOMM_HD uint32_t abs_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 
-// maxmin: scales from the order keys of the smallest and largest value and the NaN flag.
-// The reductions (min/max of keys, OR of flags) are exact, so any order of evaluation gives them.
-QCOMM_HD EncodeScales maxmin_scales(int32_t lo_key, int32_t hi_key, uint32_t any_nan,
-                                    uint32_t levels) {
+// maxmin: scales from the order keys of the smallest and largest value. The reductions (min/max
+// of keys) are exact, so any order of evaluation gives them. A NaN's key lies beyond the keys of
+// both infinities (above +Inf's with the sign bit clear, below -Inf's with it set), so a bucket
+// holding a NaN has one as an extreme, and its bits fail the finiteness test below.
+QCOMM_HD EncodeScales maxmin_scales(int32_t lo_key, int32_t hi_key, uint32_t levels) {
   float mn = from_order_key(lo_key), mx = from_order_key(hi_key);
   // -0 and +0 compare equal; store +0 so the bytes do not depend on which came first. (Under
   // FTZ/DAZ a denormal compares equal to 0 as well and is stored as +0.)
@@ -224,7 +218,7 @@ QCOMM_HD EncodeScales maxmin_scales(int32_t lo_key, int32_t hi_key, uint32_t any
   mx = mx == 0.0f ? 0.0f : mx;
   const uint32_t a = abs_bits(mn), b = abs_bits(mx);
   const uint32_t max_abs = a > b ? a : b;
-  if (any_nan || abs_bits_non_finite(max_abs)) return non_finite_scales();
+  if (abs_bits_non_finite(max_abs)) return non_finite_scales();
   const int32_t k = scale_exponent(max_abs);
   const float down = pow2(-k);
   const float y_min = mul_rn(mn, down), y_max = mul_rn(mx, down);
