@@ -3,14 +3,19 @@ alone, update + apply, sync - local) over that run's torch fp32, then the median
 with the lowest and highest.
 
     python notebooks/data/sync4_2n_1gbit_20261128_series/summarise.py 1 2 3 4 5 6
+    python notebooks/data/sync4_2n_1gbit_20261128_series/summarise.py OTHER_FOLDER 1 2 3 4 5 6
+
+(a later series of the same harness, in OTHER_FOLDER).
 """
 import json
 import pathlib
 import statistics
 import sys
 
-HERE = pathlib.Path(__file__).parent
-runs = sys.argv[1:] or ["1", "2", "3", "4", "5", "6"]
+args = sys.argv[1:]
+HERE = pathlib.Path(args.pop(0)) if args and pathlib.Path(args[0]).is_dir() else \
+    pathlib.Path(__file__).parent
+runs = args or ["1", "2", "3", "4", "5", "6"]
 cols = (("update_median_s", "update"), ("sync_median_s", "update + apply"),
         ("sync_comm_median_s", "sync - local"))
 ratios = {key: [] for key, _ in cols}
