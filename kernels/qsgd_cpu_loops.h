@@ -58,8 +58,9 @@ __attribute__((always_inline)) inline qcomm::EncodeScales bucket_scales(const fl
 // uint32 induction variables (no 64-bit lanes for the vectoriser to narrow), and the hash's
 // index * kIndexMul + seed0 carried as a running sum h (one vector multiply fewer per element).
 template <int BITS, int SCHEME, bool STOCHASTIC>
-inline void bucket_codes(const float* __restrict x, uint32_t bucket, const qcomm::EncodeScales& s,
-                         uint32_t seed0, uint32_t seed1, uint32_t base, uint8_t* __restrict codes) {
+__attribute__((always_inline)) inline void bucket_codes(
+    const float* __restrict x, uint32_t bucket, const qcomm::EncodeScales& s, uint32_t seed0,
+    uint32_t seed1, uint32_t base, uint8_t* __restrict codes) {
   const float down = s.down, y_min = s.y_min, inv = s.inv;
   if constexpr (STOCHASTIC) {
     uint32_t h = base * qcomm::kIndexMul + seed0;
@@ -89,7 +90,8 @@ inline uint64_t pack8_swar(uint64_t w) {
 }
 
 template <int BITS>
-inline void pack_codes(const uint8_t* __restrict codes, int64_t bucket, uint8_t* __restrict out) {
+__attribute__((always_inline)) inline void pack_codes(const uint8_t* __restrict codes,
+                                                      int64_t bucket, uint8_t* __restrict out) {
   for (int64_t g = 0; g < bucket / 8; ++g) {
     uint64_t w;
     memcpy(&w, codes + 8 * g, 8);
@@ -107,10 +109,14 @@ inline void pack_codes(const uint8_t* __restrict codes, int64_t bucket, uint8_t*
 
 // Encodes one whole bucket: xb[0, B) (padding already in place), its values' indices start,
 // start + 1, ... (the stochastic rounding's counter), into its header words and packed codes.
-template <int BITS, int SCHEME>
-inline void encode_bucket(const float* __restrict xb, int64_t B, int64_t start,
-                          const uint32_t seed[2], bool stochastic, uint8_t* __restrict codes,
-                          int64_t valid, uint8_t* header, uint8_t* __restrict packed) {
+// FIXED_B > 0 is B as a constant (encode_bucket's common sizes), so that the bucket's loops have
+// fixed trip counts and unroll: at 64 values a bucket's setup costs as much as its values.
+template <int BITS, int SCHEME, int64_t FIXED_B>
+__attribute__((always_inline)) inline void encode_bucket_b(
+    const float* __restrict xb, int64_t bucket, int64_t start, const uint32_t seed[2],
+    bool stochastic, uint8_t* __restrict codes, int64_t valid, uint8_t* header,
+    uint8_t* __restrict packed) {
+  const int64_t B = FIXED_B > 0 ? FIXED_B : bucket;
   constexpr uint32_t levels =
       SCHEME == qcomm::kMaxMin ? (1u << BITS) - 1u : (1u << (BITS - 1)) - 1u;
   const qcomm::EncodeScales s = bucket_scales<SCHEME, levels>(xb, B);
@@ -129,6 +135,23 @@ inline void encode_bucket(const float* __restrict xb, int64_t B, int64_t start,
     memcpy(header, &s.word, 4);
   }
   pack_codes<BITS>(codes, B, packed);
+}
+
+template <int BITS, int SCHEME>
+inline void encode_bucket(const float* __restrict xb, int64_t B, int64_t start,
+                          const uint32_t seed[2], bool stochastic, uint8_t* __restrict codes,
+                          int64_t valid, uint8_t* header, uint8_t* __restrict packed) {
+  switch (B) {
+    case 64:
+      return encode_bucket_b<BITS, SCHEME, 64>(xb, B, start, seed, stochastic, codes, valid,
+                                                header, packed);
+    case 128:
+      return encode_bucket_b<BITS, SCHEME, 128>(xb, B, start, seed, stochastic, codes, valid,
+                                                 header, packed);
+    default:
+      return encode_bucket_b<BITS, SCHEME, 0>(xb, B, start, seed, stochastic, codes, valid,
+                                               header, packed);
+  }
 }
 
 // The padding of a last, partial bucket (values [valid, B) of xb): its first value (maxmin), 0

@@ -44,7 +44,7 @@ import jax_qcomm as qcomm
 from jax_qcomm import _ffi
 
 D = 8
-BUCKETS = (8, 16, 24, 128, 512)
+BUCKETS = (8, 16, 24, 64, 128, 512)
 SCHEMES = ("maxmin", "norm")
 ROUNDINGS = ("stochastic", "nearest")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -330,7 +330,8 @@ def _sweep_result(config):
 def _sweep_configs():
   """Every bits x scheme x rounding, the bucket size rotating through BUCKETS (so every bucket
   meets every scheme, rounding and most bit widths), plus buckets on the other code paths: > 512
-  (the reference's scan over the sum of squares) and > 4096 (the kernels' heap buffers)."""
+  (the reference's scan over the sum of squares), > 4096 (the kernels' heap buffers), and every
+  bit width at 64 and 128 (the sizes the CPU encode compiles as constants) in both schemes."""
   out = []
   for bits in range(1, 9):
     combos = [(s, r) for s in SCHEMES for r in ROUNDINGS if not (s == "norm" and bits < 2)]
@@ -338,6 +339,8 @@ def _sweep_configs():
       out.append((bits, BUCKETS[(bits + i) % len(BUCKETS)], s, r))
   out += [(4, 1024, "norm", "stochastic"), (8, 4104, "norm", "nearest"),
           (5, 4104, "maxmin", "stochastic")]
+  out += [(bits, b, s, "stochastic") for bits in range(1, 9) for b in (64, 128) for s in SCHEMES
+          if not (s == "norm" and bits < 2) and (bits, b, s, "stochastic") not in out]
   return out
 
 
