@@ -50,6 +50,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import queue
 import re
 import sys
 import threading
@@ -217,6 +218,40 @@ def _is_timeout(exc: BaseException) -> bool:
   return "timed out" in str(exc).lower() or "deadline" in str(exc).lower()
 
 
+class _LiveAsker:
+  """A daemon thread that asks the coordination service for the live processes, one question at
+  a time, each answer awaited for at most ``wait`` seconds.
+
+  Started by :func:`initialize` in the recoverability mode, before it is needed: the question at a
+  normal exit (:func:`_shutdown_barrier`) must be bounded too, and Python 3.12 starts no thread
+  during interpreter shutdown, where atexit handlers run. A question left unanswered keeps the
+  thread, and later questions wait behind it within their own bound.
+  """
+
+  def __init__(self):
+    self._questions: queue.Queue = queue.Queue()
+    threading.Thread(target=self._serve, name="qcomm-ask-live", daemon=True).start()
+
+  def _serve(self) -> None:
+    while True:
+      client, num_processes, answer = self._questions.get()
+      try:
+        answer.put(("live", sorted(client.get_live_nodes(list(range(num_processes))))))
+      except Exception as e:  # noqa: BLE001  (the service is gone: reported, not raised)
+        answer.put(("error", e))
+
+  def ask(self, client, num_processes: int, wait: float) -> tuple[str, Any]:
+    answer: queue.Queue = queue.Queue(maxsize=1)
+    self._questions.put((client, num_processes, answer))
+    try:
+      return answer.get(timeout=wait)
+    except queue.Empty:
+      return "no answer", None
+
+
+_ASKER: _LiveAsker | None = None
+
+
 def _ask_live(num_processes: int, wait: float) -> tuple[str, Any]:
   """The coordination service's list of live processes: ``("live", ids)``, ``("error", exc)`` if
   the service cannot be reached, or ``("no answer", None)`` after ``wait`` seconds.
@@ -225,30 +260,13 @@ def _ask_live(num_processes: int, wait: float) -> tuple[str, Any]:
   survivor of a failed collective asks it too), so it answers once the lost process is declared
   dead (after the heartbeat timeout) and never while a live process stays away.
   """
+  global _ASKER
   client, _, _ = _compat.distributed_state()
   if client is None:
     return "error", RuntimeError("jax.distributed is not initialized")
-  answer: dict[str, Any] = {}
-
-  def ask():
-    try:
-      answer["live"] = sorted(client.get_live_nodes(list(range(num_processes))))
-    except Exception as e:  # noqa: BLE001  (the service is gone: reported, not raised)
-      answer["error"] = e
-
-  thread = threading.Thread(target=ask, name="qcomm-ask-live", daemon=True)
-  try:
-    thread.start()
-    thread.join(wait)
-  except RuntimeError:
-    # At interpreter shutdown (the exit barrier) Python 3.12 starts no thread: ask directly.
-    # Every process has passed the barrier by then, so the answer comes once they have left.
-    ask()
-  if "live" in answer:
-    return "live", answer["live"]
-  if "error" in answer:
-    return "error", answer["error"]
-  return "no answer", None
+  if _ASKER is None:
+    _ASKER = _LiveAsker()
+  return _ASKER.ask(client, num_processes, wait)
 
 
 def _lost_process_text(exc: BaseException, process_id: int, num_processes: int,
@@ -507,9 +525,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_num_cpu_devices", int(local_device_count))
   if interface is not None or hostname is not None:
     _compat.register_gloo_cpu_backend(interface, hostname)
+  global _ELASTIC, _ASKER
+  if recoverable and _ASKER is None:
+    _ASKER = _LiveAsker()  # started now: Python 3.12 starts no thread at exit
   if fail_fast:
     _install_fail_fast(int(process_id), int(num_processes), timeouts, recoverable)
-  global _ELASTIC
   _ELASTIC = elastic
   if recoverable and not elastic:
     # Runs before jax's own atexit shutdown (registered when jax was imported; atexit is LIFO).
