@@ -583,6 +583,40 @@ def test_cluster_detection_methods_are_jaxs():
   assert set(distributed.CLUSTER_DETECTION_METHODS) - {"deactivate"} <= names, names
 
 
+_ASK_AT_EXIT = """
+import atexit, threading, time
+from jax_qcomm.tools import distributed
+
+class Client:  # a coordination client whose get_live_nodes never answers, and one that does
+  def __init__(self, hang):
+    self.hang = hang
+  def get_live_nodes(self, ids):
+    if self.hang:
+      threading.Event().wait()
+    return ids
+
+asker = distributed._LiveAsker()  # started before exit, as initialize starts it
+
+def at_exit():  # Python 3.12 starts no thread here: the asker must already run
+  t0 = time.monotonic()
+  print(asker.ask(Client(hang=True), 2, 1.0), round(time.monotonic() - t0))
+  print(asker.ask(Client(hang=False), 2, 1.0))
+
+atexit.register(at_exit)
+"""
+
+
+def test_the_live_process_question_at_exit_is_bounded():
+  """At a normal exit process 0 asks the coordination service whether the others have left
+  (_shutdown_barrier). The question runs on a thread started before exit, so a service that never
+  answers costs the shutdown timeout, not a hang, on every Python (3.12 starts no thread in atexit
+  handlers); a later question waits behind the unanswered one within its own bound."""
+  proc = subprocess.run([sys.executable, "-c", _ASK_AT_EXIT], capture_output=True, text=True,
+                        timeout=60)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines() == ["('no answer', None) 1", "('no answer', None)"], proc.stdout
+
+
 def test_private_distributed_state_is_where_compat_expects():
   """Naming a lost process and reading the process index chosen by cluster detection read jax's
   private distributed state (jax_qcomm._compat.distributed_state)."""
