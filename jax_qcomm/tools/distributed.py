@@ -252,6 +252,14 @@ class _LiveAsker:
 _ASKER: _LiveAsker | None = None
 
 
+def _live_asker() -> _LiveAsker:
+  """The process's one :class:`_LiveAsker`, started on first use."""
+  global _ASKER
+  if _ASKER is None:
+    _ASKER = _LiveAsker()
+  return _ASKER
+
+
 def _ask_live(num_processes: int, wait: float) -> tuple[str, Any]:
   """The coordination service's list of live processes: ``("live", ids)``, ``("error", exc)`` if
   the service cannot be reached, or ``("no answer", None)`` after ``wait`` seconds.
@@ -260,13 +268,10 @@ def _ask_live(num_processes: int, wait: float) -> tuple[str, Any]:
   survivor of a failed collective asks it too), so it answers once the lost process is declared
   dead (after the heartbeat timeout) and never while a live process stays away.
   """
-  global _ASKER
   client, _, _ = _compat.distributed_state()
   if client is None:
     return "error", RuntimeError("jax.distributed is not initialized")
-  if _ASKER is None:
-    _ASKER = _LiveAsker()
-  return _ASKER.ask(client, num_processes, wait)
+  return _live_asker().ask(client, num_processes, wait)
 
 
 def _lost_process_text(exc: BaseException, process_id: int, num_processes: int,
@@ -525,11 +530,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_num_cpu_devices", int(local_device_count))
   if interface is not None or hostname is not None:
     _compat.register_gloo_cpu_backend(interface, hostname)
-  global _ELASTIC, _ASKER
-  if recoverable and _ASKER is None:
-    _ASKER = _LiveAsker()  # started now: Python 3.12 starts no thread at exit
+  if recoverable:
+    _live_asker()  # started now: Python 3.12 starts no thread at exit
   if fail_fast:
     _install_fail_fast(int(process_id), int(num_processes), timeouts, recoverable)
+  global _ELASTIC
   _ELASTIC = elastic
   if recoverable and not elastic:
     # Runs before jax's own atexit shutdown (registered when jax was imported; atexit is LIFO).
