@@ -34,7 +34,7 @@ import jaxlib
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm
-from jax_qcomm import _ffi
+from jax_qcomm.native import _ffi
 from jax_qcomm.tools import distributed
 from jax_qcomm.tools import launch
 

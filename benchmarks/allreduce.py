@@ -35,7 +35,7 @@ them, no codec), to
 separate codec cost from transfer.
 
 ``--exchange rounds all_to_all`` times each SRA codec with both all-to-all schedules of
-:mod:`jax_qcomm._exchange` in the same run (rows ``qsgd4/rounds``, ``qsgd4/all_to_all``).
+:mod:`jax_qcomm.transport._exchange` in the same run (rows ``qsgd4/rounds``, ``qsgd4/all_to_all``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _exchange
+from jax_qcomm.transport import _exchange
 from jax_qcomm.codecs import Codec
 
 from benchmarks import _common
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--link-gbps", type=float, default=None,
                       help="link rate in Gbit/s, for a 'floor' column (wire bytes / rate)")
   parser.add_argument("--exchange", nargs="+", choices=EXCHANGES, default=["auto"],
-                      help="the all-to-all of the SRA codecs (jax_qcomm._exchange): auto (ppermute "
+                      help="the all-to-all of the SRA codecs (jax_qcomm.transport._exchange): auto (ppermute "
                            "rounds on CPU), rounds or all_to_all; several: each is timed, the codec "
                            "named codec/method (default: auto)")
   parser.add_argument("--tree", choices=("resnet50",), default=None,

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _ffi
+from jax_qcomm.native import _ffi
 from benchmarks._common import median_time
 
 #: Host CPU devices of the tour (set in main, before the backend starts: never at import time).

@@ -1,7 +1,7 @@
 """Transfer-pattern benchmark: how fast the collectives' traffic patterns move uint8 rows.
 
 What diagnosed the compressed allreduce's all-to-all on gloo (docs/benchmarks.md): the same bytes
-moved by ``lax.all_to_all``, by ppermute rounds (``jax_qcomm._exchange``), by one ppermute of a given
+moved by ``lax.all_to_all``, by ppermute rounds (``jax_qcomm.transport._exchange``), by one ppermute of a given
 shift, and by ``lax.all_gather``, each against the link floor::
 
     python -m benchmarks cluster --nodes 4 --rate 1gbit -- patterns --row-bytes 3600000
@@ -18,7 +18,7 @@ Patterns (p = ``--row-bytes``, D devices):
 * ``psum_scatter``: ``lax.psum_scatter`` of uint8[D, p], XLA's reduce-scatter (a ring: each
   device sends (D-1) p bytes);
 * ``exchange``, ``gather``, ``scatter_sum``: the library's all-to-all, all-gather and
-  reduce-scatter (``jax_qcomm._exchange``) as it sends them: rounds on CPU across processes, and
+  reduce-scatter (``jax_qcomm.transport._exchange``) as it sends them: rounds on CPU across processes, and
   rows in pieces where the transport bounds a message (two processes over gloo);
 * ``shift<s>``: one ``lax.ppermute`` of uint8[p], device i to i+s (``shift2`` at D = 4 is made of
   swaps: 0<->2, 1<->3);
@@ -41,7 +41,7 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_qcomm import _exchange
+from jax_qcomm.transport import _exchange
 
 from benchmarks import _common
 

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm.shard_layout import Layout
-from jax_qcomm.sync import config_of
+from jax_qcomm.collectives.shard_layout import Layout
+from jax_qcomm.transforms.sync import config_of
 from jax_qcomm.tools import distributed
 
 from benchmarks import _common, step

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -212,3 +212,16 @@ def check_array_leaves(name: str, tree: Any) -> None:
       where = jax.tree_util.keystr(path) or "<root>"
       raise ValueError(f"{name} leaf {where} must be an array (or a jax.ShapeDtypeStruct), "
                        f"got {shown(leaf)}")
+
+
+def path_str(path: Sequence[Any]) -> str:
+  """'params/Dense_0/kernel' for a pytree key path."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)

@@ -27,4 +27,4 @@ VPY=.venv/bin/python
 # 2. The project itself WITHOUT build isolation, so that its build compiles against the jaxlib
 #    installed in step 1 (the XLA FFI headers must match the jaxlib that loads the module).
 "$VPY" -m pip install -q --no-build-isolation --no-deps -e .
-"$VPY" -c 'import jax, sys, jax_qcomm._ffi as f; print(f"[bootstrap] Python {sys.version.split()[0]}, jax {jax.__version__}, CPU kernels: {f.cpu_isa()}, CUDA kernels: {f.has_cuda_kernels()}")'
+"$VPY" -c 'import jax, sys, jax_qcomm.native._ffi as f; print(f"[bootstrap] Python {sys.version.split()[0]}, jax {jax.__version__}, CPU kernels: {f.cpu_isa()}, CUDA kernels: {f.has_cuda_kernels()}")'

@@ -42,7 +42,7 @@ import pytest  # noqa: E402
 
 def _cuda_available() -> bool:
   try:
-    from jax_qcomm import _ffi
+    from jax_qcomm.native import _ffi
     return _ffi.has_cuda_kernels() and any(d.platform == "gpu" for d in jax.devices())
   except Exception:  # pragma: no cover - no GPU backend at all
     return False

@@ -87,7 +87,7 @@ def test_the_transport_follows_the_processes(monkeypatch):
 
 
 def test_sync_bits_is_auto_and_forcing_stays_possible():
-  from jax_qcomm.sync import config_of
+  from jax_qcomm.transforms.sync import config_of
   assert config_of(qcomm.sync(optax.sgd(0.1), bits=4)).codec == qcomm.Auto(4)
   assert config_of(qcomm.sync(optax.sgd(0.1), bits=2, error_feedback=True)).codec == qcomm.Auto(
       2, rounding="nearest")

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from jax_qcomm import _ffi, wire
+from jax_qcomm.native import _ffi, wire
 from benchmarks import _common, codec
 
 _NUMBERS = ("median_s", "min_s", "max_s", "elements_per_s", "gb_per_s")

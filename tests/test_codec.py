@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _ffi
+from jax_qcomm.native import _ffi
 
 D = 8
 BUCKETS = (8, 16, 24, 64, 128, 512)

@@ -380,7 +380,7 @@ EXACT = ("dense/bias", "norm/0", "scalar", "small", "empty")
 
 
 def _leaves(tree) -> dict:
-  from jax_qcomm.packing import path_str
+  from jax_qcomm.collectives.packing import path_str
   return {path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -427,7 +427,7 @@ def test_pytree_structure_dtypes_and_default_policy():
 
 def _count_compressed_buffers(fn, *args) -> int:
   """Compressed allreduces in fn: each ends with one all-gather (exact leaves use psum; the
-  all-to-all may be ppermute rounds on CPU, see jax_qcomm._exchange)."""
+  all-to-all may be ppermute rounds on CPU, see jax_qcomm.transport._exchange)."""
   text = fn.lower(*args).as_text()
   return len(re.findall(r"all_gather|all-gather", text))
 
@@ -468,8 +468,9 @@ def test_the_codec_bounds_its_communication_buffers(monkeypatch):
   psum per buffer, leaves read in place; the rows of sharded state keep 2**24), what Auto's
   resolved codec says, and what a subclass says; an explicit comm_bucket_size wins. The
   allreduce, the sharded layout and the cost model follow the same plan."""
-  from jax_qcomm import packing, transport  # noqa: PLC0415
-  from jax_qcomm.shard_layout import Layout  # noqa: PLC0415
+  from jax_qcomm.collectives import packing  # noqa: PLC0415
+  from jax_qcomm import transport  # noqa: PLC0415
+  from jax_qcomm.collectives.shard_layout import Layout  # noqa: PLC0415
   from jax_qcomm.tools import efficiency  # noqa: PLC0415
   import dataclasses  # noqa: PLC0415
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _ffi
+from jax_qcomm.native import _ffi
 
 TARGETS = {"qcomm_qsgd_encode", "qcomm_qsgd_decode_sum", "qcomm_qsgd_decode_sum_reencode"}
 #: CPU only: qcomm.Summable has no CUDA kernel yet (GPUs run its pure-JAX reference; docs/cuda.md).

@@ -172,7 +172,7 @@ def test_the_pseudo_gradient_is_anchor_minus_local():
 # ---- no collective between syncs; describe == HLO --------------------------------------------------
 
 def _compiled(dp, params, state, batch):
-  from jax_qcomm.specs import _SpecKey
+  from jax_qcomm.transforms.specs import _SpecKey
   fn = dp._step_fn(_SpecKey(dp.state_spec(state)), (AX,), 0, False)
   return fn.lower(params, state, batch, ()).compile().as_text()
 
@@ -508,7 +508,7 @@ def test_composed_on_a_2x3_mesh_keeps_every_device_identical():
 # ---- streaming fragments --------------------------------------------------------------------------
 
 def test_fragments_are_consecutive_leaves_of_about_equal_size():
-  from jax_qcomm.packing import fragment_groups
+  from jax_qcomm.collectives.packing import fragment_groups
   assert fragment_groups([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
   assert fragment_groups([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
   assert fragment_groups([1, 2, 3], 3) == [[0], [1], [2]]

@@ -1,4 +1,4 @@
-"""The all-to-all schedules of jax_qcomm._exchange: the same bytes as lax.all_to_all, every size.
+"""The all-to-all schedules of jax_qcomm.transport._exchange: the same bytes as lax.all_to_all, every size.
 
 Runs on the host CPU devices of tests/conftest.py; the rounds are forced with method="rounds" where
 "auto" would pick them anyway (CPU), and compared with lax.all_to_all on the same rows.
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_qcomm import _exchange
+from jax_qcomm.transport import _exchange
 
 
 def _run(mesh: Mesh, axis, spec, rows: np.ndarray, method: str) -> np.ndarray:

@@ -145,7 +145,7 @@ def test_unbound_axis_names_the_mesh_axes():
 def test_numpy_integers_are_accepted_as_ints():
   tx = qcomm.sync(optax.sgd(0.1), bits=np.int64(4), bucket_size=np.int32(64),
                   accum_steps=np.int64(2), min_size=np.int64(16), seed=np.int64(3))
-  from jax_qcomm.sync import config_of
+  from jax_qcomm.transforms.sync import config_of
   cfg = config_of(tx)
   assert cfg.codec == qcomm.Auto(4, 64) and cfg.accum_steps == 2 and cfg.seed == 3
   assert type(cfg.accum_steps) is int and type(cfg.codec.bits) is int

@@ -1,19 +1,18 @@
-"""The package's layering, kept: a module imports only modules of its own or lower layers, the import
-graph has no cycles, and ``import jax_qcomm`` loads no tooling and changes nothing in JAX.
+"""The package's layering, kept: the library is cut into folders, one a layer; a module imports only
+modules of its own or lower layers, the import graph has no cycles, and ``import jax_qcomm`` loads
+no tooling and changes nothing in JAX.
 
 The layers (docs/architecture.md), lowest first::
 
-    wire, _checks, _compat, transport  ->  axes, _exchange  ->  _ffi, _reference (the kernels)  ->  _selftest
-    ->  codecs
-    ->  packing, _varying  ->  shard_layout, clipping  ->  collectives  ->  accumulation, sync
-    ->  data_parallel, describe
-    ->  flax_nnx (the NNX step; the one module that imports flax, loaded only when
-    ``qcomm.nnx_data_parallel`` is asked for)  ->  jax_qcomm (the public API)
+    _checks, _compat (the package top)  ->  native/  ->  transport/  ->  codecs/
+    ->  collectives/  ->  transforms/  ->  runners/  ->  jax_qcomm/__init__.py (the public API)
 
-``jax_qcomm.tools`` (the cost model ``efficiency``, the multi-process runtime ``distributed`` and
-``launch``, the simulated cluster ``cluster``) sits above the library: its modules may import the library and each other, and nothing
-in the library imports them. Tooling outside the package (``benchmarks/``, ``training/``,
-``configs/``) may import the library and the tools; the library never imports it.
+``runners/flax_nnx`` is the one module that imports flax, loaded only when
+``qcomm.nnx_data_parallel`` is asked for. ``jax_qcomm.tools`` (the cost model ``efficiency``, the
+multi-process runtime ``distributed`` and ``launch``, the simulated cluster ``cluster``) sits above
+the library: its modules may import the library and each other, and nothing in the library imports
+them. Tooling outside the package (``benchmarks/``, ``training/``, ``configs/``) may import the
+library and the tools; the library never imports it.
 
 The graph is read from the sources with ``ast`` (function-local imports count: they are dependencies
 too), so a violation fails here before it can hide behind an import order.
@@ -33,31 +32,26 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "jax_qcomm"
 
-#: Lowest first. A module may import modules of its own layer or of a lower one.
-LAYERS: list[set[str]] = [
-    {"wire", "_checks", "_compat", "transport"},     # foundations: no package imports
-    {"axes", "_exchange"},                           # axis arguments; all-to-all schedules
-    {"_ffi", "_reference", "_known_answers"},        # the kernels: FFI binding, pure-JAX reference
-    {"_selftest"},                                   # the kernels' known-answer test
-    {"codecs"},                                      # the Codec interface (the reduction protocol)
-    {"packing", "_varying", "specs"},                # pytrees <-> flat buffers, per-device checks,
-                                                     # where each part of a qcomm state lives
-    {"shard_layout", "clipping", "_parts"},          # per-leaf shards and their rows; global norm;
-                                                     # keys, error feedback, finite guard, counters
-    {"collectives"},                                 # allreduce, reduce_scatter, all_gather
-    {"accumulation", "sync"},                        # micro-batches, the optax wrapper
-    {"data_parallel", "describe", "diloco",          # the step helpers, describe, outer sync,
-     "elastic", "overlap"},                          # diloco across processes that come and go,
-                                                     # its collective on devices of its own
-    {"flax_nnx"},                                    # the NNX step (imports flax; loaded lazily)
-    {"__init__"},                                    # the public API
+#: Lowest first: the package top's two foundation modules, then one folder a layer. A module may
+#: import modules of its own layer or of a lower one.
+LAYERS: list[str] = [
+    "_base",        # _checks, _compat: argument checks, jax-version differences
+    "native",       # the wire format, the pure-JAX reference, the FFI binding, the self-test
+    "transport",    # axes, exchange schedules, per-device checks, the transport's cost model
+    "codecs",       # the Codec protocol and its implementations
+    "collectives",  # pytrees <-> flat buffers, shard layouts, allreduce / reduce_scatter / all_gather
+    "transforms",   # the optax transformations: sync, diloco, accumulation, clipping, describe
+    "runners",      # the train steps: data_parallel, NNX, elastic, overlap
+    "__init__",     # the public API
 ]
+#: Modules of the package top and the layer they belong to.
+TOP = {"_checks": "_base", "_compat": "_base", "__init__": "__init__"}
 #: The tooling subpackage (jax_qcomm/tools): above the library, never imported by it.
 TOOLS = "tools"
-#: Library subpackages: each is one entry of LAYERS, and its modules obey that layer's rule.
-LIBRARY_SUBPACKAGES = {"codecs"}
 #: Compiled extension modules (built by CMake; the binding layer loads them).
 EXTENSIONS = {"_qcomm_cpu", "_qcomm_cuda"}
+#: Most lines a library module may have.
+MAX_LINES = 800
 #: Packages outside jax_qcomm that the library must never import (tooling, optional extras).
 NEVER_IN_LIBRARY = {"benchmarks", "training", "configs", "matplotlib", "flax", "tensorflow",
                     "tensorflow_datasets", "orbax", "nbclient", "pytest", "torch"}
@@ -65,7 +59,7 @@ NEVER_IN_LIBRARY = {"benchmarks", "training", "configs", "matplotlib", "flax", "
 #: gloo-on-an-interface registration (its GLOO_PRIVATE_NAMES; tests/test_faults.py checks them).
 JAX_PRIVATE_ALLOWED = {"_compat"}
 #: Library modules allowed one optional framework each, never loaded by ``import jax_qcomm``.
-OPTIONAL_FRAMEWORK = {"flax_nnx": {"flax"}}
+OPTIONAL_FRAMEWORK = {"runners.flax_nnx": {"flax"}}
 _PRIVATE_PREFIXES = ("jax._src", "jaxlib._")
 
 
@@ -74,53 +68,78 @@ def _package_dir(package: str) -> pathlib.Path:
 
 
 def _modules(package: str) -> dict[str, pathlib.Path]:
-  """The modules of a package (dotted: ``jax_qcomm.tools``)."""
+  """The modules of a package (dotted: ``jax_qcomm.tools``), its own __init__ included."""
   return {p.stem: p for p in sorted(_package_dir(package).glob("*.py"))}
 
 
-def _imports(path: pathlib.Path, package: str) -> tuple[set[str], set[str]]:
-  """(modules of `package` (dotted for a subpackage) that `path` imports, other top-level packages
-  it imports)."""
+def _resolve(dotted: list[str]) -> str | None:
+  """The module (dotted, relative to the package) that an import of ``jax_qcomm.<dotted>`` loads;
+  a folder's ``__init__`` as ``folder.__init__``."""
+  path = _package_dir(PACKAGE).joinpath(*dotted)
+  if path.with_suffix(".py").exists():
+    return ".".join(dotted)
+  if (path / "__init__.py").exists():
+    return ".".join(dotted + ["__init__"])
+  return None
+
+
+def _imports(path: pathlib.Path) -> tuple[set[str], set[str]]:
+  """(modules of jax_qcomm that `path` imports, dotted relative to the package (``codecs.base``,
+  ``transport.__init__``, ``__init__`` for the package itself), other top-level packages it
+  imports)."""
   tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
   inside, outside = set(), set()
-  prefix = package.split(".")
 
   def add(name: str, names: list[str] = ()) -> None:
     parts = name.split(".")
-    if parts[:len(prefix)] != prefix:
+    if parts[0] != PACKAGE:
       outside.add(parts[0] if parts[0] != "jax" or len(parts) < 2 else ".".join(parts[:2]))
       return
-    if len(parts) > len(prefix):
-      inside.add(parts[len(prefix)])
-    else:  # from jax_qcomm import x, y: submodules or names of __init__
-      submodules = {n for n in names
-                    if (_package_dir(package) / f"{n}.py").exists() or n in EXTENSIONS}
-      inside.update(submodules)
-      if len(submodules) < len(names) or not names:  # names defined by __init__ itself
-        inside.add("__init__")
+    rest = parts[1:]
+    # every package on the way is imported too (its __init__ runs)
+    for k in range(len(rest)):
+      if (found := _resolve(rest[:k])) and found.endswith("__init__") and k:
+        inside.add(found)
+    submodules = {found for n in names if (found := _resolve(rest + [n]))}
+    inside.update(submodules)
+    submodules |= set(names) & EXTENSIONS  # from jax_qcomm.x import y: y may be a submodule
+    if rest and (found := _resolve(rest)):
+      if not found.endswith("__init__") or len(submodules) < len(names) or not names:
+        inside.add(found)
+    elif not rest and (len(submodules) < len(names) or not names):
+      inside.add("__init__")  # names defined by the package's __init__ itself
 
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       for alias in node.names:
         add(alias.name)
-    elif isinstance(node, ast.ImportFrom):
-      if node.level:  # relative import: resolve against the package
-        add(".".join(filter(None, [package, node.module])), [a.name for a in node.names])
-      elif node.module:
-        add(node.module, [a.name for a in node.names])
-  return inside, outside
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      assert not node.level, f"{path}: relative import (the package writes them absolute)"
+      add(node.module, [a.name for a in node.names])
+  return inside - {f"{e}" for e in EXTENSIONS}, outside
 
 
 def _library_modules() -> dict[str, pathlib.Path]:
-  """The library's modules, those of its subpackages dotted (``codecs.base``)."""
-  return {**_modules(PACKAGE),
-          **{f"{sub}.{k}": v for sub in LIBRARY_SUBPACKAGES
-             for k, v in _modules(f"{PACKAGE}.{sub}").items()}}
+  """Every library module, dotted relative to the package (``codecs.base``, ``_checks``)."""
+  out = {name: path for name, path in _modules(PACKAGE).items()}
+  for sub in LAYERS:
+    if _package_dir(f"{PACKAGE}.{sub}").is_dir():
+      out.update({f"{sub}.{k}": v for k, v in _modules(f"{PACKAGE}.{sub}").items()})
+  return out
 
 
-def _graph(package: str) -> dict[str, set[str]]:
-  """module -> the modules of the same package it imports."""
-  return {name: _imports(path, package)[0] - {name} for name, path in _modules(package).items()}
+def _layer_of(module: str) -> str | None:
+  head = module.split(".")[0]
+  if "." not in module:
+    return TOP.get(module)
+  return head if head in LAYERS else None
+
+
+def _graph() -> dict[str, set[str]]:
+  """library module -> the library modules it imports (its own folder's ``__init__`` aside: that
+  one has run by the time any module of the folder runs)."""
+  return {name: _imports(path)[0] - {name, name.rsplit(".", 1)[0] + ".__init__"}
+          for name, path in _library_modules().items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -147,46 +166,90 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_every_module_has_a_place():
-  placed = set().union(*LAYERS)
-  missing = set(_modules(PACKAGE)) - placed
-  assert not missing, f"modules with no layer (add them to LAYERS and docs/architecture.md): {missing}"
-  subpackages = {p.name for p in (ROOT / PACKAGE).iterdir()
-                 if p.is_dir() and (p / "__init__.py").exists()}
-  expected = {TOOLS} | LIBRARY_SUBPACKAGES
-  assert subpackages == expected, f"subpackages other than {expected}: {subpackages - expected}"
+  top = {p.stem for p in (ROOT / PACKAGE).glob("*.py")}
+  assert top == set(TOP), (
+      f"modules at the package top other than {sorted(TOP)}: {sorted(top - set(TOP))} (a module "
+      f"belongs in the folder of its layer; docs/architecture.md)")
+  folders = {p.name for p in (ROOT / PACKAGE).iterdir()
+             if p.is_dir() and (p / "__init__.py").exists()}
+  expected = {TOOLS} | {layer for layer in LAYERS if layer not in ("_base", "__init__")}
+  assert folders == expected, f"subpackages other than {expected}: {folders ^ expected}"
+  for name in _library_modules():
+    assert _layer_of(name), f"{name} has no layer"
 
 
 def test_no_module_imports_upward():
-  layer = {m: i for i, names in enumerate(LAYERS) for m in names}
-  graph = _graph(PACKAGE)
-  for sub in LIBRARY_SUBPACKAGES:  # a subpackage's modules: the layer of the subpackage
-    for name, path in _modules(f"{PACKAGE}.{sub}").items():
-      graph[f"{sub}.{name}"] = _imports(path, PACKAGE)[0] - {sub}
-      layer[f"{sub}.{name}"] = layer[sub]
+  rank = {layer: i for i, layer in enumerate(LAYERS)}
   bad = []
-  for module, deps in graph.items():
-    deps = deps - EXTENSIONS
+  for module, deps in _graph().items():
     for dep in deps:
-      if dep == TOOLS:
-        bad.append(f"{module} -> {PACKAGE}.{TOOLS} (the library never imports its tooling)")
-      elif dep in layer and module in layer and layer[dep] > layer[module]:
-        bad.append(f"{module} (layer {layer[module]}) -> {dep} (layer {layer[dep]})")
+      if dep.split(".")[0] == TOOLS:
+        bad.append(f"{module} -> {PACKAGE}.{dep} (the library never imports its tooling)")
+      elif rank[_layer_of(dep)] > rank[_layer_of(module)]:
+        bad.append(f"{module} ({_layer_of(module)}) -> {dep} ({_layer_of(dep)})")
   assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
+
+
+def test_no_library_module_is_too_long():
+  long = {name: n for name, path in _library_modules().items()
+          if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+  assert not long, f"modules over {MAX_LINES} lines (split them by idea): {long}"
+
+
+def test_old_module_paths_name_their_new_place():
+  import importlib
+  import jax_qcomm
+  for old, new in jax_qcomm._MOVED_MODULES.items():
+    assert _resolve(new.split(".")), f"{new} does not exist"
+    with pytest.raises(ModuleNotFoundError, match=f"jax_qcomm.{new}"):
+      importlib.import_module(f"jax_qcomm.{old}")
+  # the public functions of the same names are untouched by the finder
+  assert callable(jax_qcomm.sync) and callable(jax_qcomm.describe)
+  from jax_qcomm import sync, diloco  # noqa: F401
+  assert sync is jax_qcomm.sync
 
 
 def test_tools_import_only_the_library_and_each_other():
   """The tools are a layer above the public API: they may use any library module (the foundations
-  included) and each other (test_no_import_cycles keeps those imports acyclic), nothing else of
-  the package."""
+  included) and each other, nothing else of the package."""
+  library = set(_library_modules())
   for name, path in _modules(f"{PACKAGE}.{TOOLS}").items():
-    inside, _ = _imports(path, PACKAGE)
-    assert inside <= set().union(*LAYERS) | {TOOLS} | EXTENSIONS, (name, inside)
+    inside, _ = _imports(path)
+    assert all(m in library or m.split(".")[0] == TOOLS for m in inside), (name, inside)
 
 
-@pytest.mark.parametrize("package", [PACKAGE, f"{PACKAGE}.{TOOLS}", "benchmarks"]
-                         + [f"{PACKAGE}.{sub}" for sub in sorted(LIBRARY_SUBPACKAGES)])
-def test_no_import_cycles(package):
-  cycle = _cycle(_graph(package))
+def test_no_import_cycles_in_the_library():
+  cycle = _cycle(_graph())
+  assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def _flat_imports(path: pathlib.Path, package: str) -> tuple[set[str], set[str]]:
+  """(modules of the flat package `package` that `path` imports, other top-level packages)."""
+  tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+  inside, outside = set(), set()
+  prefix = package.split(".")
+  for node in ast.walk(tree):
+    names = []
+    if isinstance(node, ast.Import):
+      names = [(a.name, []) for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names = [(node.module, [a.name for a in node.names])]
+    for name, froms in names:
+      parts = name.split(".")
+      if parts[:len(prefix)] != prefix:
+        outside.add(parts[0])
+      elif len(parts) > len(prefix):
+        inside.add(parts[len(prefix)])
+      else:
+        inside.update(n for n in froms if (_package_dir(package) / f"{n}.py").exists())
+  return inside, outside
+
+
+@pytest.mark.parametrize("package", [f"{PACKAGE}.{TOOLS}", "benchmarks"])
+def test_no_import_cycles_in_the_tooling(package):
+  graph = {name: _flat_imports(path, package)[0] - {name}
+           for name, path in _modules(package).items()}
+  cycle = _cycle(graph)
   assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
 
 
@@ -195,7 +258,7 @@ def test_library_imports_no_tooling_and_no_jax_internals():
   modules = {**_library_modules(),
              **{f"{TOOLS}.{k}": v for k, v in _modules(f"{PACKAGE}.{TOOLS}").items()}}
   for name, path in modules.items():
-    outside = _imports(path, PACKAGE)[1]
+    outside = _imports(path)[1]
     bad += [f"{name} imports {o}"
             for o in outside & NEVER_IN_LIBRARY - OPTIONAL_FRAMEWORK.get(name, set())]
     if name in JAX_PRIVATE_ALLOWED:
@@ -214,7 +277,7 @@ def test_library_imports_no_tooling_and_no_jax_internals():
 def test_tooling_is_outside_the_package():
   assert not (ROOT / PACKAGE / "bench").exists() and not (ROOT / PACKAGE / "demo.py").exists()
   for name, path in _modules("benchmarks").items():
-    inside = _imports(path, "benchmarks")[0]
+    inside = _flat_imports(path, "benchmarks")[0]
     assert "__main__" not in inside, f"benchmarks.{name} imports the command line (a cycle)"
 
 
@@ -222,7 +285,7 @@ def test_training_never_imports_the_benchmarks():
   """The example trainer stands alone: the benchmarks may import it (``benchmarks._common``
   re-exports ``training.timing``), never the reverse."""
   bad = [f"training.{name} imports benchmarks" for name, path in _modules("training").items()
-         if "benchmarks" in _imports(path, "training")[1]]
+         if "benchmarks" in _flat_imports(path, "training")[1]]
   assert not bad, "\n".join(bad)
 
 

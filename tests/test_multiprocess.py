@@ -232,7 +232,7 @@ def test_all_gather(run, case):
 
 
 def test_cpu_exchange_across_processes_is_ppermute_rounds(run):
-  """Across processes on CPU the SRA's all-to-all runs as ppermute rounds (jax_qcomm._exchange):
+  """Across processes on CPU the SRA's all-to-all runs as ppermute rounds (jax_qcomm.transport._exchange):
   4 devices, six Hamiltonian half-row rounds; the results above are those of lax.all_to_all."""
   for p in range(run["nproc"]):
     counts = json.loads((run["out"] / f"proc{p}_hlo.json").read_text())

@@ -34,7 +34,7 @@ import optax
 
 import jax_qcomm as qcomm
 from jax.sharding import NamedSharding, PartitionSpec as P
-from jax_qcomm.specs import _SpecKey
+from jax_qcomm.transforms.specs import _SpecKey
 from test_protocol import hlo_sent_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Messages in pieces (``Transport.message_bytes``, ``jax_qcomm._exchange``): the exchange, the
+"""Messages in pieces (``Transport.message_bytes``, ``jax_qcomm.transport._exchange``): the exchange, the
 all-gather and the reduce-scatter of summed words run one collective per piece where the transport
 bounds a message. Oracles: the same bits as whole messages (XLA's own collectives), more
 collectives in the compiled program, the same bytes; ``sync`` trains to the same bits with every
@@ -24,7 +24,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _exchange, _ffi, transport as T
+from jax_qcomm.transport import _exchange
+from jax_qcomm.native import _ffi
+from jax_qcomm import transport as T
 
 from test_protocol import _COLLECTIVE, AX, PARAMS, _grads, _mesh, _sync_step, hlo_sent_bytes
 import test_sharded

@@ -296,7 +296,7 @@ def test_codec_and_shorthands_are_exclusive_and_checked():
     qcomm.sync(optax.sgd(0.1), codec="qsgd")
   with pytest.raises(TypeError, match="unexpected keyword argument 'bitz'"):
     qcomm.sync(optax.sgd(0.1), bitz=4)
-  from jax_qcomm.sync import config_of
+  from jax_qcomm.transforms.sync import config_of
   assert config_of(qcomm.sync(optax.sgd(0.1), bits=np.int64(2))).codec == qcomm.Auto(2)
   assert config_of(qcomm.sync(optax.sgd(0.1))).codec == qcomm.Auto(4)
 

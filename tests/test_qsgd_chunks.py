@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 
 import jax_qcomm as qcomm
-from jax_qcomm import _exchange, _ffi, transport as T, wire
+from jax_qcomm.transport import _exchange
+from jax_qcomm.native import _ffi, wire
+from jax_qcomm import transport as T
 
 from test_qsgd_leaves import _cut, _widths
 

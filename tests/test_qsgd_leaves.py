@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _ffi, wire
+from jax_qcomm.native import _ffi, wire
 from jax_qcomm.codecs import concat_leaves, seed_words
 
 AX = "d"

@@ -1,4 +1,4 @@
-"""The kernels' known-answer test (jax_qcomm._selftest): qcomm.self_test(), the check impl="auto"
+"""The kernels' known-answer test (jax_qcomm.native._selftest): qcomm.self_test(), the check impl="auto"
 runs before trusting a platform's kernels, and the fallback with one warning when they fail."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_qcomm as qcomm
-from jax_qcomm import _ffi, _selftest
-from jax_qcomm._known_answers import KNOWN_ANSWERS
+from jax_qcomm.native import _ffi, _selftest
+from jax_qcomm.native._known_answers import KNOWN_ANSWERS
 
 needs_kernels = pytest.mark.skipif(not _ffi.has_cpu_kernels(), reason="no compiled CPU kernels")
 

@@ -105,7 +105,7 @@ def test_exact_sharded_equals_replicated(d, accum):
     ((7, 300), 8, 1),         # nothing divides: 4 padded columns (28 values), not 1 row (300)
     ((5,), 3, 0), ((), 4, 0)])
 def test_shard_axis(shape, d, axis):
-  from jax_qcomm.shard_layout import Layout, shard_axis
+  from jax_qcomm.collectives.shard_layout import Layout, shard_axis
   assert shard_axis(shape, d) == axis
   layout = Layout.of([shape], d, [qcomm.NoCompression()], 1 << 20)
   x = jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
@@ -219,7 +219,7 @@ def test_leaves_collectives_against_a_reference(shapes, d, impl):
   to end, one payload). The all-gather of differences from the chunks, read where they lie,
   equals the all-gather of the differences. The C++ kernels and the pure-JAX reference (what GPUs
   run) alike."""
-  from jax_qcomm import wire  # noqa: PLC0415
+  from jax_qcomm.native import wire  # noqa: PLC0415
   from jax_qcomm.codecs.base import _chunks_of, _rows_of  # noqa: PLC0415
   codec = qcomm.QSGD(4, bucket_size=128, rounding="nearest", impl=impl)
   rng = np.random.default_rng(7)

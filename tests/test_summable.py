@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import _ffi, wire
+from jax_qcomm.native import _ffi, wire
 from jax_qcomm.tools import efficiency
 
 AX = "d"
@@ -449,7 +449,7 @@ def test_sync_summable_trains(ef):
 
 def test_sync_takes_summable_as_its_codec():
   tx = qcomm.sync(optax.sgd(0.1), codec=qcomm.Summable(3, rounding="nearest"), error_feedback=True)
-  from jax_qcomm.sync import config_of
+  from jax_qcomm.transforms.sync import config_of
   assert config_of(tx).codec == qcomm.Summable(3, 128, rounding="nearest")
   assert config_of(tx).error_feedback
   with pytest.raises(ValueError, match=r"summable= was replaced: pass codec=qcomm.Summable"):

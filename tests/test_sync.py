@@ -566,7 +566,7 @@ def test_the_finite_test_sees_every_nan_and_infinity_and_no_overflow():
   """_parts.all_finite (sync's and diloco's finite guard): the float sum of x * 0 is NaN exactly
   when some element is a NaN or an infinity, in any dtype, and finite values as large as float32
   allows do not overflow it."""
-  from jax_qcomm import _parts
+  from jax_qcomm.transforms import _parts
   big = jnp.full((1000,), 3.0e38, jnp.float32)
   assert bool(_parts.all_finite({"a": big, "b": -big}))
   assert bool(_parts.all_finite({}))

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm.diloco import default_outer
+from jax_qcomm.transforms.diloco import default_outer
 
 
 def test_ten_times_fewer_bytes_than_qsgd4_per_synchronisation():

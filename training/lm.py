@@ -68,7 +68,7 @@ from tqdm import tqdm
 
 import jax_qcomm as qcomm
 from training.replicas import params_checksum, replicas_identical
-from jax_qcomm.sync import config_of
+from jax_qcomm.transforms.sync import config_of
 from training.sync_config import check_sync_fields, create_sync
 
 AXIS = "data"

@@ -9,9 +9,9 @@ import math
 
 import numpy as np
 
-from jax_qcomm import transport as _transport
+from jax_qcomm.transport import cost as _transport
 from jax_qcomm._checks import check_int_in
-from jax_qcomm.axes import axis_size
+from jax_qcomm.transport.axes import axis_size
 from jax_qcomm.codecs.base import Codec, _check_traffic
 from jax_qcomm.codecs.bucketed import _Bucketed
 from jax_qcomm.codecs.cast import NoCompression

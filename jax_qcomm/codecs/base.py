@@ -1,4 +1,4 @@
-"""The codec protocol: :class:`Codec` and the helpers its implementations share.
+"""The codec protocol: :class:`Codec` (the helpers its implementations share: :mod:`._common`).
 
 Every codec maps an array of any shape to one flat ``uint8`` payload (``encode``), back to an
 array (``decode``), and sums several payloads in float32 (``decode_sum``, the middle of a
@@ -19,173 +19,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _compat, _exchange, wire
-from jax_qcomm import transport as _transport
-from jax_qcomm.axes import AxisName, axis_size, device_key
+from jax_qcomm import _compat
+from jax_qcomm.transport import _exchange
+from jax_qcomm.native import wire
+from jax_qcomm.transport import cost as _transport
+from jax_qcomm.transport.axes import AxisName, axis_size, device_key
 from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int, check_key,
                                check_real, check_shape)
 
-Shape = Sequence[int]
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-IMPLS = ("auto", "ffi", "jax")
+from jax_qcomm.codecs._common import (  # noqa: F401 (the helpers, importable from here too)
+    Shape, FLOAT_DTYPES, IMPLS, is_float_dtype, _check_float, _check_out_dtype, _check_payload,
+    seed_words, COLLECTIVES, _check_traffic, _pad_to, concat_leaves, split_leaves, _rows_of,
+    _chunks_of, _run_rows, _shard_of, _concat_rows, reduce_packed, nonfinite_mark, bounded_mark,
+    abs_max, _ring, _sum_in_order, DEFAULT_COMM_BUCKET)
 
 
-def is_float_dtype(dtype: Any) -> bool:
-  """float32, bfloat16 or float16: the dtypes codecs and collectives accept."""
-  return any(jnp.dtype(dtype) == d for d in FLOAT_DTYPES)
-
-
-def _check_float(x: jax.Array, name: str = "x") -> None:
-  if not is_float_dtype(x.dtype):
-    raise ValueError(f"{name} must be a float32, bfloat16 or float16 array, got dtype {x.dtype}")
-
-
-def _check_out_dtype(dtype: Any) -> jnp.dtype:
-  return check_float_dtype("dtype", dtype)
-
-
-def _check_payload(payload: jax.Array, expected: int, lead: tuple[int, ...] = ()) -> None:
-  check_array("payload" if not lead else "payloads", payload)
-  if payload.dtype != jnp.uint8:
-    raise ValueError(f"payload must be a uint8 array, got dtype {payload.dtype}")
-  if tuple(payload.shape) != lead + (expected,):
-    raise ValueError(f"payload must have shape {lead + (expected,)} for this shape and codec, "
-                     f"got {tuple(payload.shape)}")
-
-
-def seed_words(key: jax.Array) -> jax.Array:
-  """Two uint32 words drawn from a JAX PRNG key (typed or raw): the codec's rounding seed."""
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    if key.shape != ():
-      raise ValueError(f"key must be a single PRNG key, got a key array of shape {key.shape}")
-  elif not (key.dtype == jnp.uint32 and key.ndim == 1):
-    raise ValueError("key must be a JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)), "
-                     f"got an array of dtype {key.dtype} and shape {key.shape}")
-  return jax.random.bits(key, (2,), jnp.uint32)
-
-
-COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
-
-
-def _check_traffic(n: Any, devices: Any, collective: Any) -> tuple[int, int, str]:
-  if collective not in COLLECTIVES:
-    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-  return check_int("n", n, 0), check_int("devices", devices), collective
-
-
-def _pad_to(x: jax.Array, size: int) -> jax.Array:
-  """float32[n] -> float32[size], zeros appended (size >= n)."""
-  pad = size - x.shape[0]
-  return jnp.pad(x, (0, pad)) if pad else x
-
-
-def concat_leaves(parts: Sequence[jax.Array], codec: "Codec") -> jax.Array:
-  """Flat float32 leaves -> the one buffer that carries them: each padded to a whole number of
-  ``codec.pad_multiple`` elements with ``codec.pad_fill`` (the leaf's own last value for QSGD's
-  maxmin, 0 otherwise: the last bucket's scales stay the leaf's), then concatenated."""
-  m = codec.pad_multiple
-  padded = []
-  for x in parts:
-    pad = -x.shape[0] % m
-    if pad:
-      x = jnp.concatenate([x, jnp.broadcast_to(codec.pad_fill(x), (pad,)).astype(x.dtype)])
-    padded.append(x)
-  return padded[0] if len(padded) == 1 else jnp.concatenate(padded)
-
-
-def split_leaves(flat: jax.Array, sizes: Sequence[int], multiple: int) -> list[jax.Array]:
-  """The inverse of :func:`concat_leaves`: flat[..., N] -> one array [..., sizes[i]] per leaf,
-  padding dropped (along the last axis: the rows of packed buffers split alike)."""
-  out, offset = [], 0
-  for n in sizes:
-    out.append(flat[..., offset:offset + n])
-    offset += wire.leaves_span([n], multiple)
-  return out
-
-
-def _rows_of(chunks: jax.Array) -> jax.Array:
-  """float[P, D, c] (P runs of D chunks) -> float[D, P * c]: row j, device j's chunks in order (a
-  reshape where P == 1, else a copy)."""
-  p, d, c = chunks.shape
-  return chunks.reshape(d, c) if p == 1 else jnp.swapaxes(chunks, 0, 1).reshape(d, p * c)
-
-
-def _chunks_of(rows: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
-  """The inverse of :func:`_rows_of`: float[D, P * c] -> float[P, D, c]."""
-  p, d, c = shape
-  return rows.reshape(1, d, c) if p == 1 else jnp.swapaxes(rows.reshape(d, p, c), 0, 1)
-
-
-def _run_rows(chunks: jax.Array, runs: tuple[int, int]) -> jax.Array:
-  """float[P, D, c] -> float[runs, D, n] (:func:`jax_qcomm.wire.chunk_runs`): the chunks
-  themselves, or (runs = 1) each device's shard end to end (a copy)."""
-  return chunks if runs[0] == chunks.shape[0] else _rows_of(chunks)[None]
-
-
-def _shard_of(chunks: jax.Array, index: jax.Array) -> jax.Array:
-  """float[P, D, c] -> float[P * c]: shard ``index`` (a traced device index), its chunks in order."""
-  return lax.dynamic_index_in_dim(chunks, index, axis=1, keepdims=False).reshape(-1)
-
-
-def _concat_rows(payloads: Sequence[jax.Array]) -> jax.Array:
-  """[wire[k, W_i]] -> wire[k, sum W_i]: the payloads of a buffer's leaves, one message per row."""
-  return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=1)
-
-
-def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat) -> tuple:
-  """``reduce_flat(buffer) -> (out, residual, *more)`` on :func:`concat_leaves` of ``parts``:
-  ``(outs, residuals, *more)``, out and residual split per leaf again and anything more (a
-  mark) passed through: how a reduction of a packed buffer serves the leaves it carries."""
-  sizes = [p.shape[0] for p in parts]
-  out, lost, *more = reduce_flat(concat_leaves(parts, codec))
-  return (split_leaves(out, sizes, codec.pad_multiple),
-          split_leaves(lost, sizes, codec.pad_multiple), *more)
-
-
-def nonfinite_mark(tree: Any) -> jax.Array:
-  """A float32 scalar: 0 if no leaf of ``tree`` holds a NaN or an infinity, NaN otherwise.
-
-  The sum of ``x - x`` over every element: a finite value minus itself is 0, an infinity or a NaN
-  gives NaN, and a sum of zeros cannot overflow. XLA:CPU vectorises this float sum, with no
-  constant to broadcast; ``all(isfinite(x))`` reduces booleans at a third of the speed, and a
-  ``max(abs(x))`` misses NaNs there. A scalar that ``psum`` can carry. One pass over ``tree``."""
-  leaves = jax.tree_util.tree_leaves(tree)
-  return sum((jnp.sum(x - x, dtype=jnp.float32) for x in leaves), jnp.float32(0))
-
-
-def bounded_mark(bound: jax.Array, exact: Callable[[], jax.Array]) -> jax.Array:
-  """A :func:`nonfinite_mark` from ``bound``, a float32 scalar that is at least every ``|value|``
-  of the results wherever it is finite (NaN or infinite where it cannot say): 0 where ``bound`` is
-  finite, without reading the results; otherwise ``exact()``, their own mark, in a ``lax.cond``,
-  so that it runs only then. ``exact`` should recompute the results from what they were made of
-  (the summed words, the factors) rather than close over them: an operand of the ``cond`` is a
-  buffer XLA must materialise, where the results themselves may be fused into their consumer.
-  How a codec that holds its results' scale reports their finiteness for a scalar's price."""
-  return _compat.cond(jnp.isfinite(bound), (lambda: jnp.float32(0), exact))
-
-
-def abs_max(x: jax.Array) -> jax.Array:
-  """The largest ``|x|`` (float32 scalar), NaN where x holds a NaN: ``max(|x|)`` plus
-  :func:`nonfinite_mark` (XLA:CPU's vectorised max drops NaNs). For small arrays."""
-  return jnp.max(jnp.abs(x)).astype(jnp.float32) + nonfinite_mark(x)
-
-
-def _ring(devices: int, nbytes: float) -> float:
-  """Bytes each device sends in a ring all-reduce of a buffer of ``nbytes``: 2 (D-1)/D of it."""
-  return 2.0 * (devices - 1) / devices * nbytes
-
-
-def _sum_in_order(vals: jax.Array) -> jax.Array:
-  """vals[0] + vals[1] + ... in float32, unrolled: XLA CPU's reduce over a short axis is slow."""
-  out = vals[0]
-  for j in range(1, vals.shape[0]):
-    out = out + vals[j]
-  return out
-
-
-#: Float32 elements per communication buffer where neither the caller nor the codec says otherwise
-#: (64 MiB of float32): :meth:`Codec.comm_buffer_size`.
-DEFAULT_COMM_BUCKET = 1 << 24
 class Codec(abc.ABC):
   """A codec: how values cross the wire, as array functions and as a reduction across devices.
 
@@ -246,7 +94,7 @@ class Codec(abc.ABC):
     ``scale == 1``); a codec may fuse it into one kernel with the same bytes (QSGD does).
 
   **The reduction protocol** (what :func:`jax_qcomm.allreduce`, :func:`jax_qcomm.reduce_scatter`,
-  :func:`jax_qcomm.all_gather`, :func:`jax_qcomm.sync`, :func:`jax_qcomm.describe` and the cost
+  :func:`jax_qcomm.all_gather`, :func:`jax_qcomm.transforms.sync`, :func:`jax_qcomm.transforms.describe` and the cost
   model call; inside ``shard_map`` / ``pmap``, ``axis_name`` a bound name or tuple of names, D its
   size, x this device's flat float32 values):
 
@@ -261,7 +109,7 @@ class Codec(abc.ABC):
     of the packed copy instead, with the same bytes on the wire (:class:`Summable` on CPU does).
   * ``allreduce_leaves_marked(parts, axis_name, key, op, exchange) -> (outs, residuals, mark)``:
     the same and the results' :func:`nonfinite_mark` (0 where all are finite, else NaN; the same
-    on every device), the finite guard of :func:`jax_qcomm.sync`; :meth:`mark_traffic` the bytes
+    on every device), the finite guard of :func:`jax_qcomm.transforms.sync`; :meth:`mark_traffic` the bytes
     the mark sends, if any. The default reads the results
     once more; a codec whose shared scales bound its results answers from them
     (:func:`bounded_mark`: :class:`Summable`, :class:`Wire16`, :class:`PowerSGD`), :class:`QSGD`
@@ -269,7 +117,7 @@ class Codec(abc.ABC):
     device mark its own 1/D of the results.
   * ``reduce_scatter_flat(x: float32[D*m], axis_name, key, op, exchange) -> (block: float32[m],
     residual: float32[D*m])``: block i of the reduction lands on the device with axis index i.
-    ``exchange`` is the schedule of an all-to-all (``jax_qcomm._exchange``); codecs that use none
+    ``exchange`` is the schedule of an all-to-all (``jax_qcomm.transport._exchange``); codecs that use none
     ignore it.
   * ``all_gather_flat(x: float[m], axis_name, key) -> float[D, m]``: every device's values,
     decoded, the same bits everywhere (the sender's own row included); x may be any float dtype
@@ -278,11 +126,11 @@ class Codec(abc.ABC):
     (blocks: [float32[P_i * c_i]], residuals: [float32[P_i, D, c_i]])`` and
     ``all_gather_leaves(parts: [float[m_i]], axis_name, key) -> [float[D, m_i]]``: the same for
     the leaves of one communication buffer of the sharded mode. Leaf i comes as P_i runs of D
-    chunks, the leaf's own memory (:meth:`jax_qcomm.shard_layout.Layout.chunks`); device j's row of
+    chunks, the leaf's own memory (:meth:`jax_qcomm.collectives.shard_layout.Layout.chunks`); device j's row of
     it, its shard, is ``chunks[i][:, j]`` in order. The bytes are those of the packed rows (each
     leaf padded to whole buckets; ``traffic`` of their length). The defaults build that buffer
     and call the flat collective; a codec whose flat collective is the payload exchange above
-    sends each shard as :func:`jax_qcomm.wire.chunk_runs` payloads and a buffer's payloads in one
+    sends each shard as :func:`jax_qcomm.native.wire.chunk_runs` payloads and a buffer's payloads in one
     message (:meth:`_reduce_scatter_payloads`, :meth:`_all_gather_payloads`: :class:`QSGD`,
     whose kernels read the chunks and write and read the message's pieces where they lie through
     :meth:`_encode_chunk_pieces`, :meth:`_reduce_chunk_pieces`, :meth:`_decode_chunk_pieces` and
@@ -303,7 +151,7 @@ class Codec(abc.ABC):
     of a communication buffer's leaves given their shapes and the state the codec carries between
     reductions (the same on every device); :meth:`leaves_traffic` ``(shapes, devices,
     collective)`` and :meth:`leaf_payload_size` ``(shape)`` count its bytes. What
-    :func:`jax_qcomm.sync` and :func:`jax_qcomm.allreduce` call. The defaults need neither shapes
+    :func:`jax_qcomm.transforms.sync` and :func:`jax_qcomm.allreduce` call. The defaults need neither shapes
     nor state: :meth:`allreduce_leaves_marked`, :meth:`traffic` of the packed length.
     :class:`PowerSGD` overrides them (a leaf is a matrix; its warm start is the state).
   * ``comm_buffer_size(devices, collective="allreduce") -> int``: the most elements a
@@ -455,17 +303,17 @@ class Codec(abc.ABC):
 
   def _reduce_received(self, received, parts, chunks, me, c, key, scale):
     """The SRA's middle: the D payloads this device received (row s from device s), as the pieces
-    they travelled in (:func:`jax_qcomm._exchange.exchange_pieces`) -> its reduced row's payload.
+    they travelled in (:func:`jax_qcomm.transport._exchange.exchange_pieces`) -> its reduced row's payload.
     Default: :meth:`wire_decode_sum_reencode` of all D, joined. A codec with
     :attr:`_own_row_exact` sums its own row (row ``me`` of ``chunks``, the packed rows of
     ``parts``) in place of ``received[me]``. The payload is cut as it travels
-    (:func:`jax_qcomm._exchange.cut`)."""
+    (:func:`jax_qcomm.transport._exchange.cut`)."""
     del parts, me
     mine = self.wire_decode_sum_reencode(_exchange.joined(received), c, key, scale)
     return _exchange.cut(mine, 0, chunks.shape[0])
 
   def _decode_pieces(self, pieces, c: int) -> jax.Array:
-    """Payload rows of ``c`` values as the pieces they travelled in (:func:`jax_qcomm._exchange.
+    """Payload rows of ``c`` values as the pieces they travelled in (:func:`jax_qcomm.transport._exchange.
     gather_pieces`) -> float32[rows, c]. Default: :meth:`_decode_rows` of the rows joined; a codec
     whose kernel reads the pieces where they lie overrides it (QSGD on CPU)."""
     return self._decode_rows(_exchange.joined(pieces), c)
@@ -476,7 +324,7 @@ class Codec(abc.ABC):
 
   def _encode_packed_pieces(self, parts: Sequence[jax.Array], d: int, c: int,
                             key: jax.Array | None, skip: jax.Array | None = None) -> list:
-    """:meth:`_encode_packed_rows` cut as the rows travel (:func:`jax_qcomm._exchange.cut`). A
+    """:meth:`_encode_packed_rows` cut as the rows travel (:func:`jax_qcomm.transport._exchange.cut`). A
     codec whose kernel writes the pieces where they travel from overrides it (QSGD on CPU)."""
     return _exchange.cut(self._encode_packed_rows(parts, d, c, key, skip), 1, d)
 
@@ -499,7 +347,7 @@ class Codec(abc.ABC):
   def mark_traffic(self, devices: int) -> tuple[tuple[str, float], ...]:
     """Bytes each device sends for :meth:`allreduce_leaves_marked`'s mark beyond the reduction's
     own :meth:`traffic`, per communication buffer (as ``traffic`` gives them). Default: none (the
-    mark is read from what every device holds). Counted by :func:`jax_qcomm.describe` for a
+    mark is read from what every device holds). Counted by :func:`jax_qcomm.transforms.describe` for a
     ``sync``, whose finite guard uses the mark."""
     del devices
     return ()
@@ -581,7 +429,7 @@ class Codec(abc.ABC):
 
   def _reduce_scatter_payloads(self, chunks, axis_name, key, op, exchange):
     """:meth:`reduce_scatter_leaves_marked` as a payload codec runs it: device j's shard of each
-    leaf as :func:`jax_qcomm.wire.chunk_runs` payloads (a key per leaf and payload), every leaf's
+    leaf as :func:`jax_qcomm.native.wire.chunk_runs` payloads (a key per leaf and payload), every leaf's
     payloads of shard j in row j of one message, one all-to-all (in the pieces the message
     travels in), and each leaf's reduced shard from its D received payloads. The chunks are read
     and the pieces written and read where they lie (:meth:`_encode_chunk_pieces`,
@@ -626,13 +474,13 @@ class Codec(abc.ABC):
   def _encode_chunk_pieces(self, chunks, runs, d: int, key: jax.Array | None,
                            skip: jax.Array | None, devices: int | None = None) -> list:
     """:meth:`_encode_chunk_rows` cut as its rows travel among ``devices`` (default ``d``;
-    :func:`jax_qcomm._exchange.cut`). A codec whose kernel reads the chunks where they lie and
+    :func:`jax_qcomm.transport._exchange.cut`). A codec whose kernel reads the chunks where they lie and
     writes the pieces overrides it with the same bytes (QSGD on CPU)."""
     return _exchange.cut(self._encode_chunk_rows(chunks, runs, d, key, skip), 1, devices or d)
 
   def _decode_chunk_pieces(self, pieces, runs) -> list[jax.Array]:
     """k rows laid out as :meth:`_encode_chunk_rows` lays one, in the pieces they travel in (as
-    :func:`jax_qcomm._exchange.cut`, ``exchange_pieces`` or ``gather_pieces`` give them) -> each
+    :func:`jax_qcomm.transport._exchange.cut`, ``exchange_pieces`` or ``gather_pieces`` give them) -> each
     leaf's decodes, float32[k, runs_i * n_i]. Default: the rows joined, each leaf's payloads
     decoded; a codec with a kernel that reads the pieces where they lie overrides it (QSGD on
     CPU)."""
@@ -736,14 +584,14 @@ class Codec(abc.ABC):
 
   def leaf_payload_size(self, shape: tuple[int, ...]) -> int:
     """Bytes this device contributes for one leaf of ``shape`` (its payload, padded to whole
-    buckets); what :func:`jax_qcomm.describe` shows per leaf. Default: :meth:`payload_size`."""
+    buckets); what :func:`jax_qcomm.transforms.describe` shows per leaf. Default: :meth:`payload_size`."""
     return self.payload_size(wire.leaves_span([math.prod(shape)], self.pad_multiple))
 
   def comm_buffer_size(self, devices: int, collective: str = "allreduce") -> int:
     """The most float32 elements one communication buffer of this codec carries in ``collective``
     (``"allreduce"``, or ``"reduce_scatter"`` for the rows of sharded state) over ``devices``
     where the caller passes ``comm_bucket_size=None`` (the default of :func:`jax_qcomm.allreduce`,
-    :func:`jax_qcomm.sync` and :func:`jax_qcomm.diloco`): :data:`DEFAULT_COMM_BUCKET`. Each buffer
+    :func:`jax_qcomm.transforms.sync` and :func:`jax_qcomm.transforms.diloco`): :data:`DEFAULT_COMM_BUCKET`. Each buffer
     is one reduction, so fewer buffers mean fewer collectives; a bound keeps packed copies small."""
     return DEFAULT_COMM_BUCKET
 
@@ -751,7 +599,7 @@ class Codec(abc.ABC):
               transport: _transport.Transport | None = None) -> Codec:
     """The codec that carries out ``collective`` over ``devices`` devices on ``transport``
     (default: :func:`jax_qcomm.transport.current` for ``devices``): this codec itself;
-    :class:`Auto` names the candidate it runs. What :func:`jax_qcomm.describe` shows."""
+    :class:`Auto` names the candidate it runs. What :func:`jax_qcomm.transforms.describe` shows."""
     _check_traffic(0, devices, collective)
     if transport is not None and not isinstance(transport, _transport.Transport):
       raise ValueError(f"transport must be a jax_qcomm.transport.Transport or None, "

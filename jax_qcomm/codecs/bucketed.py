@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _exchange, _selftest, wire
-from jax_qcomm.axes import axis_size, device_key
+from jax_qcomm.transport import _exchange
+from jax_qcomm.native import _selftest, wire
+from jax_qcomm.transport.axes import axis_size, device_key
 from jax_qcomm.codecs.base import (IMPLS, Codec, _check_traffic, _pad_to, _ring, bounded_mark,
                                    concat_leaves, nonfinite_mark, seed_words,
                                    split_leaves)
@@ -35,7 +36,7 @@ class _Bucketed(Codec):
   def _select(self, ffi_fn, jax_fn, *args, only: tuple[str, ...] | None = None):
     """Runs ffi_fn on platforms with a compiled kernel, jax_fn elsewhere (chosen per lowering by
     ``lax.platform_dependent``); impl="auto" uses a platform's kernels once they passed their
-    known-answer test there (:mod:`jax_qcomm._selftest`); impl="jax": always jax_fn;
+    known-answer test there (:mod:`jax_qcomm.native._selftest`); impl="jax": always jax_fn;
     impl="ffi": the kernels, untested, with no fallback. ``only``: the platforms of a kernel that
     exists on fewer of them than the codec's others (one on the leaves in place, CPU only);
     elsewhere jax_fn, which composes the codec's other kernels there."""

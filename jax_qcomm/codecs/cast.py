@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _exchange, transport as _transport
+from jax_qcomm.transport import _exchange, cost as _transport
 from jax_qcomm._checks import check_int
-from jax_qcomm.axes import axis_size
+from jax_qcomm.transport.axes import axis_size
 from jax_qcomm.codecs.base import (Codec, _check_traffic, _ring, _rows_of, _sum_in_order,
                                    nonfinite_mark, split_leaves)
 

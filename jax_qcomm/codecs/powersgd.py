@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm._checks import check_int, check_real
-from jax_qcomm.axes import AxisName, axis_size
+from jax_qcomm.transport.axes import AxisName, axis_size
 from jax_qcomm.codecs.base import (Codec, _check_traffic, _ring, abs_max, bounded_mark,
                                    nonfinite_mark, split_leaves)
 

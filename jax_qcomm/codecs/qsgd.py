@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_qcomm import _exchange, _ffi, _reference, wire
+from jax_qcomm.transport import _exchange
+from jax_qcomm.native import _ffi, _reference, wire
 from jax_qcomm._checks import check_int, check_int_in
 from jax_qcomm.codecs.base import _sum_in_order
 from jax_qcomm.codecs.bucketed import _Bucketed
@@ -299,7 +300,7 @@ class QSGD(_Bucketed):
 
   def _headers_mark(self, pieces, n: int) -> jax.Array:
     """0, or NaN where a payload of ``n`` values (rows of the ``pieces``: the payloads cut along
-    their bytes, as :func:`jax_qcomm._exchange.gather_pieces` gives them) has a non-finite
+    their bytes, as :func:`jax_qcomm.transport._exchange.gather_pieces` gives them) has a non-finite
     bucket: a header word whose float bits, the step word's low byte (its exponent k) cleared,
     are NaN or Inf (finite buckets store a finite min and a finite step there). Read in each
     piece that holds header words, where it lies."""
@@ -335,7 +336,7 @@ class QSGD(_Bucketed):
 
 
 def _flat(pieces):
-  """Pieces of rows (as :func:`jax_qcomm._exchange.joined` takes them) -> ``(nested, blocks,
+  """Pieces of rows (as :func:`jax_qcomm.transport._exchange.joined` takes them) -> ``(nested, blocks,
   rows)``: each piece as its list of blocks, every block in order (a kernel's operands, which
   :func:`_blocks_as_pieces` nests again) and the rows of a piece."""
   nested = _exchange.blocks_of(pieces)

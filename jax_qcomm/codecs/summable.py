@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _ffi, _reference, wire
+from jax_qcomm.native import _ffi, _reference, wire
 from jax_qcomm._checks import check_int, check_int_in
 from jax_qcomm.codecs.base import DEFAULT_COMM_BUCKET, split_leaves
 from jax_qcomm.codecs.bucketed import _SummedFields

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _exchange
+from jax_qcomm.transport import _exchange
 from jax_qcomm._checks import check_int, check_real
-from jax_qcomm.axes import AxisName, axis_size
+from jax_qcomm.transport.axes import AxisName, axis_size
 from jax_qcomm.codecs.base import Codec, _check_traffic, _pad_to, _sum_in_order
 
 #: Bit widths whose codes pack whole into bytes.

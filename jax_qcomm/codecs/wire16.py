@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import wire
+from jax_qcomm.native import wire
 from jax_qcomm._checks import check_int, check_int_in
 from jax_qcomm.codecs.base import _check_traffic, _pad_to, _sum_in_order
 from jax_qcomm.codecs.bucketed import _SummedFields

@@ -63,7 +63,7 @@ import jax
 from jax.sharding import Mesh
 
 from jax_qcomm import _compat
-from jax_qcomm import elastic as elastic_core
+from jax_qcomm.runners import elastic as elastic_core
 from jax_qcomm._checks import check_bool, check_choice, check_int
 from jax_qcomm.tools import malloc as malloc_tools
 

@@ -6,7 +6,7 @@ Small pure functions; every size is in **bytes** or **elements** (float32 values
 Bytes each device sends per allreduce of ``n`` float32 values over ``D`` devices
 (:func:`allreduce_bytes`) are the codec's own count, :meth:`jax_qcomm.Codec.traffic` /
 ``sent_bytes`` (ring convention: all-reduce ``2 (D-1)/D`` of its buffer, all-to-all and all-gather
-``(D-1)/D`` of the gathered size), the same count :func:`jax_qcomm.describe` reports:
+``(D-1)/D`` of the gathered size), the same count :func:`jax_qcomm.transforms.describe` reports:
 
 * exact float32 (``NoCompression``, XLA's ring all-reduce): ``2 (D-1)/D * 4 n``;
 * scatter-reduce-allgather (SRA) codecs (``QSGD``, ``Cast``): the buffer padded to a multiple of
@@ -59,7 +59,7 @@ import numpy as np
 
 import jax
 
-from jax_qcomm import collectives, packing
+from jax_qcomm.collectives import ops as collectives, packing
 from jax_qcomm._checks import check_int, check_int_or_none
 from jax_qcomm.codecs import Codec, codec_for_bits
 from jax_qcomm.transport import GLOO, GLOO_PAIR, IDEAL, Transport
@@ -102,7 +102,7 @@ def _num(name: str, value: Any, *, positive: bool = False, allow_none: bool = Fa
 
 def codec_of(codec: Any) -> Codec:
   """A codec object from a codec or a ``bits`` value (:func:`jax_qcomm.codec_for_bits`, as
-  :func:`jax_qcomm.sync`: 32 exact, 16 Wire16, 1..8 ``Auto``, which resolves for the transport
+  :func:`jax_qcomm.transforms.sync`: 32 exact, 16 Wire16, 1..8 ``Auto``, which resolves for the transport
   passed where a function takes one, else for :func:`jax_qcomm.transport.current`); ValueError
   otherwise."""
   if isinstance(codec, Codec):

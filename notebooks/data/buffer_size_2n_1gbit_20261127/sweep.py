@@ -21,7 +21,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import jax_qcomm as qcomm  # noqa: E402
 from benchmarks import sharded as B  # noqa: E402
-from jax_qcomm.sync import config_of  # noqa: E402
+from jax_qcomm.transforms.sync import config_of  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()), ("data",))
 d = mesh.devices.size

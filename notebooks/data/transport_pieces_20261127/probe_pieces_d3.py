@@ -5,7 +5,7 @@ distributed.initialize()
 import jax, jax.numpy as jnp, numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
-from jax_qcomm import _exchange
+from jax_qcomm.transport import _exchange
 mesh = Mesh(np.array(jax.devices()), ("x",))
 d = mesh.devices.size
 W = 6_000_000 if d > 2 else 14_000_000

@@ -58,8 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_qcomm import transport as _transport
-from jax_qcomm.axes import axis_size
+from jax_qcomm.transport import cost as _transport
+from jax_qcomm.transport.axes import axis_size
 
 AxisName = Union[Hashable, tuple]
 

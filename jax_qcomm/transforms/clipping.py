@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from jax_qcomm._checks import check_real
-from jax_qcomm.shard_layout import global_sum_of_squares
+from jax_qcomm.collectives.shard_layout import global_sum_of_squares
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

@@ -54,8 +54,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat
-from jax_qcomm.diloco import PHASE_ARG, DiLoCoState, replica_rows
-from jax_qcomm.specs import _SpecKey, checked_spec, place
+from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, replica_rows
+from jax_qcomm.transforms.specs import _SpecKey, checked_spec, place
 
 #: Seconds to wait for a coordination-service key that every process of a round wrote before the
 #: barrier it passed (present at once unless the service is failing).
@@ -87,7 +87,7 @@ def _fingerprint(live: dict[int, int]) -> str:
 
 
 def _log(text: str) -> None:
-  sys.stderr.write(f"jax_qcomm.elastic: {text}\n")
+  sys.stderr.write(f"jax_qcomm.runners.elastic: {text}\n")
   sys.stderr.flush()
 
 

@@ -28,13 +28,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_qcomm import _compat, collectives, packing
+from jax_qcomm import _compat
+from jax_qcomm.collectives import ops as collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_choice,
                                check_key)
-from jax_qcomm.axes import axis_names
-from jax_qcomm.elastic import ElasticDataParallel
-from jax_qcomm.overlap import OverlappedDataParallel
-from jax_qcomm.specs import (_SpecKey, checked_spec, communicated, device_spec, local_params,
+from jax_qcomm.transport.axes import axis_names
+from jax_qcomm.runners.elastic import ElasticDataParallel
+from jax_qcomm.runners.overlap import OverlappedDataParallel
+from jax_qcomm.transforms.specs import (_SpecKey, checked_spec, communicated, device_spec, local_params,
                              place, replica_axes)
 
 AUX_REDUCTIONS = ("mean", "sum", "stack", "concat")
@@ -145,7 +146,7 @@ def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, na
   ``params``), made varying over the data axes so that it is this device's own, not the psum that
   autodiff takes of the gradient of a replicated value. ``tx.update`` gets ``params`` (for diloco,
   the anchor); the updates are applied only on calls where every qcomm transformation
-  communicated (:func:`jax_qcomm.specs.communicated`), so that a transformation chained after an
+  communicated (:func:`jax_qcomm.transforms.specs.communicated`), so that a transformation chained after an
   accumulating sync acts once per optimizer step. Returns ``(params, opt_state, loss, aux)``:
   this device's own loss and ``aux``."""
   axes = frozenset(names)
@@ -261,11 +262,11 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       ``jax_qcomm.tools.distributed.initialize(elastic=True)``, or ``launch --elastic``):
       replicas that die and come back. Each process steps its own replica on its own devices and
       its own share of the batch, and every synchronisation averages over the processes alive; a
-      restarted process receives the group's state (:class:`jax_qcomm.elastic.ElasticDataParallel`,
+      restarted process receives the group's state (:class:`jax_qcomm.runners.elastic.ElasticDataParallel`,
       docs/distributed.md).
     overlap: for ``tx = qcomm.diloco(..., delay=1)``: run each synchronisation's collective on a
       device of each replica's process that ``mesh`` leaves out, while the next inner steps
-      compute (:class:`jax_qcomm.overlap.OverlappedDataParallel`; the same results as without).
+      compute (:class:`jax_qcomm.runners.overlap.OverlappedDataParallel`; the same results as without).
       The runner also has ``flush(opt_state)``: the state with the mean in flight received, to
       checkpoint.
 

@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P, use_abstract_mesh
 
-from jax_qcomm import packing
+from jax_qcomm.collectives import packing
 from jax_qcomm._checks import check_array_leaves, check_axis_name, check_instance, check_int
-from jax_qcomm.axes import Hierarchical
+from jax_qcomm.transport.axes import Hierarchical
 from jax_qcomm.codecs import Codec, NoCompression
-from jax_qcomm.shard_layout import Layout
-from jax_qcomm.axes import axis_names
-from jax_qcomm._parts import num_devices
-from jax_qcomm.specs import find_states, state_partition_spec
+from jax_qcomm.collectives.shard_layout import Layout
+from jax_qcomm.transport.axes import axis_names
+from jax_qcomm.transforms._parts import num_devices
+from jax_qcomm.transforms.specs import find_states, state_partition_spec
 
 
 @dataclasses.dataclass(frozen=True)

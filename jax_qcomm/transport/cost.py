@@ -5,7 +5,7 @@ what the cost model (:mod:`jax_qcomm.tools.efficiency`) turns bytes into seconds
 multiplies the link-floor time of the bytes a collective carries (1.0: at the link rate). Measured
 on the simulated cluster (one process per node, 1 Gbit/s links; ``python -m benchmarks cluster
 --nodes N --rate 1gbit -- patterns``, docs/benchmarks.md "Transport factors"), each collective as
-the library sends it (``jax_qcomm._exchange``): the all-to-all as ppermute rounds on CPU across
+the library sends it (``jax_qcomm.transport._exchange``): the all-to-all as ppermute rounds on CPU across
 processes, and between two processes the all-to-all, all-gather and reduce-scatter in pieces of
 at most ``message_bytes``:
 
@@ -59,7 +59,7 @@ class Transport:
   leaf is reduced as its own operand of a collective instead of being copied into a packed buffer
   (:class:`jax_qcomm.NoCompression`): an operand costs about a message's latency, a copy two
   passes over the leaf. ``message_bytes`` is the most bytes one message of an exchange,
-  all-gather or reduce-scatter carries (:mod:`jax_qcomm._exchange`): a longer row travels as
+  all-gather or reduce-scatter carries (:mod:`jax_qcomm.transport._exchange`): a longer row travels as
   pieces of at most this size, one collective each (None: whole rows). ``python -m
   benchmarks.model`` measures the factors on a cluster.
   """

@@ -35,12 +35,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _compat, _parts, _varying, collectives, packing
+from jax_qcomm import _compat
+from jax_qcomm.transforms import _parts
+from jax_qcomm.transport import _varying
+from jax_qcomm.collectives import ops as collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_instance,
                                check_int, check_int_or_none)
-from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
+from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import Codec
-from jax_qcomm.specs import find_states, local_params, register_state
+from jax_qcomm.transforms.specs import find_states, local_params, register_state
 
 #: The default outer optimizer of :func:`diloco`: Nesterov SGD at a momentum-adjusted rate
 #: lr / (1 - momentum) of 3 (MaxText's choice), the smallest worst gap to each cell's best outer

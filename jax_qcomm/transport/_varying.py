@@ -18,7 +18,7 @@ import jax
 from jax import lax
 
 from jax_qcomm import _compat
-from jax_qcomm.packing import path_str
+from jax_qcomm._checks import path_str
 
 
 def tracked(names: Sequence[Hashable]) -> bool:

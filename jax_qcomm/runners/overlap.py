@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_qcomm import collectives
-from jax_qcomm.diloco import PHASE_ARG, DiLoCoState, delayed_send, replica_rows
-from jax_qcomm.specs import _SpecKey, checked_spec
+from jax_qcomm.collectives import ops as collectives
+from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, delayed_send, replica_rows
+from jax_qcomm.transforms.specs import _SpecKey, checked_spec
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""The pure-JAX reference's answers to the kernels' known-answer test (jax_qcomm._selftest):
+"""The pure-JAX reference's answers to the kernels' known-answer test (jax_qcomm.native._selftest):
 SHA-256 prefixes of every output for its fixed inputs and seed. tests/test_selftest.py checks that
 the live reference still gives them; regenerate with `_selftest.reference_digests()`."""
 

@@ -18,22 +18,9 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm import wire
-from jax_qcomm._checks import check_bool, check_int, shown
+from jax_qcomm.native import wire
+from jax_qcomm._checks import check_bool, check_int, path_str, shown  # noqa: F401 (path_str: re-exported)
 from jax_qcomm.codecs import Codec, NoCompression, is_float_dtype
-
-
-def path_str(path: Sequence[Any]) -> str:
-  """'params/Dense_0/kernel' for a pytree key path."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +130,7 @@ class _Shape:
 def leaf_codecs(tree: Any, codec: Codec, policy: LeafPolicy | None = None) -> list[Codec]:
   """The codec of every leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct`` s), in tree order: a
   bare array gets ``codec``; the leaves of a pytree get what ``policy`` (default ``LeafPolicy()``)
-  picks for them. The one decision that the allreduce and :func:`jax_qcomm.describe` share."""
+  picks for them. The one decision that the allreduce and :func:`jax_qcomm.transforms.describe` share."""
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   if treedef.num_leaves == 1 and treedef.num_nodes == 1:
     return [codec]

@@ -33,13 +33,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _compat, _parts, _varying, collectives, packing
+from jax_qcomm import _compat
+from jax_qcomm.transforms import _parts
+from jax_qcomm.transport import _varying
+from jax_qcomm.collectives import ops as collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
                                check_int, check_int_or_none)
-from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size
+from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import QSGD, Codec, NoCompression
-from jax_qcomm.specs import register_state
-from jax_qcomm.shard_layout import PROBE, SHARDED, Layout
+from jax_qcomm.transforms.specs import register_state
+from jax_qcomm.collectives.shard_layout import PROBE, SHARDED, Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +112,7 @@ class SyncState(NamedTuple):
   codec_state: Any = ()
   config: SyncConfig | None = None
 
-  # What state_partition_spec reads of a qcomm state class (jax_qcomm.specs).
+  # What state_partition_spec reads of a qcomm state class (jax_qcomm.transforms.specs).
   PER_DEVICE_FIELDS = ("acc_grads", "residual")
   NESTED_FIELDS = ("inner_opt_state",)
   PER_DEVICE_NESTED_FIELDS = ()

@@ -27,9 +27,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm import _ffi, _reference
+from jax_qcomm.native import _ffi, _reference
 from jax_qcomm._checks import check_bool
-from jax_qcomm._known_answers import KNOWN_ANSWERS
+from jax_qcomm.native._known_answers import KNOWN_ANSWERS
 
 N = 2 * 1024 + 77  # 16 whole buckets of 128 and a partial one
 BUCKET = 128

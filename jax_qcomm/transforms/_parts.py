@@ -23,9 +23,10 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm import _compat, _varying
+from jax_qcomm import _compat
+from jax_qcomm.transport import _varying
 from jax_qcomm._checks import check_instance
-from jax_qcomm.axes import AxisName, axis_names, axis_size
+from jax_qcomm.transport.axes import AxisName, axis_names, axis_size
 from jax_qcomm.codecs import Codec, codec_for_bits
 from jax_qcomm.codecs.base import nonfinite_mark
 

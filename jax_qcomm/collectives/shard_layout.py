@@ -21,7 +21,7 @@ no quantisation bucket straddles two leaves, or a payload per leaf and chunk) is
 :meth:`~jax_qcomm.Codec.reduce_scatter_leaves` / :meth:`~jax_qcomm.Codec.all_gather_leaves`; the
 bytes are those of the packed buffer either way. Leaves are grouped by codec (and into buffers of at
 most ``comm_bucket_size`` elements per row, None: the codec's ``comm_buffer_size`` for a
-reduce-scatter) by :func:`jax_qcomm.packing.plan`, as the allreduce groups them.
+reduce-scatter) by :func:`jax_qcomm.collectives.packing.plan`, as the allreduce groups them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import packing
+from jax_qcomm.collectives import packing
 from jax_qcomm.codecs import Codec
 from jax_qcomm.codecs.base import _chunks_of, _rows_of
 
@@ -99,7 +99,7 @@ class LeafShard:
 class Layout:
   """The sharding of a pytree's leaves over ``devices`` and the buffers of its collectives.
 
-  ``groups``: :class:`jax_qcomm.packing.Group` s of leaf indices sharing a codec, each carried by
+  ``groups``: :class:`jax_qcomm.collectives.packing.Group` s of leaf indices sharing a codec, each carried by
   one reduce-scatter and one all-gather; a device's part of a group is its rows of those leaves,
   each padded to whole buckets (:meth:`row_size`)."""
 
@@ -180,7 +180,7 @@ class Layout:
 # (jax_qcomm.clip_by_global_norm) can complete a sum over all shards with one scalar psum.
 SHARDED = contextvars.ContextVar("jax_qcomm_sharded", default=None)
 #: The value of SHARDED while the sharded sync traces ``inner`` to look for per-shard reductions
-#: (jax_qcomm.sync): whole-model sums then stand in as a constant, so that only the reductions
+#: (jax_qcomm.transforms.sync): whole-model sums then stand in as a constant, so that only the reductions
 #: that a shard would make wrong remain in the trace.
 PROBE = ("probe",)
 

@@ -1,7 +1,7 @@
 """Compressed collectives of arrays and pytrees, called inside ``jax.shard_map`` or ``jax.pmap``.
 
 This module checks the arguments, packs a pytree into flat communication buffers by the leaf
-policy (:mod:`jax_qcomm.packing`) and hands each buffer to its codec's reduction protocol
+policy (:mod:`jax_qcomm.collectives.packing`) and hands each buffer to its codec's reduction protocol
 (:class:`jax_qcomm.Codec`: ``allreduce_flat``, ``reduce_scatter_flat``, ``all_gather_flat``). How
 the values cross the wire -- a float32 ``psum``, the scatter-reduce-allgather of two
 quantisations, the one ``psum`` of a summable codec -- is the codec's business; this module never
@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _compat, _exchange, _varying, packing
+from jax_qcomm import _compat
+from jax_qcomm.transport import _exchange, _varying
+from jax_qcomm.collectives import packing
 from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check_instance,
                                check_int_or_none, check_key)
-from jax_qcomm.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
+from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
 from jax_qcomm.codecs import DEFAULT_COMM_BUCKET, QSGD, Codec, reduce_packed
 from jax_qcomm.codecs.base import nonfinite_mark
 

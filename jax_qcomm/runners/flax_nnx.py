@@ -35,9 +35,9 @@ from flax import nnx
 
 from jax_qcomm import _compat
 from jax_qcomm._checks import check_key
-from jax_qcomm.axes import AxisName, axis_names
-from jax_qcomm.data_parallel import _check, _reduce_aux, check_batch, local_step, out_specs_of
-from jax_qcomm.specs import _SpecKey, checked_spec, device_spec, place, replica_axes
+from jax_qcomm.transport.axes import AxisName, axis_names
+from jax_qcomm.runners.data_parallel import _check, _reduce_aux, check_batch, local_step, out_specs_of
+from jax_qcomm.transforms.specs import _SpecKey, checked_spec, device_spec, place, replica_axes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

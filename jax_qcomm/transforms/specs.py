@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm._checks import check_axis_name
-from jax_qcomm.axes import AxisName, Hierarchical, axis_names
+from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names
 
 _STATE_TYPES: list[type] = []
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import wire
+from jax_qcomm.native import wire
 
 _U32 = jnp.uint32
 

@@ -24,7 +24,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_qcomm import _compat, wire
+from jax_qcomm import _compat
+from jax_qcomm.native import wire
 
 CPU_ISA_ENV = "QCOMM_CPU_ISA"
 CPU_MODULE_ENV = "QCOMM_CPU_MODULE"
@@ -286,7 +287,7 @@ def qsgd_encode_chunks(leaves, seeds: jax.Array, skip: jax.Array, *, devices: in
   """float32 leaves, leaf i ``devices * pre[i] * chunk[i]`` values (``pre[i]`` runs of
   ``devices`` chunks; device j's shard: chunk j of every run), seeds: uint32[payloads, 2],
   skip: int32[] -> uint8[devices, W]: row j every leaf's payloads of shard j, leaf by leaf, each
-  shard as :func:`jax_qcomm.wire.chunk_runs` payloads, payload (i, r, j) encoded with seed
+  shard as :func:`jax_qcomm.native.wire.chunk_runs` payloads, payload (i, r, j) encoded with seed
   ``s_i + r * devices + j`` (``s_i`` the payloads of the leaves before i). Read in place; row
   ``skip`` (-1: none) is zeros. With ``widths`` (summing to W), the rows in pieces of those
   widths, written in place (``_call_into_pieces``)."""
