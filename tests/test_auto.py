@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_qcomm as qcomm
-from jax_qcomm import transport as T
+from jax_qcomm.transport import cost as T
 
 from tests.test_protocol import AX, PARAMS, _grads, _mesh, _sync_step, hlo_sent_bytes
 

@@ -3,7 +3,7 @@
 Three implementations of the QSGD wire format are compared byte for byte:
 
 * ``impl="ffi"``: the C++ kernels (kernels/qsgd_math.h, kernels/qsgd_cpu_loops.h);
-* ``impl="jax"``: the pure-JAX reference (jax_qcomm/_reference.py);
+* ``impl="jax"``: the pure-JAX reference (jax_qcomm/native/_reference.py);
 * ``_np_encode`` / ``_np_decode`` below: an independent numpy transcription of the format (float32
   arithmetic, no FMA, with the kernels' flush of denormals modelled by ``_ftz``; the scaling by
   powers of two done in float64, not on the bits as the reference does; the bit packing follows

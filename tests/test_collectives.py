@@ -469,7 +469,7 @@ def test_the_codec_bounds_its_communication_buffers(monkeypatch):
   resolved codec says, and what a subclass says; an explicit comm_bucket_size wins. The
   allreduce, the sharded layout and the cost model follow the same plan."""
   from jax_qcomm.collectives import packing  # noqa: PLC0415
-  from jax_qcomm import transport  # noqa: PLC0415
+  from jax_qcomm.transport import cost as transport  # noqa: PLC0415
   from jax_qcomm.collectives.shard_layout import Layout  # noqa: PLC0415
   from jax_qcomm.tools import efficiency  # noqa: PLC0415
   import dataclasses  # noqa: PLC0415

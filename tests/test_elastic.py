@@ -1,4 +1,4 @@
-"""Elastic diloco across processes (jax_qcomm/elastic.py, launch --elastic): processes killed
+"""Elastic diloco across processes (jax_qcomm/runners/elastic.py, launch --elastic): processes killed
 (SIGKILL) or stopped (SIGSTOP past the heartbeat timeout), restarted by the launcher with their
 rank, rejoining with the group's state; anchors bit-identical at every synchronisation.
 

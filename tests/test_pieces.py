@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import jax_qcomm as qcomm
 from jax_qcomm.transport import _exchange
 from jax_qcomm.native import _ffi
-from jax_qcomm import transport as T
+from jax_qcomm.transport import cost as T
 
 from test_protocol import _COLLECTIVE, AX, PARAMS, _grads, _mesh, _sync_step, hlo_sent_bytes
 import test_sharded

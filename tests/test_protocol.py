@@ -318,7 +318,7 @@ def test_exact_path_leaves_the_transports_large_leaves_unpacked(monkeypatch, tra
   """NoCompression reduces leaves of at least the transport's ``own_operand`` values as their own
   operands of one psum and packs the smaller ones: the result is a per-leaf pmean's, bit for bit,
   on every device, no large leaf is copied into a buffer, and a leaf below the threshold is."""
-  from jax_qcomm import transport as T
+  from jax_qcomm.transport import cost as T
   t = getattr(T, transport)
   monkeypatch.setattr(T, "current", lambda devices: t)
   own = t.own_operand
@@ -349,7 +349,7 @@ def test_exact_reduce_scatter_divides_as_pmean(monkeypatch, transport):
   """NoCompression's reduce-scatter (a list of operands without latency, the packed buffer with
   it) gives each device its block of the sums divided by D as ``lax.pmean`` divides: the same bits
   as the replicated exact path's mean, at a D that is not a power of two."""
-  from jax_qcomm import transport as T
+  from jax_qcomm.transport import cost as T
   t = getattr(T, transport)
   monkeypatch.setattr(T, "current", lambda devices: t)
   d = 3
@@ -374,7 +374,7 @@ def test_exact_reduce_scatter_divides_as_pmean(monkeypatch, transport):
 
 
 def test_transport_own_operand_is_checked():
-  from jax_qcomm import transport as T
+  from jax_qcomm.transport import cost as T
   for bad in (0, -1, 2.5, True, "1"):
     with pytest.raises(ValueError, match="own_operand must be an int >= 1"):
       T.Transport(own_operand=bad)

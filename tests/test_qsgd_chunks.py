@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax_qcomm as qcomm
 from jax_qcomm.transport import _exchange
 from jax_qcomm.native import _ffi, wire
-from jax_qcomm import transport as T
+from jax_qcomm.transport import cost as T
 
 from test_qsgd_leaves import _cut, _widths
 

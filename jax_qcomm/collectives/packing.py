@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_qcomm import _compat
 from jax_qcomm.native import wire
 from jax_qcomm._checks import check_bool, check_int, path_str, shown  # noqa: F401 (path_str: re-exported)
 from jax_qcomm.codecs import Codec, NoCompression, is_float_dtype
@@ -162,6 +163,11 @@ def padded_size(n: int, codec: Codec) -> int:
   return wire.leaves_span([n], codec.pad_multiple)
 
 
+def _vma(leaf: Any) -> frozenset:
+  """The manual axes a traced leaf varies over (empty for concrete and abstract shapes)."""
+  return _compat.vma_of(leaf) if isinstance(leaf, jax.core.Tracer) else frozenset()
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
   """Leaves (by index in the flattened tree) that travel together in one flat buffer."""
@@ -170,26 +176,32 @@ class Group:
 
 
 def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int | None,
-         devices: int, collective: str = "allreduce") -> list[Group]:
+         devices: int, collective: str = "allreduce",
+         kinds: Sequence[Any] | None = None) -> list[Group]:
   """Groups consecutive-by-codec leaves into buffers of at most ``comm_bucket_size`` elements
   (None: each codec's own :meth:`~jax_qcomm.Codec.comm_buffer_size` for ``collective`` over
   ``devices``).
 
   A leaf larger than the bound gets a buffer of its own. Order within a group follows the tree
-  order, so the plan is deterministic (every device builds the same buffers).
+  order, so the plan is deterministic (every device builds the same buffers). Inside nested
+  ``shard_map`` s, leaves that vary over different manual axes travel apart (a model-sharded
+  leaf's shard and a leaf replicated over the model axes): a replicated leaf's result then stays
+  replicated, by construction and in jax's type. ``kinds`` (one per leaf) says which leaves
+  vary alike where they are not traced (``describe`` of model-sharded parameters).
   """
-  by_codec: dict[Codec, list[list[int]]] = {}
-  sizes: dict[Codec, int] = {}
+  by_kind: dict[tuple, list[list[int]]] = {}
+  sizes: dict[tuple, int] = {}
   bounds: dict[Codec, int] = {}
   for i, (leaf, codec) in enumerate(zip(leaves, codecs)):
     padded = padded_size(leaf.size, codec)
     if codec not in bounds:
       bounds[codec] = comm_bucket_size if comm_bucket_size is not None else check_int(
           f"{type(codec).__name__}.comm_buffer_size", codec.comm_buffer_size(devices, collective))
-    groups = by_codec.setdefault(codec, [[]])
-    if groups[-1] and sizes[codec] + padded > bounds[codec]:
+    kind = (codec, _vma(leaf) if kinds is None else kinds[i])
+    groups = by_kind.setdefault(kind, [[]])
+    if groups[-1] and sizes[kind] + padded > bounds[codec]:
       groups.append([])
-      sizes[codec] = 0
+      sizes[kind] = 0
     groups[-1].append(i)
-    sizes[codec] = sizes.get(codec, 0) + padded
-  return [Group(codec, tuple(g)) for codec, gs in by_codec.items() for g in gs if g]
+    sizes[kind] = sizes.get(kind, 0) + padded
+  return [Group(kind[0], tuple(g)) for kind, gs in by_kind.items() for g in gs if g]

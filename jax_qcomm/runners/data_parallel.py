@@ -16,6 +16,7 @@ the reduction of the loss and of auxiliary outputs across devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -26,7 +27,7 @@ import optax
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
 from jax_qcomm.collectives import ops as collectives, packing
@@ -35,8 +36,9 @@ from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, 
 from jax_qcomm.transport.axes import axis_names
 from jax_qcomm.runners.elastic import ElasticDataParallel
 from jax_qcomm.runners.overlap import OverlappedDataParallel
-from jax_qcomm.transforms.specs import (_SpecKey, checked_spec, communicated, device_spec, local_params,
-                             place, replica_axes)
+from jax_qcomm.transforms import layout
+from jax_qcomm.transforms.specs import (_SpecKey, checked_spec, communicated, device_spec,
+                                        find_states, local_params, place, replica_axes)
 
 AUX_REDUCTIONS = ("mean", "sum", "stack", "concat")
 
@@ -60,10 +62,25 @@ class DataParallel:
   aux_reduce: str = "mean"
   batch_spec: P | None = None
   donate: bool = False
+  param_spec: Any = None
 
   def __post_init__(self):  # the checks of data_parallel, also for DataParallel(...) made directly
+    object.__setattr__(self, "_layouts", {})  # params treedef -> the layout seen (model specs)
     _check(self.loss_fn, self.tx, self.mesh, self.axis_name, self.has_aux, self.aux_reduce,
            self.batch_spec, self.donate)
+
+  def _param_specs(self, params: Any) -> Any | None:
+    """The parameters' specs over the model axes (None: replicated, the plain layout). Inside the
+    caller's ``jax.jit`` an Auto axis's sharding is not in the traced params' type: the layout
+    this runner last saw for the same tree (at ``init``) is used then."""
+    treedef = jax.tree_util.tree_structure(params)
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params))
+    found = layout.param_specs(params, self.mesh, self._names, self.param_spec)
+    if found is None and traced and self.param_spec is None:
+      return self._layouts.get(treedef)
+    if not traced:
+      self._layouts[treedef] = found
+    return found
 
   # -- specs and shardings ------------------------------------------------------------------------
   @property
@@ -88,13 +105,27 @@ class DataParallel:
     parts of the qcomm states (a sync's accumulator, the sharded sync's shards, a diloco replica's
     parameters), split over their axes."""
     check_array_leaves("params", params)
+    pspecs = self._param_specs(params)
     with jax.set_mesh(self.mesh):
-      spec = self.state_spec(jax.eval_shape(self.tx.init, params))
-    return self._init_fn(_SpecKey(spec))(self._put(params, P()))
+      abstract = jax.eval_shape(self.tx.init, params)
+      spec = self.state_spec(abstract)
+    if pspecs is None:
+      return self._init_fn(_SpecKey(spec))(self._put(params, P()))
+    _check_model_sharded_tx(abstract)
+    spec = layout.merge(spec, layout.state_model_specs(abstract, params, pspecs))
+    fn = self._sharded_init_fn(_SpecKey(spec), _SpecKey(pspecs))
+    with _shard_errors("init"):
+      return fn(self._put(params, pspecs))
 
   @functools.lru_cache(maxsize=None)
   def _init_fn(self, spec_key):
     return jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=P(),
+                                 out_specs=spec_key.spec))
+
+  @functools.lru_cache(maxsize=None)
+  def _sharded_init_fn(self, spec_key, pspec_key):
+    # Manual over every mesh axis: tx.init sees this device's shard of each parameter.
+    return jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(pspec_key.spec,),
                                  out_specs=spec_key.spec))
 
   # -- step -----------------------------------------------------------------------------------------
@@ -104,13 +135,23 @@ class DataParallel:
     check_key("key", key)
     spec = self.state_spec(opt_state)
     check_batch(batch, self.mesh, self.axis_name, self.batch_spec)
-    fn = self._step_fn(_SpecKey(spec), replica_axes(opt_state), len(extra), key is not None)
+    pspecs = self._param_specs(params)
+    replicas = replica_axes(opt_state)
+    if pspecs is None:
+      fn = self._step_fn(_SpecKey(spec), replicas, len(extra), key is not None)
+      pspecs = P()
+    else:
+      mspec = layout.state_model_specs(opt_state, params, pspecs)
+      fn = self._sharded_step_fn(_SpecKey(spec), _SpecKey(mspec), _SpecKey(pspecs), replicas,
+                                 len(extra), key is not None)
+      spec = layout.merge(spec, mspec)
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
-    args = (self._put(params, P()), self._put(opt_state, spec), self._put(batch, batch_spec),
+    args = (self._put(params, pspecs), self._put(opt_state, spec), self._put(batch, batch_spec),
             self._put(extra, P()))
     if key is not None:
       args += (self._put(key, P()),)
-    return fn(*args)
+    with _shard_errors("step"):
+      return fn(*args)
 
   __call__ = step
 
@@ -136,10 +177,101 @@ class DataParallel:
 
     return jax.jit(call, donate_argnums=(0, 1) if self.donate else ())
 
+  @functools.lru_cache(maxsize=None)
+  def _sharded_step_fn(self, spec_key, mspec_key, pspec_key, replicas: tuple, n_extra: int,
+                       with_key: bool):
+    """The step for parameters sharded over model axes: ``shard_map`` manual over the data axes
+    only, so that ``loss_fn`` and its gradient are partitioned over the model axes by XLA; then
+    ``tx.update`` inside a second ``shard_map``, manual over the model axes, so that every device
+    synchronises (encodes, sends, decodes) its own shard of each gradient and keeps its own shard
+    of each part of the state."""
+    names = self._names
+    model = layout.model_axes(self.mesh, names)
+    loss_fn, tx, has_aux, reduce = self.loss_fn, self.tx, self.has_aux, self.aux_reduce
+    pspecs, mspec = pspec_key.spec, mspec_key.spec
+
+    def update(grads, opt_state, params):
+      return apply_update(tx, grads, opt_state, params)
+
+    def step(params, opt_state, batch, extra, key=None):
+      # Nested in the data-manual region: its mesh is the context's (data Manual, model Auto).
+      per_shard = jax.shard_map(update, in_specs=(pspecs, mspec, pspecs),
+                                out_specs=(pspecs, mspec), axis_names=set(model))
+      params, opt_state, loss, aux = local_step(loss_fn, tx, names, has_aux, params, opt_state,
+                                                batch, extra, key, update=per_shard)
+      return (params, opt_state, _reduce_aux(loss, "mean", names, replicas),
+              _reduce_aux(aux, reduce, names, replicas))
+
+    batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
+    in_specs = (P(), spec_key.spec, batch_spec, P()) + ((P(),) if with_key else ())
+    fn = jax.shard_map(step, mesh=self.mesh, in_specs=in_specs,
+                       out_specs=(P(), spec_key.spec, out_specs_of("mean", names, replicas),
+                                  out_specs_of(reduce, names, replicas)),
+                       axis_names=set(names))
+    full = layout.merge(spec_key.spec, mspec)
+    shardings = lambda t: jax.tree_util.tree_map(  # noqa: E731
+        lambda s: NamedSharding(self.mesh, s), t, is_leaf=lambda s: isinstance(s, P))
+    out_params, out_state = shardings(pspecs), shardings(full)
+
+    explicit = any(t == AxisType.Explicit for t in self.mesh.axis_types)
+    # The layout the parameters and the state came in with, also where XLA's propagation would
+    # choose another (on Explicit axes the type carries it: reshard is then a no-op or a move).
+    constrain = jax.sharding.reshard if explicit else lax.with_sharding_constraint
+
+    def call(params, opt_state, batch, extra, *key):
+      params, opt_state, loss, aux = fn(params, opt_state, batch, extra, *key)
+      return constrain(params, out_params), constrain(opt_state, out_state), loss, aux
+
+    return jax.jit(call, donate_argnums=(0, 1) if self.donate else ())
+
+
+def _check_model_sharded_tx(abstract_state: Any) -> None:
+  """ValueError for the transformations that cannot run on model-sharded parameters yet."""
+  for s in find_states(abstract_state):
+    if getattr(getattr(s, "config", None), "shard_state", False):
+      raise ValueError(
+          "qcomm.sync(..., shard_state=True) with parameters sharded over model axes is not "
+          "supported: its flat shards of the optimizer state have no parameter's layout to "
+          "follow. With model-sharded parameters each device already keeps only its shard's "
+          "optimizer state (1/M of it); use shard_state=False")
+
+
+@contextlib.contextmanager
+def _shard_errors(where: str):
+  """A transformation whose state cannot follow the parameters' shards fails inside jax with an
+  error about varying axes: re-raised as a ValueError that says what it means."""
+  try:
+    yield
+  except ValueError as e:
+    text = str(e)
+    if "out_specs" not in text or ("vary" not in text and "varying" not in text):
+      raise
+    raise ValueError(
+        f"dp.{where}: a part of the optimizer state differs between the shards of a "
+        f"model-sharded parameter but has no parameter's shape to be sharded like (a codec "
+        f"whose state depends on the leaf's shape, such as PowerSGD's factors, or the flat "
+        f"shards of shard_state=True). Use a codec without per-leaf state (QSGD, Summable, "
+        f"Cast, Wire16, NoCompression, TopK) with model-sharded parameters. jax said: "
+        f"{text[:2000]}") from e
+
+
+def apply_update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
+                 params: Any) -> tuple[Any, Any]:
+  """``tx.update`` then ``optax.apply_updates``, the updates applied only on calls where every
+  qcomm transformation communicated (:func:`jax_qcomm.transforms.specs.communicated`), so that a
+  transformation chained after an accumulating sync acts once per optimizer step."""
+  updates, opt_state = tx.update(grads, opt_state, params)
+  new = optax.apply_updates(params, updates)
+  gate = communicated(opt_state)
+  if gate is not None:
+    new = jax.tree_util.tree_map(lambda n, p: jnp.where(gate, n, p), new, params)
+  return new, opt_state
+
 
 def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, names: tuple,
                has_aux: bool, params: Any, opt_state: Any, batch: Any, extra: tuple,
-               key: jax.Array | None = None) -> tuple[Any, Any, jax.Array, Any]:
+               key: jax.Array | None = None,
+               update: Callable[..., Any] | None = None) -> tuple[Any, Any, jax.Array, Any]:
   """The step on one device, inside ``shard_map`` over ``names`` (the runners share it).
 
   The gradient is taken at :func:`qcomm.local_params` (a diloco replica's own parameters, else
@@ -148,7 +280,8 @@ def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, na
   the anchor); the updates are applied only on calls where every qcomm transformation
   communicated (:func:`jax_qcomm.transforms.specs.communicated`), so that a transformation chained after an
   accumulating sync acts once per optimizer step. Returns ``(params, opt_state, loss, aux)``:
-  this device's own loss and ``aux``."""
+  this device's own loss and ``aux``. ``update(grads, opt_state, params) -> (params,
+  opt_state)`` replaces :func:`apply_update` (the model-sharded step runs it per shard)."""
   axes = frozenset(names)
   at = local_params(opt_state, params)
   diff = jax.tree_util.tree_map(lambda p: _compat.make_varying(p, axes), at)
@@ -157,11 +290,7 @@ def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, na
     kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
   out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(diff, batch, *extra, **kwargs)
   loss, aux = out if has_aux else (out, None)
-  updates, opt_state = tx.update(grads, opt_state, params)
-  new = optax.apply_updates(params, updates)
-  gate = communicated(opt_state)
-  if gate is not None:
-    new = jax.tree_util.tree_map(lambda n, p: jnp.where(gate, n, p), new, params)
+  new, opt_state = (update or functools.partial(apply_update, tx))(grads, opt_state, params)
   return new, opt_state, loss, aux
 
 
@@ -230,7 +359,7 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                   axis_name: collectives.AxisName = "data", has_aux: bool = False,
                   aux_reduce: str = "mean", batch_spec: P | None = None,
                   donate: bool = False, elastic: bool = False,
-                  overlap: bool = False) -> DataParallel:
+                  overlap: bool = False, param_spec: Any = None) -> DataParallel:
   """A jitted data-parallel train step for ``loss_fn``, synchronised by ``tx``.
 
   Args:
@@ -264,6 +393,16 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       its own share of the batch, and every synchronisation averages over the processes alive; a
       restarted process receives the group's state (:class:`jax_qcomm.runners.elastic.ElasticDataParallel`,
       docs/distributed.md).
+    param_spec: optional, a pytree of ``PartitionSpec`` with the structure of ``params``: how each
+      parameter is sharded over the mesh axes that are not data axes (the "model axes": tensor
+      parallel ``P(None, "model")``, FSDP inside a node ``P("model", None)``, or a mix). Default:
+      read from the params' own ``NamedSharding`` s (``jax.device_put(params, shardings)``).
+      Parameters, gradients and every part of the optimizer state then keep that layout, in and
+      out: ``loss_fn`` runs as ordinary jax code that XLA partitions over the model axes, and
+      ``tx.update`` runs on each device's own shards, so every device encodes and sends only its
+      shard's compressed bytes across the data axes. ValueError for a spec over a data axis, and
+      for a shard whose dimension the model axes do not divide. See docs/usage.md, "Models
+      sharded inside a node".
     overlap: for ``tx = qcomm.diloco(..., delay=1)``: run each synchronisation's collective on a
       device of each replica's process that ``mesh`` leaves out, while the next inner steps
       compute (:class:`jax_qcomm.runners.overlap.OverlappedDataParallel`; the same results as without).
@@ -302,10 +441,14 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
          "passed in"))
     if donate:
       raise ValueError(f"donate=True is not supported with {option}=True ({why})")
+    if param_spec is not None:
+      raise ValueError(f"param_spec is not supported with {option}=True: its runner keeps the "
+                       f"parameters replicated over each process's devices")
     local = functools.partial(_local_runner, loss_fn, axis_name, has_aux, aux_reduce, batch_spec)
     return runner(tx=tx, mesh=mesh, axis_name=axis_name, local_runner=local)
   return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                      aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)
+                      aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate,
+                      param_spec=param_spec)
 
 
 def _local_runner(loss_fn, axis_name, has_aux, aux_reduce, batch_spec, tx, mesh) -> DataParallel:

@@ -16,12 +16,13 @@ One definition each, so that the transformations agree:
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_qcomm import _compat
 from jax_qcomm.transport import _varying
@@ -57,6 +58,14 @@ def split_key(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # ---- error feedback and the finite guard --------------------------------------------------------
+
+def whole_model(mark: jax.Array, names: Sequence[Hashable]) -> jax.Array:
+  """A finite mark (or any scalar sum) made the whole model's: summed over the manual axes it
+  varies over beyond the data axes ``names`` (the model axes of a model-sharded step, where each
+  device marks its own shards), so every device takes the same decision. Unchanged otherwise."""
+  other = tuple(sorted(_compat.vma_of(mark) - set(names), key=str))
+  return lax.psum(mark, other) if other else mark
+
 
 def all_finite(tree: Any) -> jax.Array:
   """True if no leaf of ``tree`` holds a NaN or an infinity (a bool scalar)."""

@@ -26,6 +26,7 @@ from jax_qcomm.codecs import Codec, NoCompression
 from jax_qcomm.collectives.shard_layout import Layout
 from jax_qcomm.transport.axes import axis_names
 from jax_qcomm.transforms._parts import num_devices
+from jax_qcomm.transforms import layout as layout_of
 from jax_qcomm.transforms.specs import find_states, state_partition_spec
 
 
@@ -162,7 +163,9 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
       ``optax.chain`` or any other combinator: it is found through the state ``tx.init`` makes,
       which carries its settings). ValueError for none or several.
     params: the parameters (arrays or ``jax.ShapeDtypeStruct`` s); the gradients have their
-      shapes.
+      shapes. A leaf placed with a ``NamedSharding`` over model axes counts as the shard each
+      device holds, encodes and sends (:func:`qcomm.data_parallel` with model-sharded
+      parameters): the bytes are per device.
     devices: the number of devices along the sync axis (default: the axis size inside
       ``shard_map``, else the current mesh's axis (``jax.set_mesh``), else
       ``jax.device_count()``).
@@ -185,9 +188,10 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     devices, _ = num_devices(cfg.axis_name)
   else:
     devices = check_int("devices", devices)
+  # Model-sharded parameters: what each device holds and sends (its shards).
+  params, kinds = layout_of.per_device(params)
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)
-  shapes = [jax.ShapeDtypeStruct(tuple(int(d) for d in jnp.shape(x)), jnp.float32)
-            for _, x in with_path]
+  shapes = [x for _, x in with_path]
   codecs = packing.leaf_codecs(params, cfg.codec, cfg.policy)
   sent = [0.0] * len(shapes)
   extra = 0.0
@@ -213,7 +217,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
              if fragments > 1 else [list(range(len(shapes)))])
     for part in parts:
       for group in packing.plan([shapes[i] for i in part], [codecs[i] for i in part],
-                                cfg.comm_bucket_size, devices):
+                                cfg.comm_bucket_size, devices, kinds=[kinds[i] for i in part]):
         members = [part[j] for j in group.leaves]
         sizes = [group.codec.leaf_payload_size(shapes[i].shape) for i in members]
         _share(sent, members, sizes,

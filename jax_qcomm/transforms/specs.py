@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm._checks import check_axis_name
+from jax_qcomm.transforms import layout
 from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names
 
 _STATE_TYPES: list[type] = []
@@ -152,7 +153,8 @@ def _specs(tree: Any, axis_name: Any) -> Any:
   return jax.tree_util.tree_map(one, tree, is_leaf=_is_special)
 
 
-def state_partition_spec(tree: Any, axis_name: AxisName | None = None) -> Any:
+def state_partition_spec(tree: Any, axis_name: AxisName | None = None, *,
+                         params: Any = None) -> Any:
   """``shard_map`` specs for a pytree holding qcomm states, e.g. an optimizer state.
 
   Every qcomm state in ``tree`` says where its parts live: the per-device parts (a sync's
@@ -172,6 +174,12 @@ def state_partition_spec(tree: Any, axis_name: AxisName | None = None) -> Any:
       ``qcomm.Hierarchical``). If given, every state's axis must be among them (ValueError
       otherwise). Required for a state in mapping form (``nnx.state(optimizer)``), which has lost
       its settings.
+    params: optional, the parameters placed with their ``NamedSharding`` s over model axes (the
+      mesh axes that are not data axes). Each state leaf that belongs to a parameter (its key path
+      ends with the parameter's, its shape is the parameter's or has a leading device axis more)
+      then also gets the parameter's spec: ``PartitionSpec("data", None, "model")`` for the
+      error-feedback residual of a ``P(None, "model")`` weight, ``P(None, "model")`` for its Adam
+      moments. The specs of a step written by hand around model-sharded parameters.
 
   Use the result for the state in both ``in_specs`` and ``out_specs``. ValueError for
   ``optax.MultiSteps(sync(...))``, ``optax.apply_if_finite(sync(...))`` and a chain in which a
@@ -181,7 +189,13 @@ def state_partition_spec(tree: Any, axis_name: AxisName | None = None) -> Any:
   if axis_name is not None:
     check_axis_name("axis_name", axis_name, (Hierarchical,), "qcomm.Hierarchical(inner, outer)")
   check_chains(tree)
-  return _specs(tree, axis_name)
+  spec = _specs(tree, axis_name)
+  if params is None:
+    return spec
+  pspecs = jax.tree_util.tree_map(
+      lambda x: P(*x.sharding.spec) if isinstance(getattr(x, "sharding", None), NamedSharding)
+      else P(), params)
+  return layout.merge(spec, layout.state_model_specs(tree, params, pspecs))
 
 
 # ---- what follows a sync in a chain --------------------------------------------------------------

@@ -1,0 +1,7 @@
+#!/bin/bash
+# Pairs of runs, torch fp32 DDP then sync(bits=32), on the 2-node 1 Gbit/s simulated cluster, after
+# the exact path's finite mark moved from the means to the sums (the division fuses into the
+# optimizer's pass instead of being written out). The same commands as the headline's pairs
+# (../sync_guard_2n_1gbit_20261127/run_pairs.sh), with the fp32 rows only; the table:
+#   python benchmarks/series/sync_guard_2n_1gbit_20261127/summarise.py notebooks/data/exact_mark_2n_1gbit_20261127 1 2 3
+D=notebooks/data/exact_mark_2n_1gbit_20261127 CODECS=fp32 TORCH_ROWS=ddp_fp32 exec benchmarks/series/sync_guard_2n_1gbit_20261127/run_pairs.sh "$@"

@@ -1,0 +1,207 @@
+"""Parameters sharded over mesh axes other than the data axes ("model axes"), and the optimizer
+state that follows them.
+
+A model too large for one device is sharded inside a node (tensor parallelism, FSDP over fast
+links) with ``jax.sharding``, and synchronised across nodes over the data axes. Each parameter's
+layout is its ``PartitionSpec`` over the model axes; this module reads it from the arrays' own
+shardings, checks it, and gives every leaf of an optimizer state the spec that follows from it:
+
+* a state leaf that belongs to a parameter (found by its key path, which ends with the parameter's,
+  and its shape: the parameter's, or the parameter's with a leading device axis for a per-device
+  part such as an error-feedback residual) is sharded as that parameter;
+* every other leaf (counters, keys, codec settings) is replicated over the model axes.
+
+The result is merged with the data axes' specs of :func:`qcomm.state_partition_spec` (a
+per-device part: ``PartitionSpec("data", *param_spec)``). The runner runs ``tx.init`` and
+``tx.update`` inside a ``shard_map`` over the model axes with these specs, so every device holds,
+encodes and sends only its own shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_qcomm._checks import path_str
+
+
+def spec_axes(spec: P) -> set:
+  """The mesh axes a ``PartitionSpec`` names."""
+  out = set()
+  for entry in spec:
+    if entry is None:
+      continue
+    out.update(entry if isinstance(entry, tuple) else (entry,))
+  return out
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def param_specs(params: Any, mesh: Mesh, data_axes: Sequence[str],
+                param_spec: Any = None) -> Any | None:
+  """The parameters' specs over the model axes of ``mesh``, or None if every parameter is
+  replicated (the layout the runner has always had).
+
+  From ``param_spec`` (a pytree of ``PartitionSpec`` with the structure of ``params``) if given,
+  else from each array's own ``NamedSharding``. ValueError for a spec that names a data axis (the
+  data axes hold replicas; ZeRO-style sharding over them is ``shard_state=True``), an axis the
+  mesh does not have, an array placed on another mesh, or a dimension the axes do not divide."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  if param_spec is not None:
+    specs = treedef.flatten_up_to(param_spec) if not _is_spec(param_spec) else \
+        [param_spec] * len(leaves)
+    for (path, _), s in zip(leaves, specs):
+      if not _is_spec(s):
+        raise ValueError(f"param_spec must be a pytree of PartitionSpec with the structure of "
+                         f"params; leaf '{path_str(path) or '<root>'}' has {s!r}")
+  else:
+    specs = []
+    for path, leaf in leaves:
+      if isinstance(leaf, jax.core.Tracer):  # inside jit: an Explicit axis's sharding is typed
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        specs.append(P(*sharding.spec) if isinstance(sharding, NamedSharding) else P())
+        continue
+      sharding = getattr(leaf, "sharding", None)
+      if isinstance(sharding, NamedSharding):
+        if tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names) or \
+            sharding.mesh.shape != mesh.shape:
+          if spec_axes(sharding.spec):
+            raise ValueError(
+                f"params leaf '{path_str(path) or '<root>'}' is sharded on a mesh with axes "
+                f"{dict(sharding.mesh.shape)}, not the runner's {dict(mesh.shape)}: place it "
+                f"on the runner's mesh (jax.device_put(x, NamedSharding(mesh, spec)))")
+          specs.append(P())
+        else:
+          specs.append(sharding.spec)
+      else:
+        specs.append(P())
+  data = set(data_axes)
+  out = []
+  for (path, leaf), s in zip(leaves, specs):
+    where = path_str(path) or "<root>"
+    axes = spec_axes(s)
+    if axes & data:
+      raise ValueError(
+          f"params leaf '{where}' has PartitionSpec {s}, which shards it over the data axis "
+          f"{sorted(axes & data)}: the data axes hold replicas of the model. Shard parameters "
+          f"only over the other mesh axes ({[a for a in mesh.axis_names if a not in data]}); to "
+          f"split the optimizer state over the data axes use qcomm.sync(..., shard_state=True)")
+    missing = axes - set(mesh.axis_names)
+    if missing:
+      raise ValueError(f"params leaf '{where}' has PartitionSpec {s}, naming axes "
+                       f"{sorted(missing)} that the mesh {mesh.axis_names} does not have")
+    shape = jax.numpy.shape(leaf)
+    if len(s) > len(shape):
+      raise ValueError(f"params leaf '{where}' of shape {shape} has PartitionSpec {s} with more "
+                       f"entries than dimensions")
+    for dim, entry in enumerate(s):
+      if entry is None:
+        continue
+      names = entry if isinstance(entry, tuple) else (entry,)
+      size = 1
+      for n in names:
+        size *= mesh.shape[n]
+      if shape[dim] % size:
+        raise ValueError(
+            f"params leaf '{where}' has shape {shape}, whose dimension {dim} ({shape[dim]}) the "
+            f"{size} devices of {entry!r} do not divide: each device must hold an equal shard "
+            f"for the per-shard encode. Pad the dimension to a multiple of {size}, or leave this "
+            f"leaf replicated (PartitionSpec())")
+    out.append(P(*s))
+  if not any(spec_axes(s) for s in out):
+    return None
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def model_axes(mesh: Mesh, data_axes: Sequence[str]) -> tuple:
+  """The mesh axes that are not data axes, in mesh order."""
+  return tuple(a for a in mesh.axis_names if a not in set(data_axes))
+
+
+def _key_tail_matches(path: tuple, tail: tuple) -> bool:
+  return len(path) >= len(tail) and tuple(map(str, path[len(path) - len(tail):])) == \
+      tuple(map(str, tail))
+
+
+def state_model_specs(state: Any, params: Any, pspecs: Any) -> Any:
+  """Each leaf of ``state`` (arrays or ``jax.ShapeDtypeStruct`` s of the global state) with its
+  spec over the model axes: the spec of the parameter it belongs to (its key path ends with the
+  parameter's and its shape is the parameter's), shifted by one dimension for a per-device part
+  (the parameter's shape after a leading device axis); ``PartitionSpec()`` for every other leaf."""
+  p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  s_leaves = jax.tree_util.tree_leaves(pspecs, is_leaf=_is_spec)
+  sharded = [(path, tuple(jax.numpy.shape(p)), s) for (path, p), s in zip(p_leaves, s_leaves)
+             if spec_axes(s)]
+
+  def one(path, leaf):
+    shape = tuple(jax.numpy.shape(leaf))
+    for ppath, pshape, s in sharded:
+      if not _key_tail_matches(path, ppath):
+        continue
+      if shape == pshape:
+        return s
+      if len(shape) == len(pshape) + 1 and shape[1:] == pshape:
+        return P(None, *s)
+    return P()
+
+  return jax.tree_util.tree_map_with_path(one, state)
+
+
+def merge(data_spec: Any, model_spec: Any) -> Any:
+  """Two spec trees of one state merged dimension by dimension (the data axes' specs of
+  :func:`qcomm.state_partition_spec` and the model axes' of :func:`state_model_specs`)."""
+
+  def two(d: P, m: P) -> P:
+    n = max(len(d), len(m))
+    d = tuple(d) + (None,) * (n - len(d))
+    m = tuple(m) + (None,) * (n - len(m))
+    out = []
+    for a, b in zip(d, m):
+      if a is not None and b is not None:
+        raise ValueError(f"a state leaf would be split over {a!r} and {b!r} in one dimension")
+      out.append(a if a is not None else b)
+    while out and out[-1] is None:
+      out.pop()
+    return P(*out)
+
+  return jax.tree_util.tree_map(two, data_spec, model_spec, is_leaf=_is_spec)
+
+
+def restrict(spec: Any, axes: Sequence[str]) -> Any:
+  """A spec tree with only the mesh ``axes`` kept (the others' entries become None): the specs of
+  a ``shard_map`` manual over ``axes`` alone."""
+  keep = set(axes)
+
+  def one(s: P) -> P:
+    out = []
+    for entry in s:
+      names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+      kept = tuple(n for n in names if n in keep)
+      out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while out and out[-1] is None:
+      out.pop()
+    return P(*out)
+
+  return jax.tree_util.tree_map(one, spec, is_leaf=_is_spec)
+
+
+def per_device(params: Any) -> tuple[Any, list]:
+  """``params`` as each device holds them: ``jax.ShapeDtypeStruct`` s of the shard shapes of
+  leaves placed with a ``NamedSharding`` (arrays, or ``ShapeDtypeStruct`` s with a sharding), and
+  per leaf the mesh axes it is sharded over (which leaves the collectives pack apart)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  out, kinds = [], []
+  for x in leaves:
+    shape = tuple(int(d) for d in jax.numpy.shape(x))
+    sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and spec_axes(sharding.spec):
+      out.append(jax.ShapeDtypeStruct(tuple(sharding.shard_shape(shape)), jax.numpy.float32))
+      kinds.append(frozenset(spec_axes(sharding.spec)))
+    else:
+      out.append(jax.ShapeDtypeStruct(shape, jax.numpy.float32))
+      kinds.append(frozenset())
+  return jax.tree_util.tree_unflatten(treedef, out), kinds

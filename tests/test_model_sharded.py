@@ -1,0 +1,219 @@
+"""Parameters sharded over a model axis inside each data replica (tensor parallel, FSDP inside a
+node), through the one runner: the layout is kept in and out, exact training equals the
+replicated run, every device sends only its shard's bytes, replicas along the data axis stay
+bit-identical, and what cannot run on shards is a clear error."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import optax
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_qcomm as qcomm
+from tests.test_protocol import _COLLECTIVE, _shape_bytes
+
+# Leaves whose unsharded dimensions neither data axis size (2, 4) divides; the sharded dimension
+# (60, 28) splits over 2 and 4 model devices.
+SHAPES = {"w1": (15, 60), "b1": (60,), "w2": (60, 7), "scale": (7,)}
+SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "scale": P()}
+
+
+def _params(seed=0):
+  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+  return {k: jax.random.normal(key, s) * 0.2 for (k, s), key in zip(SHAPES.items(), keys)}
+
+
+def _batch(n=24, seed=1):
+  kx, ky = jax.random.split(jax.random.key(seed))
+  return jax.random.normal(kx, (n, 15)), jax.random.normal(ky, (n, 7))
+
+
+def loss_fn(p, batch):
+  x, y = batch
+  h = jnp.tanh(x @ p["w1"] + p["b1"])
+  return jnp.mean((h @ p["w2"] * p["scale"] - y) ** 2)
+
+
+def _mesh(shape):
+  return Mesh(np.array(jax.devices()[:shape[0] * shape[1]]).reshape(shape), ("data", "model"))
+
+
+def _place(params, mesh, specs=SPECS):
+  return jax.device_put(params, {k: NamedSharding(mesh, specs[k]) for k in params})
+
+
+def _train(mesh, tx, sharded, steps=5, batch=None):
+  dp = qcomm.data_parallel(loss_fn, tx, mesh)
+  params = _place(_params(), mesh) if sharded else _params()
+  state = dp.init(params)
+  losses = []
+  for i in range(steps):
+    params, state, loss, _ = dp.step(params, state, batch or _batch(seed=10 + i))
+    losses.append(float(np.mean(loss)))  # diloco: one loss per replica
+  return params, state, losses
+
+
+def _specs_of(tree):
+  """Each leaf's PartitionSpec, trailing Nones dropped (P("model", None) is P("model"))."""
+  def norm(x):
+    entries = list(x.sharding.spec)
+    while entries and entries[-1] is None:
+      entries.pop()
+    return P(*entries)
+  return {k: norm(v) for k, v in tree.items()}
+
+
+WANT = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "scale": P()}
+
+
+def _assert_replicas_identical(tree):
+  """Every shard of every leaf is bit-identical on the devices that hold the same index."""
+  for leaf in jax.tree_util.tree_leaves(tree):
+    by_index = {}
+    for shard in leaf.addressable_shards:
+      by_index.setdefault(str(shard.index), []).append(np.asarray(shard.data).tobytes())
+    for index, copies in by_index.items():
+      assert all(c == copies[0] for c in copies), f"replicas of shard {index} differ"
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_exact_training_equals_the_replicated_run_and_keeps_the_layout(shape, accum_steps):
+  mesh = _mesh(shape)
+  tx = qcomm.sync(optax.adam(1e-2), axis_name="data", bits=32, accum_steps=accum_steps)
+  want, _, want_losses = _train(mesh, tx, sharded=False)
+  got, state, got_losses = _train(mesh, tx, sharded=True)
+  # The same math in another partitioning: float32 sums in another order (tolerance 1e-5).
+  for k in want:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+  assert _specs_of(got) == WANT
+  mu = state.inner_opt_state[0].mu
+  assert _specs_of(mu) == WANT
+  _assert_replicas_identical((got, state))
+
+
+@pytest.mark.parametrize("codec", [dict(bits=4, error_feedback=True, accum_steps=2),
+                                   dict(codec=qcomm.Summable(4)), dict(codec=qcomm.TopK(0.25)),
+                                   dict(bits=16)], ids=["qsgd4_ef_accum", "summable4", "topk",
+                                                        "wire16"])
+def test_compressed_sync_on_shards_trains_and_replicas_stay_identical(codec):
+  mesh = _mesh((2, 4))
+  tx = qcomm.sync(optax.adam(2e-2), axis_name="data", min_size=16, **codec)
+  batch = _batch(seed=3)
+  params, state, losses = _train(mesh, tx, sharded=True, steps=8, batch=batch)
+  assert losses[-1] < losses[0], losses
+  assert _specs_of(params) == WANT
+  if codec.get("error_feedback"):
+    residual = state.residual
+    assert residual["w1"].sharding.spec == P("data", None, "model")
+    assert residual["scale"].sharding.spec == P("data")
+  _assert_replicas_identical((params, state.inner_opt_state))
+
+
+def test_diloco_keeps_the_layout():
+  mesh = _mesh((2, 4))
+  tx = qcomm.diloco(optax.adam(1e-2), axis_name="data", every=2, codec=qcomm.QSGD(4))
+  params, state, losses = _train(mesh, tx, sharded=True, steps=4)
+  assert _specs_of(params) == WANT
+  _assert_replicas_identical(params)
+
+
+def test_explicit_axes_and_a_step_inside_the_callers_jit():
+  mesh = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axes
+
+  def explicit_loss(p, batch):
+    x, y = batch
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    out = jnp.einsum("bh,ho->bo", h, p["w2"], out_sharding=P()) * p["scale"]
+    return jnp.mean((out - y) ** 2)
+
+  tx = qcomm.sync(optax.sgd(0.1), axis_name="data", bits=4, min_size=16)
+  dp = qcomm.data_parallel(explicit_loss, tx, mesh)
+  params = _place(_params(), mesh)
+  state = dp.init(params)
+  params, state, loss, _ = jax.jit(dp.step)(params, state, _batch())
+  assert _specs_of(params) == WANT
+  assert np.isfinite(float(loss))
+
+
+def _data_axis_bytes(text: str, d: int) -> float:
+  """Bytes each device sends across the data axis, from the compiled HLO (the collectives whose
+  replica groups are the data axis)."""
+  factor = {"all-reduce": 2 * (d - 1) / d, "all-gather": (d - 1) / d, "all-to-all": (d - 1) / d,
+            "reduce-scatter": d - 1, "collective-permute": 1}
+  total = 0.0
+  for line in text.splitlines():
+    if "{'data'}" not in line:
+      continue
+    for shape, op in _COLLECTIVE.findall(line):
+      total += factor[op] * sum(_shape_bytes(shape))
+  return total
+
+
+@pytest.mark.parametrize("bits", [32, 4])
+def test_each_device_sends_its_shard_and_describe_equals_the_hlo(bits):
+  d, m = 2, 4
+  mesh = _mesh((d, m))
+  big = {"w1": (64, 512), "w2": (512, 64)}
+  specs = {"w1": P(None, "model"), "w2": P("model", None)}
+  params = {k: jnp.ones(s) * 0.01 for k, s in big.items()}
+
+  def loss(p, batch):
+    return jnp.mean((jnp.tanh(batch[0] @ p["w1"]) @ p["w2"] - batch[1]) ** 2)
+
+  tx = qcomm.sync(optax.sgd(0.1), axis_name="data", bits=bits)
+  dp = qcomm.data_parallel(loss, tx, mesh)
+  batch = (jnp.ones((8, 64)), jnp.ones((8, 64)))
+  sent = {}
+  for sharded in (False, True):
+    p = _place(params, mesh, specs) if sharded else params
+    state = dp.init(p)
+    text = jax.jit(dp.step).lower(p, state, batch).compile().as_text()
+    hlo = _data_axis_bytes(text, d) - 2 * (d - 1) / d * 4  # less the loss's pmean
+    described = qcomm.describe(tx, p, devices=d).sent_bytes_per_sync
+    assert described == pytest.approx(hlo, rel=1e-9), (sharded, described, hlo)
+    sent[sharded] = hlo
+    if sharded and bits < 32:  # each message is a shard's: no gather over "model" before it
+      messages = re.findall(r"u8\[1,(\d+)\]\{1,0\}, u8\[1,\d+\]\{1,0\}\) all-to-all", text)
+      whole = 2 * 64 * 512 * (bits / 8 + 8 / 128)  # both leaves' payloads, 4 bits + headers
+      assert messages and all(d * int(n) <= 1.1 * whole / m for n in messages), messages
+  assert sent[True] <= 1.1 * sent[False] / m, sent
+
+
+def test_state_partition_spec_combines_the_parameters_specs():
+  mesh = _mesh((2, 4))
+  tx = qcomm.sync(optax.adam(1e-2), axis_name="data", bits=4, error_feedback=True, min_size=16)
+  params = _place(_params(), mesh)
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, params), "data", params=params)
+  assert spec.inner_opt_state[0].mu == {**SPECS, "w2": P("model")}
+  assert spec.residual["w1"] == P("data", None, "model")
+  assert spec.residual["b1"] == P("data", "model")
+  assert spec.key == P()
+
+
+def test_errors_name_the_fix():
+  mesh = _mesh((2, 4))
+  tx = qcomm.sync(optax.sgd(0.1), axis_name="data", bits=4)
+  dp = qcomm.data_parallel(loss_fn, tx, mesh)
+  over_data = qcomm.data_parallel(loss_fn, tx, mesh, param_spec={**SPECS, "w1": P("model", "data")})
+  with pytest.raises(ValueError, match="shards it over the data axis.*shard_state=True"):
+    over_data.init(_params())
+  uneven = qcomm.data_parallel(loss_fn, tx, mesh, param_spec={**SPECS, "scale": P("model")})
+  with pytest.raises(ValueError, match="dimension 0 \\(7\\).*do not divide"):
+    uneven.init(_params())
+  with pytest.raises(ValueError, match="shard_state=True\\) with parameters sharded"):
+    qcomm.data_parallel(loss_fn, qcomm.sync(optax.sgd(0.1), axis_name="data", bits=4,
+                                            shard_state=True), mesh).init(_place(_params(), mesh))
+  with pytest.raises(ValueError, match="PowerSGD"):
+    _train(mesh, qcomm.sync(optax.sgd(0.1), axis_name="data", codec=qcomm.PowerSGD(1),
+                            min_size=16), sharded=True, steps=1)
+  with pytest.raises(ValueError, match="param_spec is not supported with elastic=True"):
+    qcomm.data_parallel(loss_fn, qcomm.diloco(optax.sgd(0.1), axis_name="data", every=2), mesh,
+                        elastic=True, param_spec=SPECS)
