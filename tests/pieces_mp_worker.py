@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_qcomm as qcomm  # noqa: E402
-from jax_qcomm import transport as T  # noqa: E402
+from jax_qcomm.transport import cost as T  # noqa: E402
 
 pid = jax.process_index()
 mesh = distributed.global_mesh(("data",))

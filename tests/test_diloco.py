@@ -31,6 +31,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
 from jax_qcomm import _compat
+from jax_qcomm.collectives.packing import fragment_groups
 from test_protocol import hlo_sent_bytes
 
 AX = "node"
@@ -531,7 +532,7 @@ def test_fragments_synchronise_in_turn_and_keep_replicas_identical(d, ef):
   tx = qcomm.diloco(optax.adam(3e-3), axis_name=AX, every=6, fragments=3,
                     codec=qcomm.QSGD(2, rounding="nearest") if ef else qcomm.QSGD(4),
                     error_feedback=ef, policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
-  groups = qcomm.packing.fragment_groups([x.size for x in jax.tree.leaves(params)], 3)
+  groups = fragment_groups([x.size for x in jax.tree.leaves(params)], 3)
   assert groups == [[0], [1], [2]]  # b, v, w (the tree's order)
   init, step = _explicit(tx, d, params)
   anchor, state = params, init(params)

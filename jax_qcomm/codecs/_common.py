@@ -7,23 +7,15 @@ know nothing of any codec but the protocol's name.
 
 from __future__ import annotations
 
-import abc
-import math
 from typing import Any, Callable, Sequence
-
-import numpy as np
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import _compat
-from jax_qcomm.transport import _exchange
 from jax_qcomm.native import wire
-from jax_qcomm.transport import cost as _transport
-from jax_qcomm.transport.axes import AxisName, axis_size, device_key
-from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int, check_key,
-                               check_real, check_shape)
+from jax_qcomm._checks import check_array, check_float_dtype, check_int
 
 Shape = Sequence[int]
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -79,7 +71,7 @@ def _pad_to(x: jax.Array, size: int) -> jax.Array:
   return jnp.pad(x, (0, pad)) if pad else x
 
 
-def concat_leaves(parts: Sequence[jax.Array], codec: "Codec") -> jax.Array:
+def concat_leaves(parts: Sequence[jax.Array], codec: Any) -> jax.Array:
   """Flat float32 leaves -> the one buffer that carries them: each padded to a whole number of
   ``codec.pad_multiple`` elements with ``codec.pad_fill`` (the leaf's own last value for QSGD's
   maxmin, 0 otherwise: the last bucket's scales stay the leaf's), then concatenated."""
@@ -132,7 +124,7 @@ def _concat_rows(payloads: Sequence[jax.Array]) -> jax.Array:
   return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=1)
 
 
-def reduce_packed(parts: Sequence[jax.Array], codec: "Codec", reduce_flat) -> tuple:
+def reduce_packed(parts: Sequence[jax.Array], codec: Any, reduce_flat) -> tuple:
   """``reduce_flat(buffer) -> (out, residual, *more)`` on :func:`concat_leaves` of ``parts``:
   ``(outs, residuals, *more)``, out and residual split per leaf again and anything more (a
   mark) passed through: how a reduction of a packed buffer serves the leaves it carries."""

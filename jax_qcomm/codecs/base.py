@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,13 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_qcomm import _compat
 from jax_qcomm.transport import _exchange
 from jax_qcomm.native import wire
 from jax_qcomm.transport import cost as _transport
 from jax_qcomm.transport.axes import AxisName, axis_size, device_key
-from jax_qcomm._checks import (as_array, check_array, check_float_dtype, check_int, check_key,
-                               check_real, check_shape)
+from jax_qcomm._checks import as_array, check_array, check_key, check_real, check_shape
 
 from jax_qcomm.codecs._common import (  # noqa: F401 (the helpers, importable from here too)
     Shape, FLOAT_DTYPES, IMPLS, is_float_dtype, _check_float, _check_out_dtype, _check_payload,
