@@ -274,3 +274,48 @@ def test_nnx_step_inside_nnx_jit_and_scalar_aux():
   concat = qcomm.nnx_data_parallel(loss_aux, mesh, has_aux=True, aux_reduce="concat")
   with pytest.raises(ValueError, match="aux_reduce='mean'"):
     concat.step(model, opt, _data())
+
+
+# ---- mistakes a new user makes, each named with its fix ----------------------------------------
+
+def _lin_loss(p, batch):
+  return jnp.mean((batch[0] @ p["w"] - batch[1]) ** 2)
+
+
+def test_clipping_before_the_sync_is_refused_and_inside_it_is_not():
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  sync = qcomm.sync(optax.sgd(0.1), axis_name="data", bits=4)
+  with pytest.raises(ValueError, match="clips by global norm before the qcomm synchronisation"):
+    qcomm.data_parallel(_lin_loss, optax.chain(optax.clip_by_global_norm(1.0), sync), mesh)
+  with pytest.raises(ValueError, match="clips by global norm before"):
+    qcomm.data_parallel(_lin_loss, optax.chain(
+        optax.clip_by_global_norm(1.0), qcomm.diloco(optax.sgd(0.1), axis_name="data", every=2)),
+        mesh)
+  inside = qcomm.sync(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+                      axis_name="data", bits=4)
+  qcomm.data_parallel(_lin_loss, inside, mesh)
+  qcomm.data_parallel(_lin_loss, optax.chain(sync, optax.clip_by_global_norm(1.0)), mesh)
+
+
+def test_a_forgotten_has_aux_and_ragged_batch_leaves_are_named():
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  params = {"w": jnp.ones((4, 2))}
+  batch = (jnp.ones((8, 4)), jnp.ones((8, 2)))
+  tx = qcomm.sync(optax.sgd(0.1), axis_name="data", bits=32)
+  dp = qcomm.data_parallel(lambda p, b: (_lin_loss(p, b), {"n": 1.0}), tx, mesh)
+  with pytest.raises(ValueError, match="needs data_parallel\\(..., has_aux=True\\)"):
+    dp.step(params, dp.init(params), batch)
+  dp = qcomm.data_parallel(_lin_loss, tx, mesh, has_aux=True)
+  with pytest.raises(ValueError, match="has_aux=True: loss_fn must return \\(loss, aux\\)"):
+    dp.step(params, dp.init(params), batch)
+  dp = qcomm.data_parallel(_lin_loss, tx, mesh)
+  with pytest.raises(ValueError, match="different leading sizes \\('0': 8, '1': 16\\)"):
+    dp.step(params, dp.init(params), (batch[0], jnp.ones((16, 2))))
+
+
+def test_describe_total_agrees_with_its_summary_line():
+  d = qcomm.describe(qcomm.sync(optax.sgd(0.1), bits=4),
+                     {"w": jnp.ones((512, 64)), "b": jnp.ones(64)}, devices=8)
+  lines = str(d).splitlines()
+  total = [line for line in lines if line.startswith("total")][0].split()[-1]
+  assert f"({total} more)" in lines[-1], (total, lines[-1])

@@ -288,10 +288,35 @@ def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, na
   kwargs = {}
   if key is not None:  # dropout etc.: different randomness on every device
     kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
-  out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(diff, batch, *extra, **kwargs)
+  out, grads = jax.value_and_grad(_checked_loss(loss_fn, has_aux), has_aux=has_aux)(
+      diff, batch, *extra, **kwargs)
   loss, aux = out if has_aux else (out, None)
   new, opt_state = (update or functools.partial(apply_update, tx))(grads, opt_state, params)
   return new, opt_state, loss, aux
+
+
+def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+  """``loss_fn``, with a ValueError naming ``has_aux`` where its output does not match it."""
+
+  def loss(*args, **kwargs):
+    out = loss_fn(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"has_aux=True: loss_fn must return (loss, aux), got {_kind(out)}; "
+                         f"drop has_aux=True for a loss_fn that returns the loss alone")
+      return tuple(out)
+    if isinstance(out, (tuple, list, dict)) or jnp.ndim(out) != 0:
+      raise ValueError(f"loss_fn must return a scalar loss, got {_kind(out)}; a loss_fn that "
+                       f"returns (loss, aux) needs data_parallel(..., has_aux=True)")
+    return out
+
+  return loss
+
+
+def _kind(out: Any) -> str:
+  if isinstance(out, (tuple, list)):
+    return f"a {type(out).__name__} of {len(out)}"
+  return f"{type(out).__name__} of shape {jnp.shape(out)}"
 
 
 def check_batch(batch: Any, mesh: Mesh, axis_name: Any, batch_spec: P | None) -> None:
@@ -300,7 +325,20 @@ def check_batch(batch: Any, mesh: Mesh, axis_name: Any, batch_spec: P | None) ->
   if batch_spec is not None:
     return
   d = math.prod(mesh.shape[n] for n in axis_names(axis_name))
-  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  sizes = {}
+  for path, leaf in leaves:
+    shape = jnp.shape(leaf)
+    sizes.setdefault(shape[0] if shape else None, packing.path_str(path) or "<root>")
+  if len(sizes) > 1:
+    shown = ", ".join(f"'{where}': {n if n is not None else 'a scalar'}"
+                      for n, where in sizes.items())
+    raise ValueError(
+        f"batch leaves must share their leading (example) axis, which the data axes split: "
+        f"they have different leading sizes ({shown}). Give every leaf one row per example, or "
+        f"pass batch_spec= to split the batch otherwise (and extra arguments, which are "
+        f"replicated, after the batch: dp.step(params, opt_state, batch, *extra)).")
+  for path, leaf in leaves:
     shape = jnp.shape(leaf)
     if not shape or shape[0] % d:
       n = shape[0] if shape else "no"
@@ -458,6 +496,33 @@ def _local_runner(loss_fn, axis_name, has_aux, aux_reduce, batch_spec, tx, mesh)
                       aux_reduce=aux_reduce, batch_spec=batch_spec)
 
 
+def _update_order(obj: Any, seen: set | None = None) -> list[str]:
+  """The clippings by global norm (``"clip"``) and qcomm synchronisations (``"sync"``) that
+  ``obj`` (a transformation or its update function) runs, in order: read from the closures of
+  optax's combinators (``optax.chain`` keeps its parts' update functions in one)."""
+  seen = set() if seen is None else seen
+  if id(obj) in seen or len(seen) > 2000:
+    return []
+  seen.add(id(obj))
+  qualname = getattr(obj, "__qualname__", "")
+  if qualname.startswith(("_Sync.", "_ShardedSync.", "_DiLoCo.")):
+    return ["sync"]
+  if "clip_by_global_norm" in qualname and "jax_qcomm" not in getattr(obj, "__module__", ""):
+    return ["clip"]
+  if hasattr(obj, "update") and hasattr(obj, "init"):  # a transformation: what its update runs
+    return _update_order(obj.update, seen)
+  if isinstance(obj, (tuple, list)):
+    return [m for x in obj for m in _update_order(x, seen)]
+  cells = getattr(obj, "__closure__", None) or ()
+  out = []
+  for cell in cells:
+    try:
+      out += _update_order(cell.cell_contents, seen)
+    except ValueError:  # an empty cell
+      pass
+  return out
+
+
 def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate,
            check_tx: bool = True) -> None:
   """ValueError naming the first bad argument of :func:`data_parallel` / :class:`DataParallel`."""
@@ -465,6 +530,14 @@ def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate
     raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
   if check_tx and not (hasattr(tx, "init") and hasattr(tx, "update")):
     raise ValueError(f"tx must be an optax.GradientTransformation, got {tx!r}")
+  order = _update_order(tx) if check_tx else []
+  if "clip" in order and "sync" in order and order.index("clip") < order.index("sync"):
+    raise ValueError(
+        "tx clips by global norm before the qcomm synchronisation (optax.chain("
+        "optax.clip_by_global_norm(...), qcomm.sync(...))): each device would clip its own "
+        "gradient by its own norm, before the average. Clip the averaged gradient inside: "
+        "qcomm.sync(optax.chain(optax.clip_by_global_norm(c), inner), ...), or "
+        "qcomm.clip_by_global_norm(c) there with shard_state=True")
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
   check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),

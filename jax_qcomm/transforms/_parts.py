@@ -157,3 +157,29 @@ def resolve_codec(codec: Any, bits: Any, bucket_size: Any, error_feedback: bool)
   # residual (up to a whole bucket range) feeds the next range and training diverged.
   return codec_for_bits(4 if bits is None else bits, bucket_size,
                         rounding="nearest" if error_feedback else "stochastic")
+
+
+# ---- what a misplaced state is told --------------------------------------------------------------
+
+def state_fix_hint(axis_name: Any) -> str:
+  """How to give a per-device part of a qcomm state its place (the step's specs)."""
+  return (f"Give jax.shard_map the specs qcomm.state_partition_spec(opt_state, {axis_name!r}) "
+          f"for the optimizer state, in in_specs and out_specs: they split the per-device parts "
+          f"over the axis and replicate the rest (P() for the whole state is what goes wrong). "
+          f"Under jax.pmap, create the state inside pmap: jax.pmap(tx.init, "
+          f"axis_name={axis_name!r}). qcomm.data_parallel (and qcomm.nnx_data_parallel for an "
+          f"nnx.Optimizer) does all of this for you.")
+
+
+def state_shape_hint(got: tuple, want: tuple, axis_name: Any) -> str:
+  """Why a per-device part has the wrong leading size: a state passed with P(), or one made for
+  another number of devices (tx.init outside the step's mesh counts jax.device_count())."""
+  d = axis_size(axis_name)
+  if len(got) == len(want) and got[1:] == want[1:] and got[0] not in (1, d):
+    return (f"With state_partition_spec's specs this is a state made for {got[0] * d} devices "
+            f"along {axis_name!r}, but the step runs on {d}: tx.init outside the step's mesh "
+            f"counts all jax.device_count() = {jax.device_count()} devices. Create the state "
+            f"under the step's mesh: `with jax.set_mesh(mesh): opt_state = tx.init(params)` (or "
+            f"use qcomm.data_parallel(...).init(params); with nnx_data_parallel, build the "
+            f"nnx.Optimizer under `with jax.set_mesh(mesh):`).")
+  return state_fix_hint(axis_name)

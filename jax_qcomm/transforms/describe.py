@@ -54,6 +54,11 @@ class LeafTraffic:
     return 4 * self.elements / self.payload_bytes if self.payload_bytes else 1.0
 
 
+def _times(fp32: float, sent: float) -> str:
+  """fp32 bytes over sent bytes, as the table shows it ("1.00x" where nothing is sent)."""
+  return f"{fp32 / sent:.2f}x" if sent else "1.00x"
+
+
 @dataclasses.dataclass(frozen=True)
 class Description:
   """What a sync sends: per-leaf :class:`LeafTraffic` and totals. ``str()`` / :meth:`table` give a
@@ -125,9 +130,13 @@ class Description:
   def table(self) -> str:
     rows = [(leaf.path, "x".join(map(str, leaf.shape)) or "()", f"{leaf.elements:,}",
              leaf.codec.name, f"{leaf.payload_bytes:,}", f"{leaf.sent_bytes:,.0f}",
-             f"{leaf.ratio:.2f}x") for leaf in self.leaves]
+             f"{_times(NoCompression().sent_bytes(leaf.elements, self.devices), leaf.sent_bytes)}")
+            for leaf in self.leaves]
+    # "vs fp32": what an exact float32 allreduce sends over what this sync sends, per leaf and in
+    # all (the same figure as the summary line's), not the payloads' ratio (.ratio).
     total = ("total", "", f"{self.elements:,}", f"{self.exact_elements:,} elements exact",
-             f"{self.payload_bytes:,}", f"{self.sent_bytes_per_sync:,.0f}", f"{self.ratio:.2f}x")
+             f"{self.payload_bytes:,}", f"{self.sent_bytes_per_sync:,.0f}",
+             _times(self.fp32_sent_bytes_per_sync, self.sent_bytes_per_sync))
     head = ("leaf", "shape", "elements", "codec", "payload B", "sent B/device/sync", "vs fp32")
     widths = [max(len(r[i]) for r in rows + [head, total]) for i in range(len(head))]
     right = (False, False, True, False, True, True, True)
@@ -146,7 +155,7 @@ class Description:
            f"per device: {self.sent_bytes_per_sync:,.0f} B per sync, "
            f"{self.sent_bytes_per_call:,.0f} B per call; exact fp32 would send "
            f"{self.fp32_sent_bytes_per_sync:,.0f} B per sync "
-           f"({self.fp32_sent_bytes_per_sync / max(self.sent_bytes_per_sync, 1e-30):.2f}x more)"]
+           f"({_times(self.fp32_sent_bytes_per_sync, self.sent_bytes_per_sync)} more)"]
     return "\n".join(line.rstrip() for line in out)
 
   __str__ = table

@@ -544,12 +544,12 @@ class _DiLoCo:
             f"'{varying[0] or '<root>'}' varies over it. This replica's own parameters are in "
             f"the state: take the gradient at qcomm.local_params(opt_state, params) and pass the "
             f"anchor itself (qcomm.data_parallel does).")
-    hint = ("Pass the state with qcomm.state_partition_spec(opt_state) in in_specs and out_specs "
-            "(qcomm.data_parallel does).")
     for field in ("params", "inner_opt_state", "residual"):
       for path, a in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
-        if jnp.shape(a)[:1] != (1,):
+        got = tuple(jnp.shape(a))
+        if got[:1] != (1,):
           raise ValueError(
               f"qcomm.diloco: the per-replica part of the state (DiLoCoState.{field}, leaf "
-              f"'{packing.path_str(path) or '<root>'}') has shape {tuple(jnp.shape(a))} inside "
-              f"the step; it must have a leading replica axis of size 1. " + hint)
+              f"'{packing.path_str(path) or '<root>'}') has shape {got} inside the step; it "
+              f"must have a leading replica axis of size 1. "
+              + _parts.state_shape_hint(got, (1,) + got[1:], self.config.axis_name))

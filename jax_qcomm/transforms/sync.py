@@ -150,14 +150,6 @@ def config_of(tx: Any) -> SyncConfig:
   return owner.config
 
 
-def _fix_hint(axis_name: Any) -> str:
-  return (f"Give jax.shard_map the specs qcomm.state_partition_spec(opt_state, {axis_name!r}) "
-          f"for the optimizer state, in in_specs and out_specs: they split the per-device parts "
-          f"over the axis and replicate the rest (P() for the whole state is what goes wrong). "
-          f"Under jax.pmap, create the state inside pmap: jax.pmap(tx.init, "
-          f"axis_name={axis_name!r}). qcomm.data_parallel does all of this for you.")
-
-
 # Keyword arguments of earlier versions of sync -> what replaces them.
 _REMOVED = {
     "summable": "codec=qcomm.Summable(bits, bucket_size)",
@@ -423,24 +415,11 @@ class _Sync:
           raise ValueError(
               f"qcomm.sync: the per-device part of the optimizer state ({where}) has shape {got} "
               f"inside the step; it must be {want}: a leading device axis of size 1 on each "
-              f"device, varying over {cfg.axis_name!r}. " + _shape_hint(got, want, cfg.axis_name))
+              f"device, varying over {cfg.axis_name!r}. " + _parts.state_shape_hint(got, want, cfg.axis_name))
         if tracked and _varying.unvarying(a, self.names):
           raise ValueError(
               f"qcomm.sync: the per-device part of the optimizer state ({where}) is replicated "
-              f"(not varying over {cfg.axis_name!r}) inside the step. " + _fix_hint(cfg.axis_name))
-
-
-def _shape_hint(got: tuple, want: tuple, axis_name: Any) -> str:
-  """Why the per-device part has the wrong leading size: a state passed with P(), or one made for
-  another number of devices (tx.init outside the step's mesh counts jax.device_count())."""
-  d = axis_size(axis_name)
-  if len(got) == len(want) and got[1:] == want[1:] and got[0] not in (1, d):
-    return (f"With state_partition_spec's specs this is a state made for {got[0] * d} devices "
-            f"along {axis_name!r}, but the step runs on {d}: tx.init outside the step's mesh "
-            f"counts all jax.device_count() = {jax.device_count()} devices. Create the state "
-            f"under the step's mesh: `with jax.set_mesh(mesh): opt_state = tx.init(params)` (or "
-            f"use qcomm.data_parallel(...).init(params)).")
-  return _fix_hint(axis_name)
+              f"(not varying over {cfg.axis_name!r}) inside the step. " + _parts.state_fix_hint(cfg.axis_name))
 
 
 @register_state
@@ -540,7 +519,7 @@ class _ShardedSync(_Sync):
             f"qcomm.sync: the per-device part of the optimizer state (ShardedSyncState.master, "
             f"leaf '{packing.path_str(path) or '<root>'}') has shape {tuple(jnp.shape(a))} inside "
             f"the step; it must have a leading device axis of size 1. "
-            + _fix_hint(self.config.axis_name))
+            + _parts.state_fix_hint(self.config.axis_name))
 
   def _communicate(self, grads: Any, state: ShardedSyncState, params: Any, extra_args: dict):
     cfg = self.config
