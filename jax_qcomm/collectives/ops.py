@@ -13,11 +13,13 @@ The transport is XLA's own (NCCL on GPU, gloo or in-process on CPU).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_qcomm import _compat
 from jax_qcomm.transport import _exchange, _varying
@@ -200,6 +202,71 @@ def fresh_state_key(key: jax.Array | None) -> jax.Array:
   return jax.random.key(0) if key is None else jax.random.fold_in(key, 0x7FFFFFFF)
 
 
+def explicit_layout(tree: Any) -> tuple[list[P], tuple]:
+  """The spec of each leaf of ``tree`` over the mesh axes that shard it in its type (Explicit
+  axes, not manual here: a model axis of ``jax.make_mesh``'s mesh inside a ``shard_map`` manual
+  over the data axes), and those axes (() if none)."""
+  specs, axes = [], []
+  for leaf in jax.tree_util.tree_leaves(tree):
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+      specs.append(P())
+      continue
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    kept = []
+    for entry in spec:
+      names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+      names = tuple(n for n in names if types.get(n) == AxisType.Explicit)
+      kept.append(None if not names else names[0] if len(names) == 1 else names)
+      axes += [n for n in names if n not in axes]
+    specs.append(P(*kept))
+  return specs, tuple(axes)
+
+
+def _on_shards(fn, tree: Any, specs: list[P], axes: tuple, out_specs: Any,
+               *args: Any) -> Any:
+  """``fn(tree, *args)`` run on each device's own shards: a ``shard_map`` manual over ``axes``
+  (the leaves' Explicit axes), so that every device encodes and sends its shard, not a gathered
+  whole. ``args`` (keys, states) are replicated over ``axes``; in ``out_specs``, the string
+  ``"tree"`` stands for the specs of ``tree``."""
+  treedef = jax.tree_util.tree_structure(tree)
+  spec_tree = jax.tree_util.tree_unflatten(treedef, specs)
+  outs = tuple(spec_tree if o == "tree" else o for o in out_specs)
+  return jax.shard_map(fn, in_specs=(spec_tree,) + (P(),) * len(args),
+                       out_specs=outs if len(outs) > 1 else outs[0],
+                       axis_names=set(axes))(tree, *args)
+
+
+def _warn_auto_axes(what: str) -> None:
+  """A warning where a collective runs inside a ``shard_map`` that leaves Auto mesh axes to XLA:
+  a value XLA shards over them is gathered whole before the codec's custom call (custom calls
+  have no sharding rule), so every device would send the whole value's bytes."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return
+  auto = [n for n, t in zip(mesh.axis_names, mesh.axis_types)
+          if t == AxisType.Auto and mesh.shape[n] > 1]
+  manual = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual]
+  if auto and manual:
+    warnings.warn(
+        f"qcomm.{what} runs inside a shard_map manual over {manual} that leaves the Auto axes "
+        f"{auto} to XLA: a value sharded over them is gathered whole before the encode, and "
+        f"every device sends the whole value's bytes. Run the collective on each device's shard: "
+        f"make those axes Explicit (jax.make_mesh's default; qcomm then works per shard), nest a "
+        f"jax.shard_map(..., axis_names={set(auto)}) around it, or use qcomm.data_parallel, "
+        f"which does. (Values replicated over {auto} lose nothing.)", stacklevel=3)
+
+
+def _check_dim0_unsharded(what: str, spec: P) -> None:
+  if len(spec) and spec[0] is not None:
+    raise ValueError(
+        f"qcomm.{what} works along axis 0, which this array's type shards over {spec[0]!r}: "
+        f"each device's block would not be a block of the whole. Shard another dimension over "
+        f"the model axes, or reshard x with axis 0 whole (jax.sharding.reshard)")
+
+
 def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | None,
                    op: str = "mean", *, policy: packing.LeafPolicy | None = None,
                    comm_bucket_size: int | None = None, exchange: str = "auto",
@@ -209,7 +276,22 @@ def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | N
   as the codecs report it (0 where every value is finite, else NaN; the same on every device).
   ``codec_state``: :func:`init_codec_state` of ``x`` or what the last call returned (the same on
   every device); None draws it afresh from ``key`` (a codec without state ignores it). What
-  :func:`qcomm.sync` and :func:`qcomm.allreduce` call."""
+  :func:`qcomm.sync` and :func:`qcomm.allreduce` call.
+
+  Leaves sharded over Explicit mesh axes that are not manual here (a model axis) are reduced on
+  each device's own shards (:func:`_on_shards`): nothing gathers them first."""
+  specs, axes = explicit_layout(x)
+  if not axes:
+    _warn_auto_axes("allreduce")
+  if axes:
+    def per_shard(local, k, state):
+      out, residual, state, mark = allreduce_tree(local, axis_name, codec, k, op, policy=policy,
+                                                  comm_bucket_size=comm_bucket_size,
+                                                  exchange=exchange, codec_state=state)
+      # the whole tree's mark: 0 or NaN, which a sum over the shards keeps
+      return out, residual, state, lax.psum(mark, axes)
+
+    return _on_shards(per_shard, x, specs, axes, ("tree", "tree", P(), P()), key, codec_state)
   with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
   leaves = [jnp.asarray(leaf) for _, leaf in with_path]
   codecs = packing.leaf_codecs(x, codec, policy)
@@ -259,6 +341,12 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
     _varying.check_per_device(x, axis_names(axis_name), "x", "qcomm.reduce_scatter")
   if x.ndim == 0 or x.shape[0] % d:
     raise ValueError(f"x.shape[0] must be divisible by the axis size {d}, got shape {x.shape}")
+  specs, axes = explicit_layout(x)
+  if axes:  # sharded over a model axis: each device reduces its own shard
+    _check_dim0_unsharded("reduce_scatter", specs[0])
+    return _on_shards(lambda local, k: reduce_scatter(local, axis_name, codec, k, op,
+                                                      check_varying=False, exchange=exchange),
+                      x, specs, axes, ("tree",), key)
   block = (x.shape[0] // d,) + x.shape[1:]
   flat = x.reshape(-1).astype(jnp.float32)
   reduced, _ = codec.reduce_scatter_flat(flat, axis_name, key, op, exchange)
@@ -278,6 +366,12 @@ def all_gather(x: jax.Array, axis_name: AxisName,
   d = _check_flat_collective("all_gather", x, axis_name, key, codec)
   if tiled and x.ndim == 0:
     raise ValueError("x must have at least one dimension for tiled=True")
+  specs, axes = explicit_layout(x)
+  if axes:  # sharded over a model axis: each device gathers its own shard's rows
+    if tiled:
+      _check_dim0_unsharded("all_gather(tiled=True)", specs[0])
+    return _on_shards(lambda local, k: all_gather(local, axis_name, codec, k, tiled),
+                      x, specs, axes, (specs[0] if tiled else P(None, *specs[0]),), key)
   rows = codec.all_gather_flat(x.reshape(-1), axis_name, key)
   out = rows.astype(x.dtype).reshape((d,) + x.shape)
   return out.reshape((d * x.shape[0],) + x.shape[1:]) if tiled else out
