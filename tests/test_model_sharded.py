@@ -84,18 +84,27 @@ def _assert_replicas_identical(tree):
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 @pytest.mark.parametrize("accum_steps", [1, 2])
-def test_exact_training_equals_the_replicated_run_and_keeps_the_layout(shape, accum_steps):
+@pytest.mark.parametrize("shard_state", [False, True])
+def test_exact_training_equals_the_replicated_run_and_keeps_the_layout(shape, accum_steps,
+                                                                      shard_state):
   mesh = _mesh(shape)
   tx = qcomm.sync(optax.adam(1e-2), axis_name="data", bits=32, accum_steps=accum_steps)
   want, _, want_losses = _train(mesh, tx, sharded=False)
+  tx = qcomm.sync(optax.adam(1e-2), axis_name="data", bits=32, accum_steps=accum_steps,
+                  shard_state=shard_state)
   got, state, got_losses = _train(mesh, tx, sharded=True)
   # The same math in another partitioning: float32 sums in another order (tolerance 1e-5).
   for k in want:
     np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
   assert _specs_of(got) == WANT
-  mu = state.inner_opt_state[0].mu
-  assert _specs_of(mu) == WANT
+  if shard_state:  # each device's flat part of a model-sharded leaf: 1 / (data x model) of it
+    assert state.master["w1"].sharding.spec == P(("data", "model"))
+    assert state.master["scale"].sharding.spec == P("data")
+    d, m = shape  # the (15, 60 / m) shard's rows split over d devices, the last padded
+    assert state.master["w1"].addressable_shards[0].data.size == -(-15 // d) * (60 // m)
+  else:
+    assert _specs_of(state.inner_opt_state[0].mu) == WANT
   _assert_replicas_identical((got, state))
 
 
@@ -208,9 +217,6 @@ def test_errors_name_the_fix():
   uneven = qcomm.data_parallel(loss_fn, tx, mesh, param_spec={**SPECS, "scale": P("model")})
   with pytest.raises(ValueError, match="dimension 0 \\(7\\).*do not divide"):
     uneven.init(_params())
-  with pytest.raises(ValueError, match="shard_state=True\\) with parameters sharded"):
-    qcomm.data_parallel(loss_fn, qcomm.sync(optax.sgd(0.1), axis_name="data", bits=4,
-                                            shard_state=True), mesh).init(_place(_params(), mesh))
   with pytest.raises(ValueError, match="PowerSGD"):
     _train(mesh, qcomm.sync(optax.sgd(0.1), axis_name="data", codec=qcomm.PowerSGD(1),
                             min_size=16), sharded=True, steps=1)

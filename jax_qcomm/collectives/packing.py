@@ -163,7 +163,7 @@ def padded_size(n: int, codec: Codec) -> int:
   return wire.leaves_span([n], codec.pad_multiple)
 
 
-def _vma(leaf: Any) -> frozenset:
+def vma_kind(leaf: Any) -> frozenset:
   """The manual axes a traced leaf varies over (empty for concrete and abstract shapes)."""
   return _compat.vma_of(leaf) if isinstance(leaf, jax.core.Tracer) else frozenset()
 
@@ -197,7 +197,7 @@ def plan(leaves: Sequence[Any], codecs: Sequence[Codec], comm_bucket_size: int |
     if codec not in bounds:
       bounds[codec] = comm_bucket_size if comm_bucket_size is not None else check_int(
           f"{type(codec).__name__}.comm_buffer_size", codec.comm_buffer_size(devices, collective))
-    kind = (codec, _vma(leaf) if kinds is None else kinds[i])
+    kind = (codec, vma_kind(leaf) if kinds is None else kinds[i])
     groups = by_kind.setdefault(kind, [[]])
     if groups[-1] and sizes[kind] + padded > bounds[codec]:
       groups.append([])

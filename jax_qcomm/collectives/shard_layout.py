@@ -109,11 +109,15 @@ class Layout:
 
   @staticmethod
   def of(shapes: Sequence[tuple[int, ...]], devices: int, codecs: Sequence[Codec],
-         comm_bucket_size: int | None) -> "Layout":
+         comm_bucket_size: int | None, kinds: Sequence[Any] | None = None) -> "Layout":
+    """``kinds``: per leaf, which leaves may share a buffer (:func:`packing.plan`; the model
+    axes a leaf varies over, so that a model-sharded leaf's shard and a replicated leaf travel
+    apart)."""
     leaves = tuple(LeafShard(tuple(int(d) for d in s), devices) for s in shapes)
     segments = [jax.ShapeDtypeStruct((leaf.size,), jnp.float32) for leaf in leaves]
-    return Layout(leaves, devices, tuple(packing.plan(segments, codecs, comm_bucket_size, devices,
-                                                      "reduce_scatter")))
+    return Layout(leaves, devices, tuple(packing.plan(
+        segments, codecs, comm_bucket_size, devices, "reduce_scatter",
+        kinds=[frozenset()] * len(leaves) if kinds is None else kinds)))
 
   def row_size(self, group: packing.Group) -> int:
     """Elements of one row of the group's buffer (what each device owns of it)."""

@@ -111,8 +111,8 @@ class DataParallel:
       spec = self.state_spec(abstract)
     if pspecs is None:
       return self._init_fn(_SpecKey(spec))(self._put(params, P()))
-    _check_model_sharded_tx(abstract)
-    spec = layout.merge(spec, layout.state_model_specs(abstract, params, pspecs))
+    model = layout.model_axes(self.mesh, self._names)
+    spec = layout.merge(spec, layout.state_model_specs(abstract, params, pspecs, spec, model))
     fn = self._sharded_init_fn(_SpecKey(spec), _SpecKey(pspecs))
     with _shard_errors("init"):
       return fn(self._put(params, pspecs))
@@ -141,7 +141,8 @@ class DataParallel:
       fn = self._step_fn(_SpecKey(spec), replicas, len(extra), key is not None)
       pspecs = P()
     else:
-      mspec = layout.state_model_specs(opt_state, params, pspecs)
+      mspec = layout.state_model_specs(opt_state, params, pspecs, spec,
+                                       layout.model_axes(self.mesh, self._names))
       fn = self._sharded_step_fn(_SpecKey(spec), _SpecKey(mspec), _SpecKey(pspecs), replicas,
                                  len(extra), key is not None)
       spec = layout.merge(spec, mspec)
@@ -223,17 +224,6 @@ class DataParallel:
       return constrain(params, out_params), constrain(opt_state, out_state), loss, aux
 
     return jax.jit(call, donate_argnums=(0, 1) if self.donate else ())
-
-
-def _check_model_sharded_tx(abstract_state: Any) -> None:
-  """ValueError for the transformations that cannot run on model-sharded parameters yet."""
-  for s in find_states(abstract_state):
-    if getattr(getattr(s, "config", None), "shard_state", False):
-      raise ValueError(
-          "qcomm.sync(..., shard_state=True) with parameters sharded over model axes is not "
-          "supported: its flat shards of the optimizer state have no parameter's layout to "
-          "follow. With model-sharded parameters each device already keeps only its shard's "
-          "optimizer state (1/M of it); use shard_state=False")
 
 
 @contextlib.contextmanager

@@ -208,7 +208,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     # Per buffer of rows: a reduce-scatter of the gradients with the leaves' codec, an all-gather
     # of the weight differences with the gather codec (exact leaves exact); one int32 psum of
     # the non-finite count.
-    layout = Layout.of([s.shape for s in shapes], devices, codecs, cfg.comm_bucket_size)
+    layout = Layout.of([s.shape for s in shapes], devices, codecs, cfg.comm_bucket_size, kinds)
     for group in layout.groups:
       gather = NoCompression() if group.codec.exact else cfg.gather_codec
       m = layout.row_size(group)

@@ -127,17 +127,23 @@ def _key_tail_matches(path: tuple, tail: tuple) -> bool:
       tuple(map(str, tail))
 
 
-def state_model_specs(state: Any, params: Any, pspecs: Any) -> Any:
+def state_model_specs(state: Any, params: Any, pspecs: Any, data_spec: Any = None,
+                      model: Sequence[str] = ()) -> Any:
   """Each leaf of ``state`` (arrays or ``jax.ShapeDtypeStruct`` s of the global state) with its
   spec over the model axes: the spec of the parameter it belongs to (its key path ends with the
   parameter's and its shape is the parameter's), shifted by one dimension for a per-device part
-  (the parameter's shape after a leading device axis); ``PartitionSpec()`` for every other leaf."""
+  (the parameter's shape after a leading device axis). A per-device part of a model-sharded
+  parameter in another shape (``data_spec`` splits its leading axis over the data axes: the flat
+  shards of ``shard_state=True``) is each device's own data, so its leading axis is split over
+  the ``model`` axes too. ``PartitionSpec()`` for every other leaf (counters, keys, the parts of
+  replicated parameters)."""
   p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   s_leaves = jax.tree_util.tree_leaves(pspecs, is_leaf=_is_spec)
   sharded = [(path, tuple(jax.numpy.shape(p)), s) for (path, p), s in zip(p_leaves, s_leaves)
              if spec_axes(s)]
+  stacked = P(tuple(model) if len(model) > 1 else model[0]) if model else P()
 
-  def one(path, leaf):
+  def one(path, leaf, dspec=P()):
     shape = tuple(jax.numpy.shape(leaf))
     for ppath, pshape, s in sharded:
       if not _key_tail_matches(path, ppath):
@@ -146,9 +152,16 @@ def state_model_specs(state: Any, params: Any, pspecs: Any) -> Any:
         return s
       if len(shape) == len(pshape) + 1 and shape[1:] == pshape:
         return P(None, *s)
+      if len(dspec) and dspec[0] is not None:  # this device's flat part of a sharded parameter
+        return stacked
     return P()
 
-  return jax.tree_util.tree_map_with_path(one, state)
+  if data_spec is None:
+    return jax.tree_util.tree_map_with_path(one, state)
+  dspecs = jax.tree_util.tree_leaves(data_spec, is_leaf=_is_spec)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  return jax.tree_util.tree_unflatten(
+      treedef, [one(path, leaf, d) for (path, leaf), d in zip(leaves, dspecs)])
 
 
 def merge(data_spec: Any, model_spec: Any) -> Any:
@@ -161,9 +174,11 @@ def merge(data_spec: Any, model_spec: Any) -> Any:
     m = tuple(m) + (None,) * (n - len(m))
     out = []
     for a, b in zip(d, m):
-      if a is not None and b is not None:
-        raise ValueError(f"a state leaf would be split over {a!r} and {b!r} in one dimension")
-      out.append(a if a is not None else b)
+      if a is not None and b is not None:  # split over the data axes, then the model axes
+        names = (a if isinstance(a, tuple) else (a,)) + (b if isinstance(b, tuple) else (b,))
+        out.append(names)
+      else:
+        out.append(a if a is not None else b)
     while out and out[-1] is None:
       out.pop()
     return P(*out)

@@ -195,7 +195,9 @@ def state_partition_spec(tree: Any, axis_name: AxisName | None = None, *,
   pspecs = jax.tree_util.tree_map(
       lambda x: P(*x.sharding.spec) if isinstance(getattr(x, "sharding", None), NamedSharding)
       else P(), params)
-  return layout.merge(spec, layout.state_model_specs(tree, params, pspecs))
+  model = sorted(set().union(*[layout.spec_axes(s) for s in jax.tree_util.tree_leaves(
+      pspecs, is_leaf=lambda s: isinstance(s, P))]), key=str)
+  return layout.merge(spec, layout.state_model_specs(tree, params, pspecs, spec, tuple(model)))
 
 
 # ---- what follows a sync in a chain --------------------------------------------------------------

@@ -472,9 +472,12 @@ class _ShardedSync(_Sync):
   state_type = ShardedSyncState
 
   def _layout(self, tree: Any, devices: int) -> Layout:
-    shapes = [tuple(jnp.shape(x)) for x in jax.tree_util.tree_leaves(tree)]
+    leaves = jax.tree_util.tree_leaves(tree)
     codecs = packing.leaf_codecs(tree, self.config.codec, self.config.policy)
-    return Layout.of(shapes, devices, codecs, self.config.comm_bucket_size)
+    # Leaves that vary over other manual axes (model-sharded) travel apart from the rest.
+    kinds = [packing.vma_kind(x) - set(self.names) for x in leaves]
+    return Layout.of([tuple(jnp.shape(x)) for x in leaves], devices, codecs,
+                     self.config.comm_bucket_size, kinds)
 
   def _gather_codec(self, grad_codec: Codec) -> Codec:
     return NoCompression() if grad_codec.exact else self.config.gather_codec
