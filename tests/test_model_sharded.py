@@ -263,3 +263,49 @@ def test_auto_model_axes_in_your_own_shard_map_warn_of_the_whole_payload():
                        in_specs=(P("data"), P()), out_specs=P(), axis_names={"data"})
   with pytest.warns(UserWarning, match="leaves the Auto axes \\['model'\\] to XLA"):
     jax.jit(step).lower(g, jax.random.key(0))
+
+
+# ---- Flax NNX: nnx.with_partitioning ----------------------------------------------------------
+
+def test_nnx_model_with_partitioning_keeps_its_layout_and_equals_the_replicated_run():
+  from flax import nnx  # noqa: PLC0415
+
+  mesh = _mesh((2, 4))
+  init = nnx.initializers.lecun_normal()
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(15, 60, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                           bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                                           ("model",)), rngs=rngs)
+      self.l2 = nnx.Linear(60, 7, kernel_init=nnx.with_partitioning(init, ("model", None)),
+                           rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jnp.tanh(self.l1(x)))
+
+  def make(sharded):
+    with jax.set_mesh(mesh):
+      model = MLP(nnx.Rngs(0))
+    if not sharded:  # the same values, replicated
+      nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    with jax.set_mesh(mesh):
+      # accum_steps=1 and no error feedback: flax gives every optimizer-state leaf its
+      # parameter's sharding annotation, which a per-device part (a leading device axis more)
+      # cannot take (docs/usage.md, "Models sharded inside a node").
+      tx = qcomm.sync(optax.adam(1e-2), axis_name="data", bits=32)
+      return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  dp = qcomm.nnx_data_parallel(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), mesh)
+  out = {}
+  for sharded in (False, True):
+    model, optimizer = make(sharded)
+    for i in range(4):
+      dp.step(model, optimizer, _batch(seed=20 + i))
+    out[sharded] = (nnx.state(model, nnx.Param), nnx.as_pure(optimizer.opt_state))
+  kernel = out[True][0]["l1"]["kernel"]
+  assert kernel.sharding.spec == P(None, "model")
+  assert out[True][1].inner_opt_state[0].mu["l2"]["kernel"].sharding.spec in (P("model"), P("model", None))
+  for a, b in zip(jax.tree_util.tree_leaves(out[True][0]), jax.tree_util.tree_leaves(out[False][0])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  _assert_replicas_identical(out[True])

@@ -181,25 +181,14 @@ class DataParallel:
   @functools.lru_cache(maxsize=None)
   def _sharded_step_fn(self, spec_key, mspec_key, pspec_key, replicas: tuple, n_extra: int,
                        with_key: bool):
-    """The step for parameters sharded over model axes: ``shard_map`` manual over the data axes
-    only, so that ``loss_fn`` and its gradient are partitioned over the model axes by XLA; then
-    ``tx.update`` inside a second ``shard_map``, manual over the model axes, so that every device
-    synchronises (encodes, sends, decodes) its own shard of each gradient and keeps its own shard
-    of each part of the state."""
+    """The step for parameters sharded over model axes (:func:`per_shard_update`)."""
     names = self._names
-    model = layout.model_axes(self.mesh, names)
     loss_fn, tx, has_aux, reduce = self.loss_fn, self.tx, self.has_aux, self.aux_reduce
-    pspecs, mspec = pspec_key.spec, mspec_key.spec
-
-    def update(grads, opt_state, params):
-      return apply_update(tx, grads, opt_state, params)
+    update = per_shard_update(tx, self.mesh, names, pspec_key.spec, mspec_key.spec)
 
     def step(params, opt_state, batch, extra, key=None):
-      # Nested in the data-manual region: its mesh is the context's (data Manual, model Auto).
-      per_shard = jax.shard_map(update, in_specs=(pspecs, mspec, pspecs),
-                                out_specs=(pspecs, mspec), axis_names=set(model))
       params, opt_state, loss, aux = local_step(loss_fn, tx, names, has_aux, params, opt_state,
-                                                batch, extra, key, update=per_shard)
+                                                batch, extra, key, update=update)
       return (params, opt_state, _reduce_aux(loss, "mean", names, replicas),
               _reduce_aux(aux, reduce, names, replicas))
 
@@ -209,21 +198,43 @@ class DataParallel:
                        out_specs=(P(), spec_key.spec, out_specs_of("mean", names, replicas),
                                   out_specs_of(reduce, names, replicas)),
                        axis_names=set(names))
-    full = layout.merge(spec_key.spec, mspec)
-    shardings = lambda t: jax.tree_util.tree_map(  # noqa: E731
-        lambda s: NamedSharding(self.mesh, s), t, is_leaf=lambda s: isinstance(s, P))
-    out_params, out_state = shardings(pspecs), shardings(full)
-
-    explicit = any(t == AxisType.Explicit for t in self.mesh.axis_types)
-    # The layout the parameters and the state came in with, also where XLA's propagation would
-    # choose another (on Explicit axes the type carries it: reshard is then a no-op or a move).
-    constrain = jax.sharding.reshard if explicit else lax.with_sharding_constraint
+    keep = keep_layout(self.mesh, pspec_key.spec, layout.merge(spec_key.spec, mspec_key.spec))
 
     def call(params, opt_state, batch, extra, *key):
       params, opt_state, loss, aux = fn(params, opt_state, batch, extra, *key)
-      return constrain(params, out_params), constrain(opt_state, out_state), loss, aux
+      return (*keep(params, opt_state), loss, aux)
 
     return jax.jit(call, donate_argnums=(0, 1) if self.donate else ())
+
+
+def per_shard_update(tx: optax.GradientTransformation, mesh: Mesh, names: tuple, pspecs: Any,
+                     mspec: Any) -> Callable[..., Any]:
+  """The update of the model-sharded step (the runners share it): inside a ``shard_map`` manual
+  over the data axes ``names`` only, where XLA partitions ``loss_fn`` and its gradient over the
+  model axes, :func:`apply_update` runs inside a second ``shard_map``, manual over the model
+  axes, so that every device synchronises (encodes, sends, decodes) its own shard of each
+  gradient and keeps its own shard of each part of the state."""
+  model = set(layout.model_axes(mesh, names))
+
+  def update(grads, opt_state, params):
+    # Nested in the data-manual region: its mesh is the context's (data Manual, model not).
+    return jax.shard_map(functools.partial(apply_update, tx), in_specs=(pspecs, mspec, pspecs),
+                         out_specs=(pspecs, mspec), axis_names=model)(grads, opt_state, params)
+
+  return update
+
+
+def keep_layout(mesh: Mesh, pspecs: Any, state_spec: Any) -> Callable[..., Any]:
+  """``(params, opt_state) -> (params, opt_state)`` constrained to the layout they came in with,
+  also where XLA's propagation would choose another (on Explicit axes the type carries it:
+  ``reshard`` is then a no-op or a move)."""
+  shardings = lambda t: jax.tree_util.tree_map(  # noqa: E731
+      lambda s: NamedSharding(mesh, s), t, is_leaf=lambda s: isinstance(s, P))
+  out_params, out_state = shardings(pspecs), shardings(state_spec)
+  explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+  constrain = jax.sharding.reshard if explicit else lax.with_sharding_constraint
+  return lambda params, opt_state: (constrain(params, out_params),
+                                    constrain(opt_state, out_state))
 
 
 @contextlib.contextmanager

@@ -36,7 +36,10 @@ from flax import nnx
 from jax_qcomm import _compat
 from jax_qcomm._checks import check_key
 from jax_qcomm.transport.axes import AxisName, axis_names
-from jax_qcomm.runners.data_parallel import _check, _reduce_aux, check_batch, local_step, out_specs_of
+from jax_qcomm.runners.data_parallel import (_check, _reduce_aux, _shard_errors, check_batch,
+                                             keep_layout, local_step, out_specs_of,
+                                             per_shard_update)
+from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import _SpecKey, checked_spec, device_spec, place, replica_axes
 
 
@@ -79,15 +82,28 @@ class NNXDataParallel:
     params, opt_state = nnx.as_pure(params), nnx.as_pure(optimizer.opt_state)
     spec = checked_spec(opt_state, self.axis_name)
     check_batch(batch, self.mesh, self.axis_name, self.batch_spec)
+    names = axis_names(self.axis_name)
+    # Parameters sharded over model axes (nnx.with_partitioning, placed on the mesh): the step
+    # keeps their layout and updates each device's shards (qcomm.data_parallel's model-sharded
+    # step).
+    pspecs = layout.param_specs(params, self.mesh, names)
+    mspec = None
+    if pspecs is not None:
+      mspec = layout.state_model_specs(opt_state, params, pspecs, spec,
+                                       layout.model_axes(self.mesh, names))
     fn = self._step_fn(graphdef, optimizer.wrt, optimizer.tx, _SpecKey(spec),
-                       replica_axes(opt_state), len(extra), key is not None)
+                       replica_axes(opt_state), len(extra), key is not None,
+                       None if pspecs is None else _SpecKey(mspec),
+                       None if pspecs is None else _SpecKey(pspecs))
     put = functools.partial(place, mesh=self.mesh)
     batch_spec = self.batch_spec if self.batch_spec is not None else self._spec
-    args = (put(params, P()), put(opt_state, spec), put(rest, P()), put(batch, batch_spec),
-            put(extra, P()))
+    state_spec = spec if pspecs is None else layout.merge(spec, mspec)
+    args = (put(params, P() if pspecs is None else pspecs), put(opt_state, state_spec),
+            put(rest, P()), put(batch, batch_spec), put(extra, P()))
     if key is not None:
       args += (put(key, P()),)
-    params, opt_state, rest, loss, aux = fn(*args)
+    with _shard_errors("step"):
+      params, opt_state, rest, loss, aux = fn(*args)
     nnx.update(model, params, rest)
     jax.tree_util.tree_map(lambda v, x: v.set_value(x), optimizer.opt_state, opt_state,
                            is_leaf=_is_variable)
@@ -98,9 +114,12 @@ class NNXDataParallel:
 
   @functools.lru_cache(maxsize=None)
   def _step_fn(self, graphdef, wrt, tx, spec_key, replicas: tuple, n_extra: int,
-               with_key: bool):
+               with_key: bool, mspec_key=None, pspec_key=None):
     names = axis_names(self.axis_name)
     loss_fn, has_aux, reduce = self.loss_fn, self.has_aux, self.aux_reduce
+    sharded = pspec_key is not None
+    update = (per_shard_update(tx, self.mesh, names, pspec_key.spec, mspec_key.spec)
+              if sharded else None)
 
     def step(params, opt_state, rest, batch, extra, key=None):
       def loss_of(p, batch, *extra, key=None):
@@ -112,7 +131,7 @@ class NNXDataParallel:
         return loss, (aux, nnx.state(model, nnx.Not(wrt)))
 
       params, opt_state, loss, (aux, changed) = local_step(
-          loss_of, tx, names, True, params, opt_state, batch, extra, key)
+          loss_of, tx, names, True, params, opt_state, batch, extra, key, update=update)
       # What the forward pass changed per device (BatchNorm statistics): the devices' mean.
       changed = jax.tree_util.tree_map(lambda a: _mean_if_varying(a, names), changed)
       return (params, opt_state, changed, _reduce_aux(loss, "mean", names, replicas),
@@ -120,10 +139,19 @@ class NNXDataParallel:
 
     batch_spec = self.batch_spec if self.batch_spec is not None else self._spec
     in_specs = (P(), spec_key.spec, P(), batch_spec, P()) + ((P(),) if with_key else ())
-    return jax.jit(jax.shard_map(step, mesh=self.mesh, in_specs=in_specs,
-                                 out_specs=(P(), spec_key.spec, P(),
-                                            out_specs_of("mean", names, replicas),
-                                            out_specs_of(reduce, names, replicas))))
+    fn = jax.shard_map(step, mesh=self.mesh, in_specs=in_specs,
+                       out_specs=(P(), spec_key.spec, P(), out_specs_of("mean", names, replicas),
+                                  out_specs_of(reduce, names, replicas)),
+                       **({"axis_names": set(names)} if sharded else {}))
+    if not sharded:
+      return jax.jit(fn)
+    keep = keep_layout(self.mesh, pspec_key.spec, layout.merge(spec_key.spec, mspec_key.spec))
+
+    def call(*args):
+      params, opt_state, rest, loss, aux = fn(*args)
+      return (*keep(params, opt_state), rest, loss, aux)
+
+    return jax.jit(call)
 
 
 def _is_variable(x: Any) -> bool:
