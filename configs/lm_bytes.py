@@ -56,6 +56,8 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
   config.exclude = ""                # comma-separated regexes of parameter paths sent exact
   config.shard_state = False         # sync(shard_state=True): 1/D of the optimizer state per device
   config.gather_bits = 4             # with shard_state: bits of the weight differences (QSGD)
+  config.model_devices = 1          # > 1: a ("data", "model") mesh, the weights sharded over
+                                     # "model" inside each replica (tensor parallel; training/lm.py)
   config.topk = 0.0                  # training/lm_diloco: > 0 sends qcomm.TopK(topk, bits) between
                                      # the replicas (bits 1, 2, 4 or 8) instead of QSGD
   config.fragments = 1               # training/lm_diloco, lm_slow_link: qcomm.diloco(fragments=...),

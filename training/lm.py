@@ -46,6 +46,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -72,6 +73,7 @@ from jax_qcomm.transforms.sync import config_of
 from training.sync_config import check_sync_fields, create_sync
 
 AXIS = "data"
+MODEL_AXIS = "model"
 VOCAB = 256
 SEPARATOR = 0  # NUL: joins the files; no source file contains it
 
@@ -239,6 +241,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     bad("num_val_windows", f"divisible by num_devices ({config.num_devices})")
   if config.warmup_steps >= config.num_steps:
     bad("warmup_steps", f"smaller than num_steps ({config.num_steps})")
+  m = config.model_devices
+  if not is_int(m) or m < 1 or config.num_devices % m:
+    bad("model_devices", f"a positive divisor of num_devices ({config.num_devices})")
+  if config.d_model % m:
+    bad("model_devices", f"a divisor of d_model ({config.d_model}): the weights split over it")
   for field in ("learning_rate", "weight_decay", "grad_clip", "time_limit_minutes", "powersgd"):
     if not config[field] >= 0:
       bad(field, ">= 0")
@@ -260,6 +267,8 @@ def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     settings.pop("gather_bits", None)
   if not settings.get("powersgd"):
     settings.pop("powersgd", None)
+  if settings.get("model_devices", 1) == 1:  # runs recorded before the model axis existed
+    settings.pop("model_devices", None)
   return settings
 
 
@@ -282,14 +291,42 @@ def setup_devices(config: ml_collections.ConfigDict) -> None:
     jax.config.update("jax_num_cpu_devices", config.num_devices)
 
 
-def create_mesh(num_devices: int) -> Mesh:
+def create_mesh(num_devices: int, model_devices: int = 1) -> Mesh:
+  """The devices as a mesh: ``("data",)``, or ``("data", "model")`` with ``model_devices`` > 1
+  (the weights sharded over "model" inside each data replica: :func:`param_partition`)."""
   devices = jax.devices()
   if len(devices) < num_devices:
     raise ValueError(
         f"config.num_devices must be at most the {len(devices)} available "
         f"{devices[0].platform} devices, got {num_devices} (on CPU the count is fixed when JAX "
         "starts: python -m training.lm sets it from config.num_devices)")
-  return Mesh(np.array(devices[:num_devices]), (AXIS,))
+  if model_devices == 1:
+    return Mesh(np.array(devices[:num_devices]), (AXIS,))
+  return Mesh(np.array(devices[:num_devices]).reshape(num_devices // model_devices,
+                                                       model_devices), (AXIS, MODEL_AXIS))
+
+
+def param_partition(params: Any, mesh: Mesh) -> Any:
+  """Megatron-style tensor parallelism over the mesh's "model" axis (replicated without one): the
+  q/k/v projection and the MLP's first layer split by output columns (and their biases), the
+  attention's output projection and the MLP's second layer by input rows, the embeddings by
+  feature; LayerNorms and the other biases replicated."""
+  if MODEL_AXIS not in mesh.axis_names:
+    return jax.tree_util.tree_map(lambda _: P(), params)
+
+  def spec(path, _):
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    if re.search(r"(qkv|fc)/kernel$", name):
+      return P(None, MODEL_AXIS)
+    if re.search(r"(qkv|fc)/bias$", name):
+      return P(MODEL_AXIS)
+    if re.search(r"(attn/out|proj)/kernel$", name):
+      return P(MODEL_AXIS, None)
+    if re.search(r"(embed|pos)/embedding$", name):
+      return P(None, MODEL_AXIS)
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec, params)
 
 
 # ---- optimizer, wire bytes -----------------------------------------------------------------------
@@ -361,9 +398,12 @@ def build_programs(config: ml_collections.ConfigDict, mesh: Mesh) -> Programs:
   tx = create_optimizer(config)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: create_model(config, nnx.Rngs(0))))
   replicated = NamedSharding(mesh, P())
+  make_params = lambda: nnx.state(create_model(config, nnx.Rngs(config.seed))).to_pure_dict()  # noqa: E731
+  placed = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s),
+                                  param_partition(jax.eval_shape(make_params), mesh),
+                                  is_leaf=lambda s: isinstance(s, P))
   # One compiled program, rather than one small one per eager op of the initialisers.
-  init_params = jax.jit(lambda: nnx.state(create_model(config, nnx.Rngs(config.seed)))
-                        .to_pure_dict(), out_shardings=replicated)
+  init_params = jax.jit(make_params, out_shardings=placed)
   dp = create_data_parallel(graphdef, tx, mesh)
 
   def init() -> TrainState:
@@ -376,7 +416,8 @@ def build_programs(config: ml_collections.ConfigDict, mesh: Mesh) -> Programs:
 
 @functools.lru_cache(maxsize=4)
 def _cached_programs(settings: str, num_devices: int) -> Programs:
-  return build_programs(ml_collections.ConfigDict(json.loads(settings)), create_mesh(num_devices))
+  config = ml_collections.ConfigDict(json.loads(settings))
+  return build_programs(config, create_mesh(num_devices, config.get("model_devices", 1)))
 
 
 def programs_for(config: ml_collections.ConfigDict) -> Programs:
@@ -506,7 +547,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
   t_wall = time.perf_counter()
   validate_config(config)
   corpus = load_corpus(config.stdlib_dir)
-  mesh = create_mesh(config.num_devices)
+  mesh = create_mesh(config.num_devices, config.model_devices)
   k = config.accum_steps
   error_feedback = config_of(create_optimizer(config)).error_feedback  # in effect, not as asked
   val = _global(mesh, val_windows(corpus.val, config.num_val_windows, config.seq_len))

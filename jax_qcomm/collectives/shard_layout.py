@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_qcomm import _compat
 from jax_qcomm.collectives import packing
 from jax_qcomm.codecs import Codec
 from jax_qcomm.codecs.base import _chunks_of, _rows_of
@@ -189,19 +190,36 @@ SHARDED = contextvars.ContextVar("jax_qcomm_sharded", default=None)
 PROBE = ("probe",)
 
 
+#: The model axes of a model-sharded step while it traces ``tx.update`` on each device's shards
+#: (jax_qcomm.runners.data_parallel): a leaf that varies over them is one shard of a parameter.
+MODEL_AXES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jax_qcomm_model_axes",
+                                                                  default=())
+
+
 def global_sum_of_squares(tree: Any) -> jax.Array:
-  """Sum of squares of every element of ``tree``; inside a sharded sync's ``inner``, over the
-  whole model (this device's shards, then one scalar ``psum``)."""
+  """Sum of squares of every element of ``tree``, over the whole model: inside a sharded sync's
+  ``inner`` (this device's shards, then one scalar ``psum`` over the data axes), and in a
+  model-sharded step (a leaf sharded over model axes: its shards' sums added over them, once)."""
   leaves = jax.tree_util.tree_leaves(tree)
   ctx = SHARDED.get()
-  if ctx is None:
-    return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.float32(0))
   if ctx is PROBE:
     return jnp.float32(1.0)
-  axis_name, weights = ctx
-  if len(weights) != len(leaves):
-    raise ValueError(f"inside a sharded qcomm.sync, whole-model sums need the gradients' own "
-                     f"tree ({len(weights)} leaves), got {len(leaves)} leaves")
-  local = sum((jnp.float32(w) * jnp.sum(jnp.square(x.astype(jnp.float32)))
-               for w, x in zip(weights, leaves)), jnp.float32(0))
-  return lax.psum(local, axis_name)
+  if ctx is not None:
+    axis_name, weights = ctx
+    if len(weights) != len(leaves):
+      raise ValueError(f"inside a sharded qcomm.sync, whole-model sums need the gradients' own "
+                       f"tree ({len(weights)} leaves), got {len(leaves)} leaves")
+    data = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  else:
+    weights, data = [1] * len(leaves), ()
+  model = MODEL_AXES.get()
+  parts: dict[tuple, jax.Array] = {}
+  for w, x in zip(weights, leaves):
+    over = tuple(a for a in model if a in _compat.vma_of(x))  # the axes x is a shard over
+    term = jnp.float32(w) * jnp.sum(jnp.square(x.astype(jnp.float32)))
+    parts[over] = parts[over] + term if over in parts else term
+  total = jnp.float32(0)
+  for over, local in parts.items():
+    axes = data + over
+    total = total + (lax.psum(local, axes) if axes else local)
+  return total

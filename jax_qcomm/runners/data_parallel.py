@@ -36,6 +36,7 @@ from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, 
 from jax_qcomm.transport.axes import axis_names
 from jax_qcomm.runners.elastic import ElasticDataParallel
 from jax_qcomm.runners.overlap import OverlappedDataParallel
+from jax_qcomm.collectives.shard_layout import MODEL_AXES
 from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import (_SpecKey, checked_spec, communicated, device_spec,
                                         find_states, local_params, place, replica_axes)
@@ -216,9 +217,16 @@ def per_shard_update(tx: optax.GradientTransformation, mesh: Mesh, names: tuple,
   gradient and keeps its own shard of each part of the state."""
   model = set(layout.model_axes(mesh, names))
 
+  def per_shard(grads, opt_state, params):
+    token = MODEL_AXES.set(tuple(sorted(model, key=str)))  # whole-model sums over the shards
+    try:
+      return apply_update(tx, grads, opt_state, params)
+    finally:
+      MODEL_AXES.reset(token)
+
   def update(grads, opt_state, params):
     # Nested in the data-manual region: its mesh is the context's (data Manual, model not).
-    return jax.shard_map(functools.partial(apply_update, tx), in_specs=(pspecs, mspec, pspecs),
+    return jax.shard_map(per_shard, in_specs=(pspecs, mspec, pspecs),
                          out_specs=(pspecs, mspec), axis_names=model)(grads, opt_state, params)
 
   return update
