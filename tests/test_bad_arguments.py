@@ -303,6 +303,8 @@ def _cases() -> list[Case]:
       c("sync().update", "state", _sync_update(state=lambda v: "state"), TypeError),
       c("sync().update", "params", _sync_update(params=lambda v: {"a": v, "b": v})),
       c("state_partition_spec", "axis_name", lambda: qcomm.state_partition_spec({}, ["data"])),
+      c("state_partition_spec", "params",
+        lambda: qcomm.state_partition_spec({}, "data", params={"w": "abc"})),
       c("accumulate_gradients", "grad_fn",
         lambda: qcomm.accumulate_gradients(5, {}, (jnp.ones((4, 2)),), 2)),
       c("accumulate_gradients", "batch",
@@ -337,6 +339,9 @@ def _cases() -> list[Case]:
       c("DataParallel", "aux_reduce", _dp(aux_reduce=None)),
       c("DataParallel", "batch_spec", _dp(batch_spec="d")),
       c("DataParallel", "donate", _dp(donate=None)),
+      c("DataParallel", "param_spec", _dp(param_spec={"w": "model"})),
+      c("data_parallel", "param_spec",
+        lambda: qcomm.data_parallel(loss, tx, mesh, axis_name=AX, param_spec={"w": P(AX)})),
       # -- describe ----------------------------------------------------------------------------------
       c("describe", "tx", lambda: qcomm.describe(sgd, {"w": X})),
       c("describe", "params", lambda: qcomm.describe(tx, {"w": "abc"})),

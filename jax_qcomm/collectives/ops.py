@@ -306,7 +306,11 @@ def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | N
   residual: list[Any] = [None] * len(leaves)
   # the devices the codec reduces over: the outer axis of a Hierarchical one
   d = axis_size(axis_name.outer if isinstance(axis_name, Hierarchical) else axis_name)
-  for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size, d)):
+  # Leaves that vary over other manual axes than this collective's (a model axis: shards of
+  # model-sharded leaves) travel apart from those that do not (replicated over it).
+  own = set(axis_names(axis_name))
+  kinds = [packing.vma_kind(leaf) - own for leaf in leaves]
+  for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size, d, kinds=kinds)):
     group_key = None if key is None else jax.random.fold_in(key, i)
     parts = [leaves[j].reshape(-1).astype(jnp.float32) for j in group.leaves]
     reduced, lost, states, group_mark = _allreduce_leaves(

@@ -69,6 +69,7 @@ class DataParallel:
     object.__setattr__(self, "_layouts", {})  # params treedef -> the layout seen (model specs)
     _check(self.loss_fn, self.tx, self.mesh, self.axis_name, self.has_aux, self.aux_reduce,
            self.batch_spec, self.donate)
+    _check_param_spec(self.param_spec, self.mesh, self.axis_name)
 
   def _param_specs(self, params: Any) -> Any | None:
     """The parameters' specs over the model axes (None: replicated, the plain layout). Inside the
@@ -560,3 +561,22 @@ def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate
   if batch_spec is not None and not isinstance(batch_spec, P):
     raise ValueError(f"batch_spec must be None or a PartitionSpec, got {batch_spec!r}")
   check_bool("donate", donate)
+
+
+def _check_param_spec(param_spec: Any, mesh: Mesh, axis_name: Any) -> None:
+  """ValueError for a ``param_spec`` that is not a pytree of PartitionSpecs over the mesh's
+  other axes than the data axes."""
+  if param_spec is None:
+    return
+  leaves = jax.tree_util.tree_leaves(param_spec, is_leaf=lambda s: isinstance(s, P))
+  bad = [s for s in leaves if not isinstance(s, P)]
+  if bad or not leaves:
+    raise ValueError(f"param_spec must be None or a pytree of PartitionSpec with the structure of "
+                     f"params, got {bad[0] if bad else param_spec!r}")
+  data = set(collectives.axis_names(axis_name))
+  allowed = [a for a in mesh.axis_names if a not in data]
+  for s in leaves:
+    named = layout.spec_axes(s)
+    if not named <= set(allowed):
+      raise ValueError(f"param_spec entries must name only the mesh axes {allowed} (not the data axes "
+                       f"{sorted(data)}), got {s}")

@@ -417,7 +417,7 @@ class _DiLoCo:
       mean, lost, _, mark = collectives.allreduce_tree(
           delta, _comm_axis(cfg), cfg.codec, sub, "mean", policy=cfg.policy,
           comm_bucket_size=cfg.comm_bucket_size)
-      finite = jnp.isfinite(_parts.whole_model(mark, axis_names(_comm_axis(cfg))))
+      finite = jnp.isfinite(_parts.whole_model(mark))
       if group is None:
         outer_updates, outer_state = self.outer.update(mean, state.outer_opt_state, anchor)
         new_outer = _parts.keep_if_finite(finite, outer_state, state.outer_opt_state)

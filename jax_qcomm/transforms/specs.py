@@ -192,6 +192,10 @@ def state_partition_spec(tree: Any, axis_name: AxisName | None = None, *,
   spec = _specs(tree, axis_name)
   if params is None:
     return spec
+  leaves = jax.tree_util.tree_leaves(params)
+  if not leaves or not all(hasattr(x, "shape") for x in leaves):
+    raise ValueError(f"params must be a pytree of arrays (or jax.ShapeDtypeStruct s) placed with "
+                     f"their NamedSharding s, got {params!r}"[:300])
   pspecs = jax.tree_util.tree_map(
       lambda x: P(*x.sharding.spec) if isinstance(getattr(x, "sharding", None), NamedSharding)
       else P(), params)
