@@ -211,9 +211,11 @@ def test_errors_name_the_fix():
   mesh = _mesh((2, 4))
   tx = qcomm.sync(optax.sgd(0.1), axis_name="data", bits=4)
   dp = qcomm.data_parallel(loss_fn, tx, mesh)
-  over_data = qcomm.data_parallel(loss_fn, tx, mesh, param_spec={**SPECS, "w1": P("model", "data")})
+  with pytest.raises(ValueError, match="param_spec entries must name only the mesh axes \\['model'\\]"):
+    qcomm.data_parallel(loss_fn, tx, mesh, param_spec={**SPECS, "w1": P("model", "data")})
+  over_data = jax.device_put({"w": jnp.ones((16, 60))}, NamedSharding(mesh, P("data", "model")))
   with pytest.raises(ValueError, match="shards it over the data axis.*shard_state=True"):
-    over_data.init(_params())
+    dp.init(over_data)
   uneven = qcomm.data_parallel(loss_fn, tx, mesh, param_spec={**SPECS, "scale": P("model")})
   with pytest.raises(ValueError, match="dimension 0 \\(7\\).*do not divide"):
     uneven.init(_params())
