@@ -571,7 +571,8 @@ def _time_sync(mesh, grads, codec, allreduce, *, repeats: int, warmup: int,
     return optax.apply_updates(p, updates), s
 
   # Not donated, as qcomm.data_parallel's default: on XLA:CPU a donated state makes XLA copy
-  # the old error-feedback residual before overwriting it (docs/benchmarks.md).
+  # the old error-feedback residual before overwriting it (docs/benchmarks-log.md, the malloc
+  # series of 2026-11-26).
   step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), spec, P()),
                                out_specs=(P(), spec)))
 

@@ -1,6 +1,6 @@
 """Transfer-pattern benchmark: how fast the collectives' traffic patterns move uint8 rows.
 
-What diagnosed the compressed allreduce's all-to-all on gloo (docs/benchmarks.md): the same bytes
+What diagnosed the compressed allreduce's all-to-all on gloo (docs/benchmarks-log.md): the same bytes
 moved by ``lax.all_to_all``, by ppermute rounds (``jax_qcomm.transport._exchange``), by one ppermute of a given
 shift, and by ``lax.all_gather``, each against the link floor::
 

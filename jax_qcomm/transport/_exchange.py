@@ -10,7 +10,7 @@ CPUs, where XLA's collectives go over gloo, it runs a schedule of ``lax.ppermute
 gloo moves data between two processes at about half speed when they send to each other at once
 over their one connection, and its all-to-all does exactly that between every pair. Measured on the
 simulated 1 Gbit/s cluster (4 nodes, 3.6 MB rows, ``python -m benchmarks patterns``,
-docs/benchmarks.md): a ppermute round in which every node sends to one peer and receives from
+docs/benchmarks-log.md, "Run 10"): a ppermute round in which every node sends to one peer and receives from
 another takes 1.2-1.4x the link floor; a round of swaps (0<->2, 1<->3) 1.9x; gloo's all-to-all 2.0x.
 
 The schedules keep every round free of swaps where that is possible:
