@@ -311,3 +311,44 @@ def test_nnx_model_with_partitioning_keeps_its_layout_and_equals_the_replicated_
   for a, b in zip(jax.tree_util.tree_leaves(out[True][0]), jax.tree_util.tree_leaves(out[False][0])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   _assert_replicas_identical(out[True])
+
+
+# ---- across processes: the model axis inside each, the data axis between them --------------------
+
+@pytest.mark.multiprocess
+def test_two_processes_with_the_model_sharded_in_each(tmp_path):
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  import json  # noqa: PLC0415
+
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2",
+                         "--local-devices", "4", "--timeout", "240",
+                         os.path.join(root, "tests", "model_sharded_mp_worker.py"), str(tmp_path)],
+                        env=env, capture_output=True, text=True, timeout=300, cwd=root)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  shards = [dict(np.load(tmp_path / f"proc{p}.npz")) for p in range(2)]
+  layouts = [json.loads((tmp_path / f"proc{p}.json").read_text()) for p in range(2)]
+  assert layouts[0] == layouts[1]
+  assert layouts[0]["exact_sharded/w1"] == str(P(None, "model"))
+  assert layouts[0]["q4_sharded/w2"] in (str(P("model")), str(P("model", None)))
+  # Each process holds all 4 model shards of every leaf once (its 4 devices); the other process
+  # (the other data replica) holds the same bits.
+  by_shard = [{} for _ in range(2)]
+  for p in range(2):
+    for key, value in shards[p].items():
+      run, leaf, index, _ = key.split("/")
+      by_shard[p][(run, leaf, index)] = value
+  assert by_shard[0].keys() == by_shard[1].keys()
+  for key in by_shard[0]:
+    assert by_shard[0][key].tobytes() == by_shard[1][key].tobytes(), key
+  # The exact sharded run equals the replicated one (float32 sums in another order).
+  for (run, leaf, index), value in by_shard[0].items():
+    if run == "exact_sharded":
+      whole = next(v for (r, l, _), v in by_shard[0].items() if r == "exact_replicated" and l == leaf)
+      sl = tuple(slice(*map(int, part.split(":"))) if part != "None:None" else slice(None)
+                 for part in index.split(","))
+      np.testing.assert_allclose(value, whole[sl], rtol=1e-5, atol=1e-6)
