@@ -6,6 +6,14 @@ same model replicated on the same mesh, and the compile time of a plain ``jax.ji
     python -m benchmarks.model_sharded --data 2 --model 4 --d-model 256 --layers 4 \\
         --out notebooks/data/model_sharded_20261129/model_sharded.json
 
+On the simulated cluster (one process per node, the model axis over each node's own devices, the
+data axis across the nodes' links), ``--steps N`` times the runner's step instead (median of N
+after 3 warm-up steps), exact against 4 bits across the nodes:
+
+    python -m jax_qcomm.tools.cluster --nodes 2 --rate 1gbit --local-devices 4 \\
+        --out notebooks/data/model_sharded_20261129/cluster_step.json -- \\
+        -m benchmarks.model_sharded --d-model 512 --layers 4 --steps 10
+
 The model is the byte LM of ``training/lm.py`` (Megatron-style tensor parallel weights,
 ``training.lm.param_partition``), its optimizer ``qcomm.sync(clip -> AdamW)``.
 """
@@ -20,9 +28,14 @@ import re
 import sys
 import time
 
-import jax
+from jax_qcomm.tools import distributed
 
-jax.config.update("jax_num_cpu_devices", 8)
+if distributed.under_launcher():
+  distributed.initialize()
+import jax  # noqa: E402
+
+if not distributed.under_launcher():
+  jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -88,6 +101,36 @@ def measure(config, mesh: Mesh, sharded: bool, bits: int) -> dict:
           "sent_bytes_per_sync_described": described, "sent_bytes_per_sync_hlo": hlo}
 
 
+def time_steps(config, mesh: Mesh, bits: int, steps: int) -> dict:
+  """Median seconds of the runner's step, parameters sharded over "model" (3 warm-up steps)."""
+  config = config.copy_and_resolve_references()
+  config.bits = bits
+  tx = lm.create_optimizer(config)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: lm.create_model(config, nnx.Rngs(0))))
+  abstract = jax.eval_shape(lambda: nnx.state(lm.create_model(config, nnx.Rngs(0))).to_pure_dict())
+  shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s),
+                                     lm.param_partition(abstract, mesh),
+                                     is_leaf=lambda s: isinstance(s, P))
+  params = jax.jit(lambda: nnx.state(lm.create_model(config, nnx.Rngs(0))).to_pure_dict(),
+                   out_shardings=shardings)()
+  dp = lm.create_data_parallel(graphdef, tx, mesh)
+  state = dp.init(params)
+  rows = config.batch_size // jax.process_count()
+  local = np.zeros((rows, config.seq_len + 1), np.int32)
+  windows = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
+  step = jax.jit(dp.step)
+  times = []
+  for i in range(steps + 3):
+    t0 = time.perf_counter()
+    params, state, loss, _ = step(params, state, windows)
+    jax.block_until_ready((params, state, loss))
+    if i >= 3:
+      times.append(time.perf_counter() - t0)
+  d = mesh.shape["data"]
+  return {"bits": bits, "step_s_median": float(np.median(times)), "step_s": times,
+          "sent_bytes_per_device": qcomm.describe(tx, params, devices=d).sent_bytes_per_sync}
+
+
 def plain_jit_compile_s(config, mesh: Mesh) -> float:
   """Compile time of the plain jax.jit step of the same model and optimizer (optax AdamW, XLA's
   own data parallelism over the batch's sharding): the baseline of the runner's compile time."""
@@ -119,10 +162,28 @@ def main(argv=None) -> dict:
   ap.add_argument("--d-model", type=int, default=256)
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--bits", default="32,4")
+  ap.add_argument("--steps", type=int, default=0,
+                  help="time N steps of the sharded runner (on the cluster) instead")
   ap.add_argument("--out", default="")
   args = ap.parse_args(argv)
   config = lm_bytes.get_config()
   config.d_model, config.num_layers = args.d_model, args.layers
+  if args.steps:
+    mesh = (distributed.global_mesh(("data", "model")) if jax.process_count() > 1
+            else lm.create_mesh(args.data * args.model, args.model))
+    result = {"command": "python -m benchmarks.model_sharded " + " ".join(argv or sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "cpu": platform.processor() or platform.machine(), "jax": jax.__version__,
+              "mesh": dict(mesh.shape),
+              "rows": [time_steps(config, mesh, int(b), args.steps)
+                       for b in args.bits.split(",")]}
+    if args.out and jax.process_index() == 0:
+      with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if jax.process_index() == 0:
+      print(json.dumps({**result, "rows": [{k: v for k, v in r.items() if k != "step_s"}
+                                           for r in result["rows"]]}), flush=True)
+    return result
   config.num_devices, config.model_devices = args.data * args.model, args.model
   mesh = lm.create_mesh(config.num_devices, config.model_devices)
   rows = []

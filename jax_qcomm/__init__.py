@@ -23,7 +23,8 @@ from jax_qcomm import transport
 from jax_qcomm.codecs import (QSGD, Auto, Cast, Codec, NoCompression, PowerSGD, Summable, TopK,
                               Wire16, codec_for_bits)
 from jax_qcomm.transport.axes import Hierarchical
-from jax_qcomm.collectives import all_gather, allreduce, cast_pmean, reduce_scatter
+from jax_qcomm.collectives import (ParamShard, all_gather, allreduce, cast_pmean, gather_params,
+                                   reduce_scatter, shard_params, unshard_params)
 from jax_qcomm.collectives.packing import LeafPolicy
 from jax_qcomm.transforms.accumulation import accumulate_gradients
 from jax_qcomm.transforms.sync import ShardedSyncState, SyncState, sync
@@ -39,6 +40,7 @@ __all__ = [
     "QSGD", "Auto", "Cast", "Codec", "NoCompression", "Summable", "Wire16", "TopK", "PowerSGD",
     "transport",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
+    "gather_params", "shard_params", "unshard_params", "ParamShard",
     "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "clip_by_global_norm",
     "codec_for_bits", "state_partition_spec", "local_params",
     "data_parallel", "DataParallel", "describe", "Description",

@@ -9,3 +9,5 @@ Above the codecs, below the optax transformations.
 from jax_qcomm.collectives.ops import (all_gather, allreduce, allreduce_flat,  # noqa: F401
                                        allreduce_tree, cast_pmean, fresh_state_key,
                                        init_codec_state, reduce_scatter)
+from jax_qcomm.collectives.sharded_params import (ParamShard, gather_params,  # noqa: F401
+                                                  shard_params, unshard_params)
