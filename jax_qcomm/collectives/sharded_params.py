@@ -98,7 +98,7 @@ def unshard_params(shards: Any) -> Any:
 
 def gather_params(shards: Any, axis_name: AxisName, codec: Codec = NoCompression(),
                   grad_codec: Codec = NoCompression(), key: jax.Array | None = None, *,
-                  check_layout: bool = True) -> Any:
+                  after: Any = None, check_layout: bool = True) -> Any:
   """This device's shards of a subtree of parameters -> the full subtree (inside ``shard_map``).
 
   Args:
@@ -110,6 +110,11 @@ def gather_params(shards: Any, axis_name: AxisName, codec: Codec = NoCompression
     grad_codec: how the backward reduce-scatter sends the gradient (``QSGD(4)``: each value
       quantised once, unbiased). Each shard receives the devices' mean gradient.
     key: a PRNG key, required where a codec rounds stochastically (a new one per step).
+    after: optional, values the gather must wait for (the layer's input activations): the
+      gather is then scheduled after them, not at the start of the program. In a Python loop
+      over layers, XLA would otherwise start every layer's gather at once (they depend on the
+      shards alone) and hold every layer's full parameters together; ``lax.scan`` over stacked
+      layers orders them by itself.
     check_layout: raise ValueError for shards whose ``data`` is not ``[1, ceil(n / D)]``.
 
   Returns:
@@ -137,8 +142,10 @@ def gather_params(shards: Any, axis_name: AxisName, codec: Codec = NoCompression
                      "key=jax.random.key(...) (a new one per step)")
   metas = tuple((s.shape, jnp.dtype(s.dtype).name) for s in leaves)
   key = jax.random.key(0) if key is None else key
-  fulls = _gather(metas, axis_names(axis_name), codec, grad_codec,
-                  tuple(s.data for s in leaves), key)
+  datas = tuple(s.data for s in leaves)
+  if after is not None:  # the shards pass a barrier with `after`: the gather waits for it
+    datas, _ = lax.optimization_barrier((datas, after))
+  fulls = _gather(metas, axis_names(axis_name), codec, grad_codec, datas, key)
   return jax.tree_util.tree_unflatten(treedef, list(fulls))
 
 
