@@ -47,7 +47,15 @@ EXEMPT = {
     # Only the structure is read; any pytree (a leaf gets PartitionSpec()) is valid.
     ("state_partition_spec", "tree"): "any pytree",
     **{("DiLoCoState", f): "pytree container" for f in qcomm.DiLoCoState._fields},
+    **{("ParamShard", f): "pytree container" for f in ("data", "shape", "dtype")},
+    # Only waited for: any pytree of values.
+    ("gather_params", "after"): "any pytree",
 }
+
+
+def _shard(v):
+  """This device's ParamShard of an 8-element parameter over the 2 devices of _mesh()."""
+  return {"w": qcomm.ParamShard(v[None], (8,), jnp.float32)}
 
 
 def _mesh() -> Mesh:
@@ -305,6 +313,17 @@ def _cases() -> list[Case]:
       c("state_partition_spec", "axis_name", lambda: qcomm.state_partition_spec({}, ["data"])),
       c("state_partition_spec", "params",
         lambda: qcomm.state_partition_spec({}, "data", params={"w": "abc"})),
+      c("gather_params", "shards", _traced(lambda v: qcomm.gather_params({"w": v}, AX))),
+      c("gather_params", "axis_name", _traced(lambda v: qcomm.gather_params(_shard(v), "nope"))),
+      c("gather_params", "codec", _traced(lambda v: qcomm.gather_params(_shard(v), AX, "q8"))),
+      c("gather_params", "grad_codec",
+        _traced(lambda v: qcomm.gather_params(_shard(v), AX, grad_codec="q4"))),
+      c("gather_params", "key", _traced(lambda v: qcomm.gather_params(_shard(v), AX, key="k"))),
+      c("gather_params", "check_layout",
+        _traced(lambda v: qcomm.gather_params(_shard(v), AX, check_layout="yes"))),
+      c("shard_params", "params", lambda: qcomm.shard_params({"w": "abc"}, 2)),
+      c("shard_params", "devices", lambda: qcomm.shard_params({"w": X}, 0)),
+      c("unshard_params", "shards", lambda: qcomm.unshard_params({"w": X})),
       c("accumulate_gradients", "grad_fn",
         lambda: qcomm.accumulate_gradients(5, {}, (jnp.ones((4, 2)),), 2)),
       c("accumulate_gradients", "batch",

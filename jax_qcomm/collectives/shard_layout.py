@@ -194,6 +194,23 @@ PROBE = ("probe",)
 #: (jax_qcomm.runners.data_parallel): a leaf that varies over them is one shard of a parameter.
 MODEL_AXES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jax_qcomm_model_axes",
                                                                   default=())
+#: The replica axes of a diloco while it traces its inner transformation (jax_qcomm.transforms.
+#: diloco): values vary over them because the replicas differ, not because they are shards.
+REPLICA_AXES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jax_qcomm_replica_axes",
+                                                                    default=())
+
+
+def shard_axes(x: Any, own: Sequence[Any]) -> tuple:
+  """The manual axes over which ``x`` (a value of a synchronisation over the axes ``own``) is one
+  shard of a larger whole: the runner's model axes it varies over, or, in a step written by hand
+  (manual over every axis, the parameters sharded by its in_specs), the axes it varies over
+  besides ``own`` and a diloco's replica axes."""
+  vma = _compat.vma_of(x)
+  model = MODEL_AXES.get()
+  if model:
+    return tuple(a for a in model if a in vma)
+  skip = set(own) | set(REPLICA_AXES.get())
+  return tuple(sorted((a for a in vma if a not in skip), key=str))
 
 
 def global_sum_of_squares(tree: Any) -> jax.Array:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import _compat
-from jax_qcomm._checks import check_bool, check_instance
+from jax_qcomm._checks import check_array_leaves, check_bool, check_instance, check_key
 from jax_qcomm.codecs import Codec, NoCompression
 from jax_qcomm.collectives import ops
 from jax_qcomm.transport.axes import AxisName, axis_names, axis_size, check_axis
@@ -72,8 +72,9 @@ def shard_size(n: int, devices: int) -> int:
 def shard_params(params: Any, devices: int) -> Any:
   """Full parameters -> a pytree of :class:`ParamShard` with ``data`` ``[D, m]`` (row i: device
   i's shard). Place it with ``PartitionSpec(axis)`` (``qcomm.data_parallel`` does)."""
-  if not isinstance(devices, int) or devices < 1:
+  if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
     raise ValueError(f"devices must be a positive integer, got {devices!r}")
+  check_array_leaves("params", params)
 
   def one(x):
     x = jnp.asarray(x)
@@ -124,6 +125,7 @@ def gather_params(shards: Any, axis_name: AxisName, codec: Codec = NoCompression
   check_instance("codec", codec, Codec, "a qcomm codec")
   check_instance("grad_codec", grad_codec, Codec, "a qcomm codec")
   check_bool("check_layout", check_layout)
+  check_key("key", key)
   leaves, treedef = jax.tree_util.tree_flatten(shards, is_leaf=_is_shard)
   d = axis_size(axis_name)
   for i, s in enumerate(leaves):

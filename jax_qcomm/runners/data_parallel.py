@@ -39,7 +39,7 @@ from jax_qcomm.runners.overlap import OverlappedDataParallel
 from jax_qcomm.collectives.shard_layout import MODEL_AXES
 from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import (_SpecKey, checked_spec, communicated, device_spec,
-                                        find_states, local_params, place, replica_axes)
+                                        local_params, place, replica_axes)
 
 AUX_REDUCTIONS = ("mean", "sum", "stack", "concat")
 
@@ -145,8 +145,8 @@ class DataParallel:
     else:
       mspec = layout.state_model_specs(opt_state, params, pspecs, spec,
                                        layout.model_axes(self.mesh, self._names))
-      fn = self._sharded_step_fn(_SpecKey(spec), _SpecKey(mspec), _SpecKey(pspecs), replicas,
-                                 len(extra), key is not None)
+      fn = self._step_fn(_SpecKey(spec), replicas, len(extra), key is not None, _SpecKey(mspec),
+                         _SpecKey(pspecs))
       spec = layout.merge(spec, mspec)
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
     args = (self._put(params, pspecs), self._put(opt_state, spec), self._put(batch, batch_spec),
@@ -159,34 +159,15 @@ class DataParallel:
   __call__ = step
 
   @functools.lru_cache(maxsize=None)
-  def _step_fn(self, spec_key, replicas: tuple, n_extra: int, with_key: bool):
+  def _step_fn(self, spec_key, replicas: tuple, n_extra: int, with_key: bool,
+               mspec_key=None, pspec_key=None):
+    """The jitted step. With ``pspec_key`` (parameters sharded over model axes), ``shard_map`` is
+    manual over the data axes only and the update runs per shard (:func:`per_shard_update`)."""
     names = self._names
     loss_fn, tx, has_aux, reduce = self.loss_fn, self.tx, self.has_aux, self.aux_reduce
-
-    def step(params, opt_state, batch, extra, key=None):
-      params, opt_state, loss, aux = local_step(loss_fn, tx, names, has_aux, params, opt_state,
-                                                batch, extra, key)
-      return (params, opt_state, _reduce_aux(loss, "mean", names, replicas),
-              _reduce_aux(aux, reduce, names, replicas))
-
-    batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
-    in_specs = (P(), spec_key.spec, batch_spec, P()) + ((P(),) if with_key else ())
-    fn = jax.shard_map(step, mesh=self.mesh, in_specs=in_specs,
-                       out_specs=(P(), spec_key.spec, out_specs_of("mean", names, replicas),
-                                  out_specs_of(reduce, names, replicas)))
-
-    def call(params, opt_state, batch, extra, *key):
-      return fn(params, opt_state, batch, extra, *key)
-
-    return jax.jit(call, donate_argnums=(0, 1) if self.donate else ())
-
-  @functools.lru_cache(maxsize=None)
-  def _sharded_step_fn(self, spec_key, mspec_key, pspec_key, replicas: tuple, n_extra: int,
-                       with_key: bool):
-    """The step for parameters sharded over model axes (:func:`per_shard_update`)."""
-    names = self._names
-    loss_fn, tx, has_aux, reduce = self.loss_fn, self.tx, self.has_aux, self.aux_reduce
-    update = per_shard_update(tx, self.mesh, names, pspec_key.spec, mspec_key.spec)
+    sharded = pspec_key is not None
+    update = (per_shard_update(tx, self.mesh, names, pspec_key.spec, mspec_key.spec)
+              if sharded else None)
 
     def step(params, opt_state, batch, extra, key=None):
       params, opt_state, loss, aux = local_step(loss_fn, tx, names, has_aux, params, opt_state,
@@ -199,8 +180,9 @@ class DataParallel:
     fn = jax.shard_map(step, mesh=self.mesh, in_specs=in_specs,
                        out_specs=(P(), spec_key.spec, out_specs_of("mean", names, replicas),
                                   out_specs_of(reduce, names, replicas)),
-                       axis_names=set(names))
-    keep = keep_layout(self.mesh, pspec_key.spec, layout.merge(spec_key.spec, mspec_key.spec))
+                       **({"axis_names": set(names)} if sharded else {}))
+    keep = (keep_layout(self.mesh, pspec_key.spec, layout.merge(spec_key.spec, mspec_key.spec))
+            if sharded else (lambda params, opt_state: (params, opt_state)))
 
     def call(params, opt_state, batch, extra, *key):
       params, opt_state, loss, aux = fn(params, opt_state, batch, extra, *key)

@@ -30,7 +30,7 @@ from jax_qcomm._checks import check_instance
 from jax_qcomm.transport.axes import AxisName, axis_names, axis_size
 from jax_qcomm.codecs import Codec, codec_for_bits
 from jax_qcomm.codecs.base import nonfinite_mark
-from jax_qcomm.collectives.shard_layout import MODEL_AXES
+from jax_qcomm.collectives.shard_layout import shard_axes
 
 
 # ---- counters, keys ---------------------------------------------------------------------------
@@ -60,12 +60,12 @@ def split_key(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 # ---- error feedback and the finite guard --------------------------------------------------------
 
-def whole_model(mark: jax.Array) -> jax.Array:
-  """A finite mark (or any scalar sum) made the whole model's in a model-sharded step, where each
-  device marks its own shards: summed over the model axes it varies over (the runner's
-  ``MODEL_AXES``), so every device takes the same decision. Unchanged elsewhere (a diloco
-  replica's inner sync varies over the replica axis, and must not reduce over it)."""
-  other = tuple(a for a in MODEL_AXES.get() if a in _compat.vma_of(mark))
+def whole_model(mark: jax.Array, names: Sequence[Any]) -> jax.Array:
+  """A finite mark (or any scalar sum) of a synchronisation over ``names`` made the whole
+  model's where each device marks its own shards of model-sharded parameters: summed over those
+  axes (:func:`~jax_qcomm.collectives.shard_layout.shard_axes`), so every device takes the same
+  decision. Unchanged elsewhere."""
+  other = shard_axes(mark, names)
   return lax.psum(mark, other) if other else mark
 
 

@@ -43,6 +43,7 @@ from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_instan
                                check_int, check_int_or_none)
 from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import Codec
+from jax_qcomm.collectives.shard_layout import REPLICA_AXES
 from jax_qcomm.transforms.specs import find_states, local_params, register_state
 
 #: The default outer optimizer of :func:`diloco`: Nesterov SGD at a momentum-adjusted rate
@@ -388,7 +389,11 @@ class _DiLoCo:
     if phase in ("outer", "arrive"):
       mini_step = state.mini_step
     else:
-      updates, inner_state = self.inner.update(grads, inner_state, local, **extra_args)
+      token = REPLICA_AXES.set(tuple(REPLICA_AXES.get()) + tuple(self.names))
+      try:  # the replicas differ: values vary over their axes without being shards
+        updates, inner_state = self.inner.update(grads, inner_state, local, **extra_args)
+      finally:
+        REPLICA_AXES.reset(token)
       local = optax.apply_updates(local, updates)
       mini_step = state.mini_step + 1
 
@@ -417,7 +422,7 @@ class _DiLoCo:
       mean, lost, _, mark = collectives.allreduce_tree(
           delta, _comm_axis(cfg), cfg.codec, sub, "mean", policy=cfg.policy,
           comm_bucket_size=cfg.comm_bucket_size)
-      finite = jnp.isfinite(_parts.whole_model(mark))
+      finite = jnp.isfinite(_parts.whole_model(mark, axis_names(_comm_axis(cfg))))
       if group is None:
         outer_updates, outer_state = self.outer.update(mean, state.outer_opt_state, anchor)
         new_outer = _parts.keep_if_finite(finite, outer_state, state.outer_opt_state)

@@ -371,7 +371,7 @@ class _Sync:
         comm_bucket_size=cfg.comm_bucket_size, codec_state=state.codec_state)
     # The codecs' mark of the average (Codec.allreduce_leaves_marked), the same on every device,
     # so this decision is too (over every shard of a model-sharded step).
-    finite = jnp.isfinite(_parts.whole_model(mark))
+    finite = jnp.isfinite(_parts.whole_model(mark, self.names))
     # A non-finite window must not poison the residual of later steps.
     residual = _parts.next_residual(finite, lost, state.residual) if cfg.error_feedback else ()
     if params is not None:  # inner sees gradients in the parameters' dtypes
@@ -552,7 +552,7 @@ class _ShardedSync(_Sync):
 
     # 2. Whole-model finiteness, the same decision on every device: one scalar psum of the
     # codecs' marks of this device's shards.
-    finite = jnp.isfinite(_parts.whole_model(lax.psum(sum(marks, jnp.float32(0)), names)))
+    finite = jnp.isfinite(_parts.whole_model(lax.psum(sum(marks, jnp.float32(0)), names), names))
 
     # 3. inner on the shards, against the fp32 master; a non-finite window keeps both. Written so
     # that XLA updates the donated state in place: mapped over the state's own leading device axis
