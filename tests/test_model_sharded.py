@@ -388,3 +388,11 @@ def test_a_step_written_by_hand_manual_over_every_axis():
   loss = lambda p: float(jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2))  # noqa: E731
   assert loss(params) < loss(start)
   _assert_replicas_identical(params)
+
+
+def test_the_elastic_and_overlapped_runners_refuse_sharded_parameters():
+  mesh = _mesh((2, 4))
+  tx = qcomm.diloco(optax.sgd(0.1), axis_name="data", every=2, delay=1)
+  dp = qcomm.data_parallel(loss_fn, tx, mesh, overlap=True)
+  with pytest.raises(ValueError, match="data_parallel\\(..., overlap=True\\) keeps the parameters"):
+    dp.init(_place(_params(), mesh))

@@ -55,6 +55,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat
 from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, replica_rows
+from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import _SpecKey, checked_spec, place
 
 #: Seconds to wait for a coordination-service key that every process of a round wrote before the
@@ -175,6 +176,7 @@ class ElasticDataParallel:
   # -- the public calls -----------------------------------------------------------------------------
   def init(self, params: Any) -> Any:
     """This process's replica of ``tx.init(params)``, on its own devices."""
+    layout.refuse_sharded(params, "elastic")
     if self._replica_axis is None:
       with jax.set_mesh(self.mesh):
         self._set_replica_axis(jax.eval_shape(self.tx.init, params))

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm.collectives import ops as collectives
 from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, delayed_send, replica_rows
+from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import _SpecKey, checked_spec
 
 
@@ -110,6 +111,7 @@ class OverlappedDataParallel:
   # -- the public calls -----------------------------------------------------------------------------
   def init(self, params: Any) -> Any:
     """``tx.init(params)`` placed on the mesh (as :class:`qcomm.data_parallel`'s)."""
+    layout.refuse_sharded(params, "overlap")
     if self._comm_mesh is None:
       with jax.set_mesh(self.mesh):
         self._set_devices(jax.eval_shape(self.tx.init, params))

@@ -220,3 +220,16 @@ def per_device(params: Any) -> tuple[Any, list]:
       out.append(jax.ShapeDtypeStruct(shape, jax.numpy.float32))
       kinds.append(frozenset())
   return jax.tree_util.tree_unflatten(treedef, out), kinds
+
+
+def refuse_sharded(params: Any, option: str) -> None:
+  """ValueError for parameters placed sharded over mesh axes, where a runner (``option``) keeps
+  them replicated: never a silent gather."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and spec_axes(sharding.spec):
+      raise ValueError(
+          f"params leaf '{path_str(path) or '<root>'}' is sharded ({sharding.spec}), but "
+          f"data_parallel(..., {option}=True) keeps the parameters replicated over each "
+          f"replica's devices. Parameters sharded over model axes run through "
+          f"qcomm.data_parallel without {option}=True; here, pass them replicated")
