@@ -356,8 +356,9 @@ def test_two_processes_with_the_model_sharded_in_each(tmp_path):
 
 def test_a_step_written_by_hand_manual_over_every_axis():
   """Fully manual tensor parallelism: shard_map over (data, model) with the parameters' own specs
-  and qcomm.state_partition_spec(..., params=) for the state. sync's finite guard adds the
-  shards' marks over "model" by itself; the result equals the runner's."""
+  and qcomm.state_partition_spec(..., params=) for the state. sync runs per shard (its finite
+  guard adds the shards' marks over "model" by itself: the state's counters stay replicated),
+  trains, and the data replicas of every shard stay bit-identical."""
   from jax import lax  # noqa: PLC0415
 
   mesh = _mesh((2, 4))
@@ -396,3 +397,44 @@ def test_the_elastic_and_overlapped_runners_refuse_sharded_parameters():
   dp = qcomm.data_parallel(loss_fn, tx, mesh, overlap=True)
   with pytest.raises(ValueError, match="data_parallel\\(..., overlap=True\\) keeps the parameters"):
     dp.init(_place(_params(), mesh))
+
+
+def test_a_non_finite_gradient_in_one_shard_skips_the_step_on_every_device():
+  """An infinity in one element of one model shard's gradient (the slope of sqrt at 0): every
+  device takes the same decision. With shard_state=True the sync skips the step itself: every
+  shard unchanged, total_notfinite 1 everywhere; a later finite step trains."""
+  mesh = _mesh((2, 4))
+
+  def loss(p, batch):  # d sqrt(w1[0, 0]) / d w1[0, 0] = inf at 0: only model shard 0 sees it
+    return loss_fn(p, batch) + jnp.sqrt(jnp.abs(p["w1"][0, 0]))
+
+  tx = qcomm.sync(optax.sgd(0.1), axis_name="data", bits=4, min_size=16, shard_state=True)
+  dp = qcomm.data_parallel(loss, tx, mesh)
+  params = _place({**_params(), "w1": _params()["w1"].at[0, 0].set(0.0)}, mesh)
+  state = dp.init(params)
+  new, state, _, _ = dp.step(params, state, _batch())
+  assert int(state.total_notfinite) == 1
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(params[k]))
+  _assert_replicas_identical((new, state))
+  with pytest.raises(ValueError, match="optax.apply_if_finite, but the parameters are sharded"):
+    dp2 = qcomm.data_parallel(loss_fn, qcomm.sync(optax.apply_if_finite(optax.sgd(0.1), 3),
+                                                  axis_name="data"), mesh)
+    dp2.step(params, dp2.init(params), _batch())
+  with pytest.raises(ValueError, match="optax.clip_by_global_norm, but the parameters are sharded"):
+    dp3 = qcomm.data_parallel(loss_fn, qcomm.sync(optax.chain(optax.clip_by_global_norm(1.0),
+                                                              optax.sgd(0.1)), axis_name="data"),
+                              mesh)
+    dp3.step(params, dp3.init(params), _batch())
+
+
+def test_moments_follow_the_longest_matching_parameter_path():
+  """A top-level "w" sharded over model and "block/w" replicated: block/w's moments belong to
+  block/w (replicated), not to the top-level w whose path is a tail of theirs."""
+  from jax_qcomm.transforms import layout  # noqa: PLC0415
+
+  params = {"w": jnp.ones((8, 8)), "block": {"w": jnp.ones((8, 8))}}
+  pspecs = {"w": P(None, "model"), "block": {"w": P()}}
+  state = optax.adam(0.1).init(params)
+  specs = layout.state_model_specs(state, params, pspecs)
+  assert specs[0].mu["w"] == P(None, "model") and specs[0].mu["block"]["w"] == P()

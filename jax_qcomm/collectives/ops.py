@@ -24,6 +24,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from jax_qcomm import _compat
 from jax_qcomm.transport import _exchange, _varying
 from jax_qcomm.collectives import packing
+from jax_qcomm.collectives.shard_layout import REPLICA_AXES
 from jax_qcomm._checks import (check_array, check_bool, check_float_dtype, check_instance,
                                check_int_or_none, check_key)
 from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names, axis_size, check_axis
@@ -312,6 +313,9 @@ def allreduce_tree(x: Any, axis_name: AxisName, codec: Codec, key: jax.Array | N
   kinds = [packing.vma_kind(leaf) - own for leaf in leaves]
   for i, group in enumerate(packing.plan(leaves, codecs, comm_bucket_size, d, kinds=kinds)):
     group_key = None if key is None else jax.random.fold_in(key, i)
+    shard_of = sorted(set(kinds[group.leaves[0]]) - set(REPLICA_AXES.get()), key=str)
+    if group_key is not None and shard_of:  # shards of larger leaves: rounding of their own
+      group_key = jax.random.fold_in(group_key, lax.axis_index(tuple(shard_of)))
     parts = [leaves[j].reshape(-1).astype(jnp.float32) for j in group.leaves]
     reduced, lost, states, group_mark = _allreduce_leaves(
         parts, [leaves[j].shape for j in group.leaves], [codec_state[j] for j in group.leaves],
@@ -351,6 +355,7 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, codec: Codec = QSGD(),
     return _on_shards(lambda local, k: reduce_scatter(local, axis_name, codec, k, op,
                                                       check_varying=False, exchange=exchange),
                       x, specs, axes, ("tree",), key)
+  _warn_auto_axes("reduce_scatter")
   block = (x.shape[0] // d,) + x.shape[1:]
   flat = x.reshape(-1).astype(jnp.float32)
   reduced, _ = codec.reduce_scatter_flat(flat, axis_name, key, op, exchange)
@@ -376,6 +381,7 @@ def all_gather(x: jax.Array, axis_name: AxisName,
       _check_dim0_unsharded("all_gather(tiled=True)", specs[0])
     return _on_shards(lambda local, k: all_gather(local, axis_name, codec, k, tiled),
                       x, specs, axes, (specs[0] if tiled else P(None, *specs[0]),), key)
+  _warn_auto_axes("all_gather")
   rows = codec.all_gather_flat(x.reshape(-1), axis_name, key)
   out = rows.astype(x.dtype).reshape((d,) + x.shape)
   return out.reshape((d * x.shape[0],) + x.shape[1:]) if tiled else out

@@ -200,6 +200,13 @@ REPLICA_AXES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jax_qcomm_
                                                                     default=())
 
 
+#: The axes of the sync whose ``inner`` is being traced (jax_qcomm.transforms.sync): the values
+#: ``inner`` sees are the same over them, and vary over any other axis only as shards (or as a
+#: diloco's replicas).
+SYNC_AXES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jax_qcomm_sync_axes",
+                                                                         default=None)
+
+
 def shard_axes(x: Any, own: Sequence[Any]) -> tuple:
   """The manual axes over which ``x`` (a value of a synchronisation over the axes ``own``) is one
   shard of a larger whole: the runner's model axes it varies over, or, in a step written by hand
@@ -229,10 +236,13 @@ def global_sum_of_squares(tree: Any) -> jax.Array:
     data = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   else:
     weights, data = [1] * len(leaves), ()
-  model = MODEL_AXES.get()
+  own = SYNC_AXES.get()
   parts: dict[tuple, jax.Array] = {}
   for w, x in zip(weights, leaves):
-    over = tuple(a for a in model if a in _compat.vma_of(x))  # the axes x is a shard over
+    # the axes x is one shard over: the runner's model axes, or inside a sync's inner the axes
+    # it varies over besides the sync's (a step written by hand, manual over every axis)
+    over = (shard_axes(x, own) if own is not None or MODEL_AXES.get()
+            else ())
     term = jnp.float32(w) * jnp.sum(jnp.square(x.astype(jnp.float32)))
     parts[over] = parts[over] + term if over in parts else term
   total = jnp.float32(0)

@@ -9,7 +9,7 @@ along the data axes) holds elements ``[i * m, (i + 1) * m)``. As a global array 
 parameters and :func:`unshard_params` gives the full parameters back (evaluation, checkpoints in
 the full layout).
 
-:func:`gather_params` is the primitive, called inside ``shard_map`` (or the runner) where the
+:func:`gather_params` is the primitive, called inside ``shard_map`` where the
 parameters are used: forward, an all-gather of the shards, compressed with ``codec`` (the weights
 quantised blockwise, DeepSpeed ZeRO++'s qwZ: ``QSGD(8, rounding="nearest")`` keeps each value
 within half a step of 1/255 of its bucket's range); backward (a ``jax.custom_vjp``), a
@@ -71,7 +71,7 @@ def shard_size(n: int, devices: int) -> int:
 
 def shard_params(params: Any, devices: int) -> Any:
   """Full parameters -> a pytree of :class:`ParamShard` with ``data`` ``[D, m]`` (row i: device
-  i's shard). Place it with ``PartitionSpec(axis)`` (``qcomm.data_parallel`` does)."""
+  i's shard). Place it with ``PartitionSpec(axis)`` (``shard_map``'s in_specs)."""
   if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
     raise ValueError(f"devices must be a positive integer, got {devices!r}")
   check_array_leaves("params", params)
@@ -158,6 +158,9 @@ def _gather_one(data, shape, dtype, names, codec, key):
     whole = lax.all_gather(flat, names, tiled=True)
   else:
     whole = ops.all_gather(flat.astype(jnp.float32), names, codec, key, tiled=True)
+  # Typed as varying, as lax.all_gather's result is: the loss's cotangent then reaches the
+  # backward pass per device (an invariant result would have it summed over the devices first).
+  whole = _compat.make_varying(whole, frozenset(names))
   return whole[:n].reshape(shape).astype(dtype)
 
 
@@ -185,6 +188,10 @@ def _gather_bwd(metas, names, codec, grad_codec, residual, cotangents):
       part = lax.psum_scatter(flat, names, tiled=True) / d
     else:
       part = ops.reduce_scatter(flat, names, grad_codec, k, "mean", check_varying=False)
+    # The padding past the leaf's n values is no parameter: its gradient stays 0 (a stochastic
+    # codec would round it away from 0, and the optimizer would move it).
+    index = lax.axis_index(names) * m + jnp.arange(m)
+    part = jnp.where(index < math.prod(shape), part, 0.0)
     grads.append(part.reshape(dshape).astype(g.dtype))
   return tuple(grads), None
 

@@ -75,14 +75,8 @@ class DataParallel:
     """The parameters' specs over the model axes (None: replicated, the plain layout). Inside the
     caller's ``jax.jit`` an Auto axis's sharding is not in the traced params' type: the layout
     this runner last saw for the same tree (at ``init``) is used then."""
-    treedef = jax.tree_util.tree_structure(params)
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params))
-    found = layout.param_specs(params, self.mesh, self._names, self.param_spec)
-    if found is None and traced and self.param_spec is None:
-      return self._layouts.get(treedef)
-    if not traced:
-      self._layouts[treedef] = found
-    return found
+    return layout.cached_param_specs(self._layouts, params, self.mesh, self._names,
+                                     self.param_spec)
 
   # -- specs and shardings ------------------------------------------------------------------------
   @property
@@ -105,7 +99,8 @@ class DataParallel:
   def init(self, params: Any) -> Any:
     """The optimizer state for ``params``, placed on the mesh: replicated except the per-device
     parts of the qcomm states (a sync's accumulator, the sharded sync's shards, a diloco replica's
-    parameters), split over their axes."""
+    parameters), split over their axes; with parameters sharded over model axes, every part that
+    belongs to a parameter sharded like it (``tx.init`` runs on each device's shards)."""
     check_array_leaves("params", params)
     pspecs = self._param_specs(params)
     with jax.set_mesh(self.mesh):
@@ -143,6 +138,7 @@ class DataParallel:
       fn = self._step_fn(_SpecKey(spec), replicas, len(extra), key is not None)
       pspecs = P()
     else:
+      _check_shard_reductions(self.tx)
       mspec = layout.state_model_specs(opt_state, params, pspecs, spec,
                                        layout.model_axes(self.mesh, self._names))
       fn = self._step_fn(_SpecKey(spec), replicas, len(extra), key is not None, _SpecKey(mspec),
@@ -241,9 +237,11 @@ def _shard_errors(where: str):
     raise ValueError(
         f"dp.{where}: a part of the optimizer state differs between the shards of a "
         f"model-sharded parameter but has no parameter's shape to be sharded like (a codec "
-        f"whose state depends on the leaf's shape, such as PowerSGD's factors, or the flat "
-        f"shards of shard_state=True). Use a codec without per-leaf state (QSGD, Summable, "
-        f"Cast, Wire16, NoCompression, TopK) with model-sharded parameters. jax said: "
+        f"whose state depends on the leaf's shape, such as PowerSGD's factors), or a value the "
+        f"update computes from one shard alone reaches a replicated leaf (a reduction over a "
+        f"parameter's elements, as LAMB's trust ratio). Use a codec without per-leaf state "
+        f"(QSGD, Summable, Cast, Wire16, NoCompression, TopK) and element-wise optimizers with "
+        f"model-sharded parameters. jax said: "
         f"{text[:2000]}") from e
 
 
@@ -442,7 +440,8 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   Returns:
     A :class:`DataParallel`: ``opt_state = dp.init(params)``, then
     ``params, opt_state, loss, aux = dp.step(params, opt_state, batch, *extra, key=key)``.
-    ``params`` are replicated and come back replicated (for diloco: the anchor, moved only on
+    ``params`` come back with the layout they came in with: replicated, or sharded over model
+    axes (see ``param_spec``; for diloco: the anchor, moved only on
     synchronising calls; the replicas' own parameters live in the state); ``batch`` is the global
     batch, its leading axis split over the devices (ValueError if they cannot split it evenly);
     ``extra`` arguments (e.g. BatchNorm statistics) are replicated and not differentiated; ``key``
@@ -488,28 +487,32 @@ def _local_runner(loss_fn, axis_name, has_aux, aux_reduce, batch_spec, tx, mesh)
                       aux_reduce=aux_reduce, batch_spec=batch_spec)
 
 
-def _update_order(obj: Any, seen: set | None = None) -> list[str]:
-  """The clippings by global norm (``"clip"``) and qcomm synchronisations (``"sync"``) that
-  ``obj`` (a transformation or its update function) runs, in order: read from the closures of
-  optax's combinators (``optax.chain`` keeps its parts' update functions in one)."""
+def _update_order(obj: Any, seen: set | None = None, enter_sync: bool = False) -> list[str]:
+  """The clippings by global norm (``"optax_clip"``, ``"qcomm_clip"``) and gradient
+  synchronisations (``"sync"``) that ``obj`` (a transformation or its update function) runs, in
+  order: read from the closures of optax's combinators (``optax.chain`` keeps its parts' update
+  functions in one). A sync's own ``inner`` runs after it: entered only with ``enter_sync``."""
   seen = set() if seen is None else seen
   if id(obj) in seen or len(seen) > 2000:
     return []
   seen.add(id(obj))
   qualname = getattr(obj, "__qualname__", "")
-  if qualname.startswith(("_Sync.", "_ShardedSync.", "_DiLoCo.")):
-    return ["sync"]
-  if "clip_by_global_norm" in qualname and "jax_qcomm" not in getattr(obj, "__module__", ""):
-    return ["clip"]
+  if qualname.startswith(("_Sync.", "_ShardedSync.")):
+    inner = getattr(getattr(obj, "__self__", None), "inner", None)
+    return ["sync"] + (_update_order(inner, seen, True) if enter_sync and inner else [])
+  if "clip_by_global_norm" in qualname:
+    return ["qcomm_clip" if "jax_qcomm" in getattr(obj, "__module__", "") else "optax_clip"]
+  if qualname.startswith("apply_if_finite."):
+    return ["apply_if_finite"]
   if hasattr(obj, "update") and hasattr(obj, "init"):  # a transformation: what its update runs
-    return _update_order(obj.update, seen)
+    return _update_order(obj.update, seen, enter_sync)
   if isinstance(obj, (tuple, list)):
-    return [m for x in obj for m in _update_order(x, seen)]
+    return [m for x in obj for m in _update_order(x, seen, enter_sync)]
   cells = getattr(obj, "__closure__", None) or ()
   out = []
   for cell in cells:
     try:
-      out += _update_order(cell.cell_contents, seen)
+      out += _update_order(cell.cell_contents, seen, enter_sync)
     except ValueError:  # an empty cell
       pass
   return out
@@ -523,13 +526,14 @@ def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate
   if check_tx and not (hasattr(tx, "init") and hasattr(tx, "update")):
     raise ValueError(f"tx must be an optax.GradientTransformation, got {tx!r}")
   order = _update_order(tx) if check_tx else []
-  if "clip" in order and "sync" in order and order.index("clip") < order.index("sync"):
+  clips = [i for i, m in enumerate(order) if m.endswith("_clip")]
+  if clips and "sync" in order and clips[0] < order.index("sync"):
     raise ValueError(
         "tx clips by global norm before the qcomm synchronisation (optax.chain("
         "optax.clip_by_global_norm(...), qcomm.sync(...))): each device would clip its own "
         "gradient by its own norm, before the average. Clip the averaged gradient inside: "
-        "qcomm.sync(optax.chain(optax.clip_by_global_norm(c), inner), ...), or "
-        "qcomm.clip_by_global_norm(c) there with shard_state=True")
+        "qcomm.sync(optax.chain(qcomm.clip_by_global_norm(c), inner), ...) (the whole model's "
+        "norm also where inner sees shards: shard_state=True, model-sharded parameters)")
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
   check_axis_name("axis_name", axis_name, (collectives.Hierarchical,),
@@ -543,6 +547,25 @@ def _check(loss_fn, tx, mesh, axis_name, has_aux, aux_reduce, batch_spec, donate
   if batch_spec is not None and not isinstance(batch_spec, P):
     raise ValueError(f"batch_spec must be None or a PartitionSpec, got {batch_spec!r}")
   check_bool("donate", donate)
+
+
+def _check_shard_reductions(tx: optax.GradientTransformation) -> None:
+  """ValueError for ``optax.clip_by_global_norm`` and ``optax.apply_if_finite`` in a
+  model-sharded step: they would decide from each shard alone."""
+  order = _update_order(tx, enter_sync=True)
+  if "apply_if_finite" in order:
+    raise ValueError(
+        "tx holds optax.apply_if_finite, but the parameters are sharded over model axes: the "
+        "update runs on each device's shards, and each would decide from its own shard whether "
+        "to skip. Use qcomm.sync(..., shard_state=True), which skips a non-finite step itself "
+        "with one decision for the whole model (counted in total_notfinite)")
+  if "optax_clip" in order:
+    raise ValueError(
+        "tx holds optax.clip_by_global_norm, but the parameters are sharded over model axes: "
+        "the update runs on each device's shards, and optax would clip each shard by its own "
+        "norm. Use qcomm.clip_by_global_norm(max_norm), which adds the shards' sums of squares "
+        "over the model axes (transformations that reduce over a parameter's elements, such "
+        "as LAMB's and LARS's trust ratios, see shards too)")
 
 
 def _check_param_spec(param_spec: Any, mesh: Mesh, axis_name: Any) -> None:

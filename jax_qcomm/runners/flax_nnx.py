@@ -36,7 +36,8 @@ from flax import nnx
 from jax_qcomm import _compat
 from jax_qcomm._checks import check_key
 from jax_qcomm.transport.axes import AxisName, axis_names
-from jax_qcomm.runners.data_parallel import (_check, _reduce_aux, _shard_errors, check_batch,
+from jax_qcomm.runners.data_parallel import (_check, _check_shard_reductions, _reduce_aux,
+                                             _shard_errors, check_batch,
                                              keep_layout, local_step, out_specs_of,
                                              per_shard_update)
 from jax_qcomm.transforms import layout
@@ -57,6 +58,7 @@ class NNXDataParallel:
   batch_spec: P | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, "_layouts", {})  # params treedef -> the layout seen (model specs)
     _check(self.loss_fn, None, self.mesh, self.axis_name, self.has_aux, self.aux_reduce,
            self.batch_spec, False, check_tx=False)
 
@@ -86,9 +88,10 @@ class NNXDataParallel:
     # Parameters sharded over model axes (nnx.with_partitioning, placed on the mesh): the step
     # keeps their layout and updates each device's shards (qcomm.data_parallel's model-sharded
     # step).
-    pspecs = layout.param_specs(params, self.mesh, names)
+    pspecs = layout.cached_param_specs(self._layouts, params, self.mesh, names)
     mspec = None
     if pspecs is not None:
+      _check_shard_reductions(optimizer.tx)
       mspec = layout.state_model_specs(opt_state, params, pspecs, spec,
                                        layout.model_axes(self.mesh, names))
     fn = self._step_fn(graphdef, optimizer.wrt, optimizer.tx, _SpecKey(spec),

@@ -15,6 +15,7 @@ One definition each, so that the transformations agree:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Sequence
 
@@ -30,7 +31,7 @@ from jax_qcomm._checks import check_instance
 from jax_qcomm.transport.axes import AxisName, axis_names, axis_size
 from jax_qcomm.codecs import Codec, codec_for_bits
 from jax_qcomm.codecs.base import nonfinite_mark
-from jax_qcomm.collectives.shard_layout import shard_axes
+from jax_qcomm.collectives.shard_layout import SYNC_AXES, shard_axes
 
 
 # ---- counters, keys ---------------------------------------------------------------------------
@@ -59,6 +60,17 @@ def split_key(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # ---- error feedback and the finite guard --------------------------------------------------------
+
+@contextlib.contextmanager
+def inside(names: Sequence[Any]):
+  """While a sync over ``names`` traces its ``inner``: whole-model sums there
+  (:func:`qcomm.clip_by_global_norm`) add the shards of model-sharded leaves over their axes."""
+  token = SYNC_AXES.set(tuple(names))
+  try:
+    yield
+  finally:
+    SYNC_AXES.reset(token)
+
 
 def whole_model(mark: jax.Array, names: Sequence[Any]) -> jax.Array:
   """A finite mark (or any scalar sum) of a synchronisation over ``names`` made the whole

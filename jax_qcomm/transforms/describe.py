@@ -198,7 +198,7 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
   else:
     devices = check_int("devices", devices)
   # Model-sharded parameters: what each device holds and sends (its shards).
-  params, kinds = layout_of.per_device(params)
+  params, kinds = layout_of.per_device(params, axis_names(cfg.axis_name))
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)
   shapes = [x for _, x in with_path]
   codecs = packing.leaf_codecs(params, cfg.codec, cfg.policy)

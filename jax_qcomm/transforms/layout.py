@@ -117,6 +117,34 @@ def param_specs(params: Any, mesh: Mesh, data_axes: Sequence[str],
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def cached_param_specs(seen: dict, params: Any, mesh: Mesh, data_axes: Sequence[str],
+                       param_spec: Any = None) -> Any | None:
+  """:func:`param_specs` for a runner, which remembers the layout of each params tree it was
+  given as arrays (``seen``: treedef -> specs). Inside the caller's ``jax.jit`` an Auto axis's
+  sharding is not in the traced params' type: the remembered layout is used then, and ValueError
+  where there is none and the mesh has Auto axes besides the data axes (the layout unknown)."""
+  treedef = jax.tree_util.tree_structure(params)
+  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params))
+  found = param_specs(params, mesh, data_axes, param_spec)
+  if not traced or param_spec is not None:
+    if not traced:
+      seen[treedef] = found
+    return found
+  if found is not None:
+    return found
+  if treedef in seen:
+    return seen[treedef]
+  unknown = [n for n, t in zip(mesh.axis_names, mesh.axis_types)
+             if n not in set(data_axes) and t == jax.sharding.AxisType.Auto and mesh.shape[n] > 1]
+  if unknown:
+    raise ValueError(
+        f"the step is traced inside jax.jit on a mesh with the Auto axes {unknown} besides the "
+        f"data axes, where the params' layout is not in their type, and this runner has not seen "
+        f"these params placed: call dp.init(params) (or one step) outside jit first, or pass "
+        f"param_spec= (PartitionSpec() leaves for replicated parameters)")
+  return None
+
+
 def model_axes(mesh: Mesh, data_axes: Sequence[str]) -> tuple:
   """The mesh axes that are not data axes, in mesh order."""
   return tuple(a for a in mesh.axis_names if a not in set(data_axes))
@@ -139,21 +167,25 @@ def state_model_specs(state: Any, params: Any, pspecs: Any, data_spec: Any = Non
   replicated parameters)."""
   p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   s_leaves = jax.tree_util.tree_leaves(pspecs, is_leaf=_is_spec)
-  sharded = [(path, tuple(jax.numpy.shape(p)), s) for (path, p), s in zip(p_leaves, s_leaves)
-             if spec_axes(s)]
+  candidates = [(path, tuple(jax.numpy.shape(p)), s) for (path, p), s in zip(p_leaves, s_leaves)]
   stacked = P(tuple(model) if len(model) > 1 else model[0]) if model else P()
 
   def one(path, leaf, dspec=P()):
+    # the parameter whose path is the longest tail of this leaf's (``block/w``'s moments belong
+    # to ``block/w``, not to a top-level ``w``)
+    matches = [c for c in candidates if _key_tail_matches(path, c[0])]
+    if not matches:
+      return P()
+    _, pshape, s = max(matches, key=lambda c: len(c[0]))
+    if not spec_axes(s):
+      return P()
     shape = tuple(jax.numpy.shape(leaf))
-    for ppath, pshape, s in sharded:
-      if not _key_tail_matches(path, ppath):
-        continue
-      if shape == pshape:
-        return s
-      if len(shape) == len(pshape) + 1 and shape[1:] == pshape:
-        return P(None, *s)
-      if len(dspec) and dspec[0] is not None:  # this device's flat part of a sharded parameter
-        return stacked
+    if shape == pshape:
+      return s
+    if len(shape) == len(pshape) + 1 and shape[1:] == pshape:
+      return P(None, *s)
+    if len(dspec) and dspec[0] is not None:  # this device's flat part of a sharded parameter
+      return stacked
     return P()
 
   if data_spec is None:
@@ -204,15 +236,20 @@ def restrict(spec: Any, axes: Sequence[str]) -> Any:
   return jax.tree_util.tree_map(one, spec, is_leaf=_is_spec)
 
 
-def per_device(params: Any) -> tuple[Any, list]:
+def per_device(params: Any, data_axes: Sequence[str] = ()) -> tuple[Any, list]:
   """``params`` as each device holds them: ``jax.ShapeDtypeStruct`` s of the shard shapes of
   leaves placed with a ``NamedSharding`` (arrays, or ``ShapeDtypeStruct`` s with a sharding), and
-  per leaf the mesh axes it is sharded over (which leaves the collectives pack apart)."""
+  per leaf the mesh axes it is sharded over (which leaves the collectives pack apart).
+  ValueError for a leaf sharded over one of ``data_axes`` (the data axes hold replicas)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   out, kinds = [], []
   for x in leaves:
     shape = tuple(int(d) for d in jax.numpy.shape(x))
     sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and spec_axes(sharding.spec) & set(data_axes):
+      raise ValueError(f"params leaf of shape {shape} is sharded over the data axes "
+                       f"({sharding.spec}): the data axes hold replicas of the model; shard "
+                       f"parameters only over the other mesh axes")
     if isinstance(sharding, NamedSharding) and spec_axes(sharding.spec):
       out.append(jax.ShapeDtypeStruct(tuple(sharding.shard_shape(shape)), jax.numpy.float32))
       kinds.append(frozenset(spec_axes(sharding.spec)))

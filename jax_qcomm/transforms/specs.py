@@ -199,9 +199,17 @@ def state_partition_spec(tree: Any, axis_name: AxisName | None = None, *,
   pspecs = jax.tree_util.tree_map(
       lambda x: P(*x.sharding.spec) if isinstance(getattr(x, "sharding", None), NamedSharding)
       else P(), params)
-  model = sorted(set().union(*[layout.spec_axes(s) for s in jax.tree_util.tree_leaves(
-      pspecs, is_leaf=lambda s: isinstance(s, P))]), key=str)
-  return layout.merge(spec, layout.state_model_specs(tree, params, pspecs, spec, tuple(model)))
+  used = set().union(*[layout.spec_axes(s) for s in jax.tree_util.tree_leaves(
+      pspecs, is_leaf=lambda s: isinstance(s, P))])
+  data = set(axis_names(axis_name)) if axis_name is not None else set()
+  if used & data:
+    raise ValueError(f"params must be sharded only over mesh axes other than the data axes "
+                     f"{sorted(data)}, got a leaf sharded over {sorted(used & data)}")
+  meshes = [x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None),
+                                                           NamedSharding)]
+  order = meshes[0].axis_names if meshes else sorted(used, key=str)
+  model = tuple(a for a in order if a in used)  # the mesh's order, as the runner's
+  return layout.merge(spec, layout.state_model_specs(tree, params, pspecs, spec, model))
 
 
 # ---- what follows a sync in a chain --------------------------------------------------------------

@@ -380,7 +380,9 @@ class _Sync:
       except (ValueError, TypeError) as e:
         raise ValueError(f"params must be None or the parameters, a pytree with the structure of "
                          f"grads, got {jax.tree_util.tree_structure(params)}: {e}") from None
-    updates, inner_state = self.inner.update(synced, state.inner_opt_state, params, **extra_args)
+    with _parts.inside(self.names):
+      updates, inner_state = self.inner.update(synced, state.inner_opt_state, params,
+                                               **extra_args)
     return updates, SyncState(
         inner_opt_state=inner_state, mini_step=_parts.zero(), key=key,
         acc_grads=state.acc_grads, residual=residual, gradient_step=state.gradient_step + 1,
@@ -562,7 +564,9 @@ class _ShardedSync(_Sync):
     master = jax.tree_util.tree_map(lambda a: a[0], state.master)
     grad_shards = jax.tree_util.tree_unflatten(treedef, shards)
     weights = tuple(1.0 if leaf.split else 1.0 / d for leaf in layout.leaves)
-    run = lambda g, s, m: self.inner.update(g, s, m, **extra_args)  # noqa: E731
+    def run(g, s, m):
+      with _parts.inside(self.names):
+        return self.inner.update(g, s, m, **extra_args)
     with _sharded(PROBE):
       _refuse_shard_reductions(jax.make_jaxpr(run)(grad_shards, inner_state, master))
 
