@@ -108,8 +108,7 @@ class DataParallel:
       spec = self.state_spec(abstract)
     if pspecs is None:
       return self._init_fn(_SpecKey(spec))(self._put(params, P()))
-    model = layout.model_axes(self.mesh, self._names)
-    spec = layout.merge(spec, layout.state_model_specs(abstract, params, pspecs, spec, model))
+    _, spec = layout.state_specs(abstract, params, pspecs, spec, self.mesh, self._names)
     fn = self._sharded_init_fn(_SpecKey(spec), _SpecKey(pspecs))
     with _shard_errors("init"):
       return fn(self._put(params, pspecs))
@@ -139,11 +138,10 @@ class DataParallel:
       pspecs = P()
     else:
       _check_shard_reductions(self.tx)
-      mspec = layout.state_model_specs(opt_state, params, pspecs, spec,
-                                       layout.model_axes(self.mesh, self._names))
+      mspec, full = layout.state_specs(opt_state, params, pspecs, spec, self.mesh, self._names)
       fn = self._step_fn(_SpecKey(spec), replicas, len(extra), key is not None, _SpecKey(mspec),
                          _SpecKey(pspecs))
-      spec = layout.merge(spec, mspec)
+      spec = full
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
     args = (self._put(params, pspecs), self._put(opt_state, spec), self._put(batch, batch_spec),
             self._put(extra, P()))
@@ -194,10 +192,10 @@ def per_shard_update(tx: optax.GradientTransformation, mesh: Mesh, names: tuple,
   model axes, :func:`apply_update` runs inside a second ``shard_map``, manual over the model
   axes, so that every device synchronises (encodes, sends, decodes) its own shard of each
   gradient and keeps its own shard of each part of the state."""
-  model = set(layout.model_axes(mesh, names))
+  model = layout.model_axes(mesh, names)
 
   def per_shard(grads, opt_state, params):
-    token = MODEL_AXES.set(tuple(sorted(model, key=str)))  # whole-model sums over the shards
+    token = MODEL_AXES.set(model)  # whole-model sums over the shards
     try:
       return apply_update(tx, grads, opt_state, params)
     finally:
@@ -206,7 +204,8 @@ def per_shard_update(tx: optax.GradientTransformation, mesh: Mesh, names: tuple,
   def update(grads, opt_state, params):
     # Nested in the data-manual region: its mesh is the context's (data Manual, model not).
     return jax.shard_map(per_shard, in_specs=(pspecs, mspec, pspecs),
-                         out_specs=(pspecs, mspec), axis_names=model)(grads, opt_state, params)
+                         out_specs=(pspecs, mspec), axis_names=set(model))(grads, opt_state,
+                                                                           params)
 
   return update
 
@@ -583,5 +582,5 @@ def _check_param_spec(param_spec: Any, mesh: Mesh, axis_name: Any) -> None:
   for s in leaves:
     named = layout.spec_axes(s)
     if not named <= set(allowed):
-      raise ValueError(f"param_spec entries must name only the mesh axes {allowed} (not the data axes "
-                       f"{sorted(data)}), got {s}")
+      raise ValueError(f"param_spec entries must name only the mesh axes {allowed} (not the "
+                       f"data axes {sorted(data)}), got {s}")

@@ -89,18 +89,16 @@ class NNXDataParallel:
     # keeps their layout and updates each device's shards (qcomm.data_parallel's model-sharded
     # step).
     pspecs = layout.cached_param_specs(self._layouts, params, self.mesh, names)
-    mspec = None
+    mspec, state_spec = None, spec
     if pspecs is not None:
       _check_shard_reductions(optimizer.tx)
-      mspec = layout.state_model_specs(opt_state, params, pspecs, spec,
-                                       layout.model_axes(self.mesh, names))
+      mspec, state_spec = layout.state_specs(opt_state, params, pspecs, spec, self.mesh, names)
     fn = self._step_fn(graphdef, optimizer.wrt, optimizer.tx, _SpecKey(spec),
                        replica_axes(opt_state), len(extra), key is not None,
                        None if pspecs is None else _SpecKey(mspec),
                        None if pspecs is None else _SpecKey(pspecs))
     put = functools.partial(place, mesh=self.mesh)
     batch_spec = self.batch_spec if self.batch_spec is not None else self._spec
-    state_spec = spec if pspecs is None else layout.merge(spec, mspec)
     args = (put(params, P() if pspecs is None else pspecs), put(opt_state, state_spec),
             put(rest, P()), put(batch, batch_spec), put(extra, P()))
     if key is not None:

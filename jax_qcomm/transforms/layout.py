@@ -196,6 +196,15 @@ def state_model_specs(state: Any, params: Any, pspecs: Any, data_spec: Any = Non
       treedef, [one(path, leaf, d) for (path, leaf), d in zip(leaves, dspecs)])
 
 
+def state_specs(state: Any, params: Any, pspecs: Any, data_spec: Any, mesh: Mesh,
+                data_axes: Sequence[str]) -> tuple[Any, Any]:
+  """``(model specs, full specs)`` of a runner's optimizer state around model-sharded
+  parameters: :func:`state_model_specs` over the mesh's model axes, and those merged with the
+  data axes' ``data_spec`` (:func:`merge`)."""
+  model = state_model_specs(state, params, pspecs, data_spec, model_axes(mesh, data_axes))
+  return model, merge(data_spec, model)
+
+
 def merge(data_spec: Any, model_spec: Any) -> Any:
   """Two spec trees of one state merged dimension by dimension (the data axes' specs of
   :func:`qcomm.state_partition_spec` and the model axes' of :func:`state_model_specs`)."""
