@@ -24,7 +24,8 @@ from jax_qcomm.codecs import (QSGD, Auto, Cast, Codec, NoCompression, PowerSGD, 
                               Wire16, codec_for_bits)
 from jax_qcomm.transport.axes import Hierarchical
 from jax_qcomm.collectives import (ParamShard, all_gather, allreduce, cast_pmean, gather_params,
-                                   reduce_scatter, shard_params, unshard_params)
+                                   hpz_remat_policy, reduce_scatter, reshard_params,
+                                   shard_params, shard_specs, unshard_params)
 from jax_qcomm.collectives.packing import LeafPolicy
 from jax_qcomm.transforms.accumulation import accumulate_gradients
 from jax_qcomm.transforms.sync import ShardedSyncState, SyncState, sync
@@ -40,7 +41,8 @@ __all__ = [
     "QSGD", "Auto", "Cast", "Codec", "NoCompression", "Summable", "Wire16", "TopK", "PowerSGD",
     "transport",
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
-    "gather_params", "shard_params", "unshard_params", "ParamShard",
+    "gather_params", "shard_params", "unshard_params", "reshard_params", "shard_specs",
+    "hpz_remat_policy", "ParamShard",
     "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "clip_by_global_norm",
     "codec_for_bits", "state_partition_spec", "local_params",
     "data_parallel", "DataParallel", "describe", "Description",

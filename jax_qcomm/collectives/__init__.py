@@ -10,4 +10,5 @@ from jax_qcomm.collectives.ops import (all_gather, allreduce, allreduce_flat,  #
                                        allreduce_tree, cast_pmean, fresh_state_key,
                                        init_codec_state, reduce_scatter)
 from jax_qcomm.collectives.sharded_params import (ParamShard, gather_params,  # noqa: F401
-                                                  shard_params, unshard_params)
+                                                  hpz_remat_policy, reshard_params,
+                                                  shard_params, shard_specs, unshard_params)

@@ -37,7 +37,8 @@ from jax_qcomm.transport.axes import axis_names
 from jax_qcomm.runners.elastic import ElasticDataParallel
 from jax_qcomm.runners.overlap import OverlappedDataParallel
 from jax_qcomm.collectives.shard_layout import MODEL_AXES
-from jax_qcomm.transforms import layout
+from jax_qcomm.collectives import sharded_params
+from jax_qcomm.transforms import layout, param_shards
 from jax_qcomm.transforms.specs import (_SpecKey, checked_spec, communicated, device_spec,
                                         local_params, place, replica_axes)
 
@@ -102,9 +103,12 @@ class DataParallel:
     parameters), split over their axes; with parameters sharded over model axes, every part that
     belongs to a parameter sharded like it (``tx.init`` runs on each device's shards)."""
     check_array_leaves("params", params)
-    pspecs = self._param_specs(params)
     with jax.set_mesh(self.mesh):
       abstract = jax.eval_shape(self.tx.init, params)
+    if param_shards.sharded_params_config(abstract) is not None:
+      return self._init_sharded_params(params)
+    pspecs = self._param_specs(params)
+    with jax.set_mesh(self.mesh):
       spec = self.state_spec(abstract)
     if pspecs is None:
       return self._init_fn(_SpecKey(spec))(self._put(params, P()))
@@ -112,6 +116,39 @@ class DataParallel:
     fn = self._sharded_init_fn(_SpecKey(spec), _SpecKey(pspecs))
     with _shard_errors("init"):
       return fn(self._put(params, pspecs))
+
+  # -- sharded parameters (sync(..., shard_params=True)) -------------------------------------------
+  @property
+  def devices(self) -> int:
+    """D, the number of devices along the data axes."""
+    return math.prod(self.mesh.shape[n] for n in self._names)
+
+  def shard(self, params: Any, *, layers: Any = 0) -> Any:
+    """Full parameters -> their shards over the data axes, placed on the mesh
+    (:func:`qcomm.shard_params`; ``layers``: stacked layer axes per leaf, an int or a pytree
+    prefix). What ``step`` takes with ``qcomm.sync(..., shard_params=True)``."""
+    check_array_leaves("params", params)
+    shards = jax.jit(functools.partial(sharded_params.shard_params, devices=self.devices,
+                                       layers=layers))(params)
+    return self._put(shards, sharded_params.shard_specs(shards, self.axis_name))
+
+  def unshard(self, shards: Any) -> Any:
+    """The shards (or any pytree holding them, such as the optimizer state) -> the full
+    parameters (:func:`qcomm.unshard_params`), replicated on the mesh: for evaluation and
+    checkpoints in the full layout."""
+    full = jax.jit(sharded_params.unshard_params)(shards)
+    return self._put(full, jax.tree_util.tree_map(lambda _: P(), full))
+
+  def _init_sharded_params(self, params: Any) -> Any:
+    if self.param_spec is not None:
+      raise ValueError("param_spec (parameters sharded over model axes) cannot be combined with "
+                       "qcomm.sync(..., shard_params=True), whose shards split the data axes")
+    shards = params if sharded_params.has_shards(params) else self.shard(params)
+    pspecs = sharded_params.shard_specs(shards, self.axis_name)
+    with jax.set_mesh(self.mesh):
+      spec = self.state_spec(jax.eval_shape(self.tx.init, shards))
+    fn = self._sharded_init_fn(_SpecKey(spec), _SpecKey(pspecs))
+    return fn(self._put(shards, pspecs))
 
   @functools.lru_cache(maxsize=None)
   def _init_fn(self, spec_key):
@@ -131,9 +168,18 @@ class DataParallel:
     check_key("key", key)
     spec = self.state_spec(opt_state)
     check_batch(batch, self.mesh, self.axis_name, self.batch_spec)
-    pspecs = self._param_specs(params)
     replicas = replica_axes(opt_state)
-    if pspecs is None:
+    shard_cfg = param_shards.sharded_params_config(opt_state)
+    pspecs = None if shard_cfg is not None else self._param_specs(params)
+    if shard_cfg is not None:
+      if not sharded_params.has_shards(params):
+        raise ValueError("params must be the shards with qcomm.sync(..., shard_params=True): "
+                         "dp.shard(params) (a pytree of qcomm.ParamShard), not the full "
+                         "parameters")
+      pspecs = sharded_params.shard_specs(params, self.axis_name)
+      fn = self._step_fn(_SpecKey(spec), replicas, len(extra), key is not None,
+                         shard_pspec_key=_SpecKey(pspecs))
+    elif pspecs is None:
       fn = self._step_fn(_SpecKey(spec), replicas, len(extra), key is not None)
       pspecs = P()
     else:
@@ -154,9 +200,10 @@ class DataParallel:
 
   @functools.lru_cache(maxsize=None)
   def _step_fn(self, spec_key, replicas: tuple, n_extra: int, with_key: bool,
-               mspec_key=None, pspec_key=None):
+               mspec_key=None, pspec_key=None, shard_pspec_key=None):
     """The jitted step. With ``pspec_key`` (parameters sharded over model axes), ``shard_map`` is
-    manual over the data axes only and the update runs per shard (:func:`per_shard_update`)."""
+    manual over the data axes only and the update runs per shard (:func:`per_shard_update`).
+    With ``shard_pspec_key`` the parameters are shards over the data axes (``shard_params``)."""
     names = self._names
     loss_fn, tx, has_aux, reduce = self.loss_fn, self.tx, self.has_aux, self.aux_reduce
     sharded = pspec_key is not None
@@ -170,9 +217,10 @@ class DataParallel:
               _reduce_aux(aux, reduce, names, replicas))
 
     batch_spec = self.batch_spec if self.batch_spec is not None else self._device_spec
-    in_specs = (P(), spec_key.spec, batch_spec, P()) + ((P(),) if with_key else ())
+    param_in = shard_pspec_key.spec if shard_pspec_key is not None else P()
+    in_specs = (param_in, spec_key.spec, batch_spec, P()) + ((P(),) if with_key else ())
     fn = jax.shard_map(step, mesh=self.mesh, in_specs=in_specs,
-                       out_specs=(P(), spec_key.spec, out_specs_of("mean", names, replicas),
+                       out_specs=(param_in, spec_key.spec, out_specs_of("mean", names, replicas),
                                   out_specs_of(reduce, names, replicas)),
                        **({"axis_names": set(names)} if sharded else {}))
     keep = (keep_layout(self.mesh, pspec_key.spec, layout.merge(spec_key.spec, mspec_key.spec))
@@ -277,8 +325,9 @@ def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, na
   kwargs = {}
   if key is not None:  # dropout etc.: different randomness on every device
     kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
-  out, grads = jax.value_and_grad(_checked_loss(loss_fn, has_aux), has_aux=has_aux)(
-      diff, batch, *extra, **kwargs)
+  with param_shards.gather_scope(opt_state):  # qcomm.gather_params(shards) takes the sync's codecs
+    out, grads = jax.value_and_grad(_checked_loss(loss_fn, has_aux), has_aux=has_aux)(
+        diff, batch, *extra, **kwargs)
   loss, aux = out if has_aux else (out, None)
   new, opt_state = (update or functools.partial(apply_update, tx))(grads, opt_state, params)
   return new, opt_state, loss, aux

@@ -31,7 +31,7 @@ from jax_qcomm._checks import check_instance
 from jax_qcomm.transport.axes import AxisName, axis_names, axis_size
 from jax_qcomm.codecs import Codec, codec_for_bits
 from jax_qcomm.codecs.base import nonfinite_mark
-from jax_qcomm.collectives.shard_layout import SYNC_AXES, shard_axes
+from jax_qcomm.collectives.shard_layout import SHARDED, SYNC_AXES, shard_axes
 
 
 # ---- counters, keys ---------------------------------------------------------------------------
@@ -197,3 +197,45 @@ def state_shape_hint(got: tuple, want: tuple, axis_name: Any) -> str:
             f"use qcomm.data_parallel(...).init(params); with nnx_data_parallel, build the "
             f"nnx.Optimizer under `with jax.set_mesh(mesh):`).")
   return state_fix_hint(axis_name)
+
+
+@contextlib.contextmanager
+def sharded(value: Any):
+  """Sets :data:`SHARDED` (whole-model sums over the shards) while ``inner`` is traced."""
+  token = SHARDED.set(value)
+  try:
+    yield
+  finally:
+    SHARDED.reset(token)
+
+
+# Primitives that combine elements of an array: on a shard they see part of a parameter.
+_REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin", "dot_general", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "sort", "reduce", "conv_general_dilated"})
+
+
+def refuse_shard_reductions(closed: Any) -> None:
+  """ValueError if ``inner``'s update (traced on the shards) reduces over the elements of an
+  array: a norm, a trust ratio or a factored moment computed on a shard differs on every device
+  and is silently wrong (``optax.clip_by_global_norm``, LAMB, LARS, Adafactor). Whole-model sums
+  through :func:`qcomm.clip_by_global_norm` are exempt (traced as a constant here)."""
+  def visit(jaxpr: Any) -> None:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in _REDUCTIONS and any(
+          len(getattr(v.aval, "shape", ())) > 0 for v in eqn.invars):
+        raise ValueError(
+            f"inner of a sync with shard_state=True or shard_params=True reduces over the elements of a parameter "
+            f"(a {eqn.primitive.name}): it sees this device's shard of every parameter, so a "
+            f"norm, trust ratio or factored moment would be computed per shard, differently on "
+            f"every device. For global-norm clipping use qcomm.clip_by_global_norm(max_norm) "
+            f"(the norm over the whole model), not optax.clip_by_global_norm; run LAMB, LARS and "
+            f"Adafactor unsharded.")
+      for value in eqn.params.values():
+        for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            visit(inner)
+
+  visit(closed.jaxpr)

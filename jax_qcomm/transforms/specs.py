@@ -12,6 +12,8 @@ all rebuild the state through its pytree structure). A class declares the role o
   their own specs, anything else is replicated);
 * ``PER_DEVICE_NESTED_FIELDS``: the same, with the device axis in front of every leaf's spec (the
   inner state of a ``diloco``, one per replica, around a ``sync`` over another axis);
+* ``PARAM_SHARD_FIELDS`` (optional): a pytree over the sharded parameters
+  (:class:`qcomm.ParamShard` s), split like them (:func:`qcomm.shard_specs`);
 * ``REPLICATED_FIELDS``: counters and keys, always present (they identify a state that a
   container turned into a mapping); every other field is replicated too.
 
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm._checks import check_axis_name
+from jax_qcomm.collectives.sharded_params import shard_specs
 from jax_qcomm.transforms import layout
 from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names
 
@@ -124,6 +127,8 @@ def _specs(tree: Any, axis_name: Any) -> Any:
       return _specs(value, axis_name)
     if name in cls.PER_DEVICE_NESTED_FIELDS:
       return prefixed(dev, value)
+    if name in getattr(cls, "PARAM_SHARD_FIELDS", ()):
+      return shard_specs(value, dev[0])
     return rep(value)
 
   def one(x):

@@ -23,7 +23,6 @@ states (optax chains, ``MultiSteps``, ``inject_hyperparams``, flax ``TrainState`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, NamedTuple, Sequence
 
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_qcomm import _compat
-from jax_qcomm.transforms import _parts
+from jax_qcomm.transforms import _parts, param_shards
 from jax_qcomm.transport import _varying
 from jax_qcomm.collectives import ops as collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
@@ -42,7 +41,7 @@ from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, 
 from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import QSGD, Codec, NoCompression
 from jax_qcomm.transforms.specs import register_state
-from jax_qcomm.collectives.shard_layout import PROBE, SHARDED, Layout
+from jax_qcomm.collectives.shard_layout import PROBE, Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +61,9 @@ class SyncConfig:
   check_varying: bool = True
   shard_state: bool = False
   gather_codec: Codec | None = None
+  shard_params: bool = False
+  param_codec: Codec | None = None
+  hpz: bool = False
   #: The replicated sync's finite guard is the codecs' mark (Codec.allreduce_leaves_marked), so
   #: describe counts what the mark sends (Codec.mark_traffic).
   uses_mark = True
@@ -124,6 +126,9 @@ class SyncState(NamedTuple):
 #: (+0.05% and +0.00% over two seeds, whose own spread is 1.3%; docs/accuracy.md), at 0.70x the
 #: bytes of the sharded step and 0.81x its time on the 2-node 1 Gbit/s cluster (docs/benchmarks.md).
 DEFAULT_GATHER_CODEC = QSGD(4, rounding="nearest")
+#: The parameters' gather codec of sync(..., shard_params=True) by default: ZeRO++'s qwZ, 8 bits
+#: rounded to nearest (docs/accuracy.md, "Sharded parameters").
+DEFAULT_PARAM_CODEC = QSGD(8, rounding="nearest")
 
 
 
@@ -175,7 +180,8 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
          comm_bucket_size: int | None = None, seed: int = 0, check_varying: bool = True,
          bits: int | None = None, bucket_size: int | None = None, min_size: int | None = None,
          exclude: str | Sequence[str] | None = None, shard_state: bool = False,
-         gather_codec: Codec | None = None,
+         gather_codec: Codec | None = None, shard_params: bool = False,
+         param_codec: Codec | None = None, hpz: bool = False,
          **removed: Any) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that it sees gradients averaged across ``axis_name``.
 
@@ -240,6 +246,27 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
       ``qcomm.QSGD(4, rounding="nearest")``, as accurate as 8 bits in our measurements;
       ``QSGD(8, rounding="nearest")`` doubles those bytes).
       Leaves the policy sends exact travel exact on both paths.
+    shard_params: sharded parameters (ZeRO-3 / FSDP; :func:`qcomm.data_parallel` runs it). The
+      parameters themselves live as 1/D shards over ``axis_name`` (:class:`qcomm.ParamShard`:
+      ``dp.shard(params)``), and so do the gradients and ``inner``'s whole state. ``loss_fn``
+      receives the shards and gathers each layer's full parameters where it runs with
+      ``qcomm.gather_params(shards)``, which takes this sync's codecs: the forward all-gather
+      with ``param_codec``, the backward reduce-scatter of the gradient with ``codec`` (each
+      shard receives the devices' mean gradient; the policy's exact leaves travel exact both
+      ways). ``update`` then steps ``inner`` on the shards and sends nothing itself. Unlike
+      ``shard_state`` (replicated parameters, sharded optimizer state: one reduce-scatter and
+      one all-gather of weight differences per step), the full parameters never exist outside
+      the layer that runs. No error feedback (its residual would be a full-size copy of the
+      gradient per device).
+    param_codec: with ``shard_params``, the codec of the parameters' all-gathers (default
+      ``qcomm.QSGD(8, rounding="nearest")``, ZeRO++'s qwZ: each gathered weight within half a
+      step of 1/255 of its bucket's range; the master copy in the shards stays exact;
+      ``qcomm.NoCompression()`` for exact gathers).
+    hpz: with ``shard_params`` and ``axis_name=(node, gpu)``: ZeRO++'s hpZ, the gathers in two
+      stages, across nodes with ``param_codec`` to a secondary shard of ``1/gpu`` of each layer,
+      then exactly inside the node; the model's ``jax.checkpoint(..., policy=
+      qcomm.hpz_remat_policy)`` keeps the secondary shard, so backward's re-gather stays inside
+      the node (see :func:`qcomm.gather_params`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` builds a :class:`SyncState`;
@@ -278,6 +305,14 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
   codec = _parts.resolve_codec(codec, bits, bucket_size, error_feedback)
   policy = _resolve_policy(policy, min_size, exclude)
   shard_state = check_bool("shard_state", shard_state)
+  shard_params = check_bool("shard_params", shard_params)
+  hpz = check_bool("hpz", hpz)
+  if shard_params:
+    param_codec = _check_shard_params(shard_state, error_feedback, param_codec, hpz, axis_name,
+                                      codec, policy)
+  elif param_codec is not None or hpz:
+    raise ValueError("param_codec and hpz apply to shard_params=True only (the parameters' "
+                     "gathers); pass shard_params=True or leave them out")
   if gather_codec is not None and not shard_state:
     raise ValueError("gather_codec applies to shard_state=True only (the weight differences of "
                      "the sharded mode); pass shard_state=True or leave gather_codec out")
@@ -298,9 +333,37 @@ def sync(inner: optax.GradientTransformation, *, codec: Codec | None = None,
                       error_feedback=error_feedback and codec.lossy,
                       comm_bucket_size=check_int_or_none("comm_bucket_size", comm_bucket_size),
                       seed=_parts.check_seed(seed), check_varying=check_bool("check_varying", check_varying),
-                      shard_state=shard_state, gather_codec=gather_codec)
-  s = (_ShardedSync if shard_state else _Sync)(optax.with_extra_args_support(inner), config)
+                      shard_state=shard_state, gather_codec=gather_codec,
+                      shard_params=shard_params, param_codec=param_codec, hpz=hpz)
+  kind = (param_shards.ParamShardSync if shard_params else _ShardedSync if shard_state else _Sync)
+  s = kind(optax.with_extra_args_support(inner), config)
   return optax.GradientTransformationExtraArgs(s.init, s.update)
+
+
+def _check_shard_params(shard_state, error_feedback, param_codec, hpz, axis_name, codec, policy):
+  """The checks of ``shard_params=True``; returns the parameters' codec."""
+  if shard_state:
+    raise ValueError(
+        "shard_params=True and shard_state=True cannot be combined: shard_state keeps the "
+        "parameters replicated and shards the optimizer state (ZeRO-1); shard_params shards the "
+        "parameters, gradients and optimizer state alike (ZeRO-3), which includes what "
+        "shard_state does. Pass one of them")
+  if isinstance(axis_name, Hierarchical):
+    raise ValueError("axis_name must be a name or a tuple of names with shard_params=True "
+                     "(qcomm.Hierarchical is not sharded; hpz=True gathers in two stages)")
+  if hpz and len(axis_names(axis_name)) < 2:
+    raise ValueError(f"hpz=True needs axis_name=(node, gpu), two or more axes: the secondary "
+                     f"shard is gathered across all but the last; got {axis_name!r}")
+  param_codec = DEFAULT_PARAM_CODEC if param_codec is None else check_instance(
+      "param_codec", param_codec, Codec, "a jax_qcomm codec, e.g. qcomm.QSGD(8, "
+      "rounding='nearest')")
+  param_shards.check_codecs(codec, param_codec, tuple(c for _, c in policy.overrides))
+  if error_feedback and codec.lossy:
+    raise ValueError("error_feedback is not available with shard_params=True: its residual "
+                     "would be a full-size copy of the gradient per device, what sharding the "
+                     "parameters exists to avoid. Use an unbiased codec (QSGD with stochastic "
+                     "rounding, the bits= default) for the gradients")
+  return param_codec
 
 
 class _Sync:
@@ -567,12 +630,12 @@ class _ShardedSync(_Sync):
     def run(g, s, m):
       with _parts.inside(self.names):
         return self.inner.update(g, s, m, **extra_args)
-    with _sharded(PROBE):
-      _refuse_shard_reductions(jax.make_jaxpr(run)(grad_shards, inner_state, master))
+    with _parts.sharded(PROBE):
+      _parts.refuse_shard_reductions(jax.make_jaxpr(run)(grad_shards, inner_state, master))
 
     def step():
       lead = jax.tree_util.tree_map(lambda a: a[None], grad_shards)
-      with _sharded((names, weights)):
+      with _parts.sharded((names, weights)):
         updates, new_inner = jax.vmap(run)(lead, state.inner_opt_state, state.master)
       return optax.apply_updates(state.master, updates), new_inner
 
@@ -607,44 +670,3 @@ def _f32_zeros(tree: Any) -> Any:
 
 def _like(updates: Any, grads: Any) -> Any:
   return jax.tree_util.tree_map(lambda u, g: u.astype(g.dtype), updates, grads)
-
-
-@contextlib.contextmanager
-def _sharded(value: Any):
-  token = SHARDED.set(value)
-  try:
-    yield
-  finally:
-    SHARDED.reset(token)
-
-
-# Primitives that combine elements of an array: on a shard they see part of a parameter.
-_REDUCTIONS = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "reduce_xor", "argmax", "argmin", "dot_general", "cumsum", "cumprod", "cummax", "cummin",
-    "cumlogsumexp", "sort", "reduce", "conv_general_dilated"})
-
-
-def _refuse_shard_reductions(closed: Any) -> None:
-  """ValueError if ``inner``'s update (traced on the shards) reduces over the elements of an
-  array: a norm, a trust ratio or a factored moment computed on a shard differs on every device
-  and is silently wrong (``optax.clip_by_global_norm``, LAMB, LARS, Adafactor). Whole-model sums
-  through :func:`qcomm.clip_by_global_norm` are exempt (traced as a constant here)."""
-  def visit(jaxpr: Any) -> None:
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in _REDUCTIONS and any(
-          len(getattr(v.aval, "shape", ())) > 0 for v in eqn.invars):
-        raise ValueError(
-            f"inner of a sync with shard_state=True reduces over the elements of a parameter "
-            f"(a {eqn.primitive.name}): it sees this device's shard of every parameter, so a "
-            f"norm, trust ratio or factored moment would be computed per shard, differently on "
-            f"every device. For global-norm clipping use qcomm.clip_by_global_norm(max_norm) "
-            f"(the norm over the whole model), not optax.clip_by_global_norm; run LAMB, LARS and "
-            f"Adafactor with shard_state=False.")
-      for value in eqn.params.values():
-        for sub in (value if isinstance(value, (tuple, list)) else (value,)):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            visit(inner)
-
-  visit(closed.jaxpr)
