@@ -12,6 +12,7 @@ codecs' own :meth:`Codec.sent_bytes` of the communication buffers the allreduce 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -19,8 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P, use_abstract_mesh
 
-from jax_qcomm.collectives import packing
-from jax_qcomm._checks import check_array_leaves, check_axis_name, check_instance, check_int
+from jax_qcomm.collectives import packing, sharded_params
+from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
+                               check_int)
 from jax_qcomm.transport.axes import Hierarchical
 from jax_qcomm.codecs import Codec, NoCompression
 from jax_qcomm.collectives.shard_layout import Layout
@@ -164,7 +166,8 @@ class Description:
     return self.table()
 
 
-def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description:
+def describe(tx: Any, params: Any, *, devices: int | None = None,
+             regather: Any = True) -> Description:
   """Per leaf of ``params``: the codec, elements, payload and bytes sent by the sync ``tx``.
 
   Args:
@@ -178,6 +181,16 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     devices: the number of devices along the sync axis (default: the axis size inside
       ``shard_map``, else the current mesh's axis (``jax.set_mesh``), else
       ``jax.device_count()``).
+    regather: with ``sync(..., shard_params=True)``: whether backward gathers a leaf again (its
+      layer runs under ``jax.checkpoint``; with ``hpz`` and ``qcomm.hpz_remat_policy`` inside
+      the node), or its gathered copy is kept from forward to backward (False). A bool for every
+      leaf or a pytree prefix of ``params`` (``{"blocks": True, "embed": False}``).
+
+  With ``shard_params`` the bytes per sync are, per leaf and per call (times ``accum_steps``):
+  the forward all-gather of its shard (``param_codec``), again in backward if ``regather``, and
+  the reduce-scatter of its gradient (the sync's codec); with ``hpz``, each in its two stages.
+  ``params`` may be the shards (a stacked leaf ``[L, D, m]`` is L gathers) or the full
+  parameters (one gather per leaf).
 
   Returns:
     A :class:`Description`; ``print()`` it for a table. Payloads come from the codecs'
@@ -197,6 +210,8 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
     devices, _ = num_devices(cfg.axis_name)
   else:
     devices = check_int("devices", devices)
+  if getattr(cfg, "shard_params", False):
+    return _describe_shards(tx, cfg, params, devices, regather)
   # Model-sharded parameters: what each device holds and sends (its shards).
   params, kinds = layout_of.per_device(params, axis_names(cfg.axis_name))
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)
@@ -245,6 +260,84 @@ def describe(tx: Any, params: Any, *, devices: int | None = None) -> Description
                      axis_name=cfg.axis_name, default_codec=cfg.codec, scalar_bytes=extra,
                      default_runs=cfg.codec.resolve(devices, collective),
                      state_bytes_per_device=_state_bytes(tx, params, cfg.axis_name, devices))
+
+
+def _describe_shards(tx: Any, cfg: Any, params: Any, devices: int, regather: bool) -> Description:
+  """:func:`describe` of ``sync(..., shard_params=True)``: per leaf and call, the gathers and
+  the gradient's reduce-scatter of :func:`qcomm.gather_params` (with its codecs and leaf policy)."""
+  if not sharded_params.has_shards(params):
+    params = jax.eval_shape(functools.partial(sharded_params.shard_params, devices=devices),
+                            params)
+  with_path, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=sharded_params.is_shard)
+  shards = [s for _, s in with_path]
+  try:
+    again_of = jax.tree_util.tree_leaves(jax.tree_util.tree_broadcast(regather, params))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"regather must be a bool or a pytree prefix of params, got {regather!r}: "
+                     f"{e}") from None
+  for r in again_of:
+    check_bool("regather", r)
+  exact = NoCompression()
+  names = axis_names(cfg.axis_name)
+  inner = 1
+  if cfg.hpz:
+    inner = math.prod(_axis_sizes(names, devices)[-1:])
+  outer = devices // inner
+  leaves, calls = [], cfg.accum_steps
+  for (path, s), regather in zip(with_path, again_of):
+    if sharded_params.shard_size(s.size, devices) != s.data.shape[-1]:
+      raise ValueError(f"params: the shard of '{packing.path_str(path)}' has {s.data.shape[-1]} "
+                       f"elements, not ceil({s.size} / {devices}): shards of another device count")
+    probe = [jax.ShapeDtypeStruct(s.shape, s.dtype)]
+    grad = packing.leaf_codecs(probe, cfg.codec, cfg.policy)[0]
+    lossy = packing.leaf_codecs(probe, cfg.param_codec if cfg.param_codec.lossy else cfg.codec,
+                                cfg.policy)[0].lossy
+    gather = cfg.param_codec if lossy else exact
+    m, layers = s.data.shape[-1], math.prod(s.data.shape[:-2])
+    if cfg.hpz:  # across the outer axes to the secondary shard, then inside the node
+      fwd = gather.sent_bytes(m, outer, "all_gather") + exact.sent_bytes(outer * m, inner,
+                                                                          "all_gather")
+      again = exact.sent_bytes(outer * m, inner, "all_gather")
+      back = (exact.sent_bytes(devices * m, inner, "reduce_scatter")
+              + grad.sent_bytes(outer * m, outer, "reduce_scatter"))
+    else:
+      fwd = again = gather.sent_bytes(m, devices, "all_gather")
+      back = grad.sent_bytes(devices * m, devices, "reduce_scatter")
+    per_call = layers * (fwd + (again if regather else 0.0) + back)
+    grad = grad.resolve(devices, "reduce_scatter")
+    leaves.append(LeafTraffic(
+        path=packing.path_str(path) or "<root>", shape=tuple(s.data.shape[:-2]) + s.shape,
+        elements=layers * s.size, codec=grad,
+        payload_bytes=layers * grad.leaf_payload_size(s.shape), sent_bytes=calls * per_call))
+  return Description(leaves=tuple(leaves), devices=devices, accum_steps=cfg.accum_steps,
+                     axis_name=cfg.axis_name, default_codec=cfg.codec,
+                     scalar_bytes=exact.sent_bytes(1, devices),  # the finite guard's psum
+                     default_runs=cfg.codec.resolve(devices, "reduce_scatter"),
+                     state_bytes_per_device=_shard_state_bytes(tx, shards, params, devices))
+
+
+def _axis_sizes(names: tuple, devices: int) -> tuple:
+  """The sizes of ``names`` in the current mesh (``jax.set_mesh``), ValueError if unknown."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not all(n in mesh.axis_names for n in names):
+    raise ValueError(f"describe of an hpz sync needs the mesh of its axes {names}: call it "
+                     f"under jax.set_mesh(mesh)")
+  sizes = tuple(mesh.shape[n] for n in names)
+  if math.prod(sizes) != devices:
+    raise ValueError(f"devices ({devices}) must equal the mesh's {names} ({sizes})")
+  return sizes
+
+
+def _shard_state_bytes(tx: Any, shards: list, params: Any, devices: int) -> int:
+  """Bytes of the optimizer state per device with sharded parameters: a shard's data / D."""
+  state = jax.eval_shape(tx.init, params)
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(state, is_leaf=sharded_params.is_shard):
+    if sharded_params.is_shard(leaf):
+      total += math.prod(leaf.data.shape) * jnp.dtype(leaf.data.dtype).itemsize // devices
+    else:
+      total += math.prod(jnp.shape(leaf)) * jnp.dtype(leaf.dtype).itemsize
+  return total
 
 
 def _config(tx: Any, params: Any) -> Any:

@@ -181,8 +181,7 @@ def sharded_params_config(opt_state: Any) -> Any:
   return None
 
 
-def check_codecs(codec: Codec, param_codec: Codec, overrides: tuple) -> None:
+def check_codecs(codec: Codec, param_codec: Codec) -> None:
   """ValueError for codecs that cannot run the sharded parameters' collectives."""
   sharded_params.check_gather_codec("param_codec", param_codec)
-  for c in (codec,) + tuple(overrides):
-    sharded_params.check_gather_codec("codec", c, "reduce_scatter")
+  sharded_params.check_gather_codec("codec", codec, "reduce_scatter")

@@ -354,10 +354,14 @@ def _check_shard_params(shard_state, error_feedback, param_codec, hpz, axis_name
   if hpz and len(axis_names(axis_name)) < 2:
     raise ValueError(f"hpz=True needs axis_name=(node, gpu), two or more axes: the secondary "
                      f"shard is gathered across all but the last; got {axis_name!r}")
+  if policy.exclude or policy.overrides:
+    raise ValueError("policy's exclude and overrides name parameter paths, which the gathers of "
+                     "shard_params=True do not see (each gathers a subtree): with shard_params, "
+                     "the policy picks exact leaves by shape alone (min_size, compress_1d)")
   param_codec = DEFAULT_PARAM_CODEC if param_codec is None else check_instance(
       "param_codec", param_codec, Codec, "a jax_qcomm codec, e.g. qcomm.QSGD(8, "
       "rounding='nearest')")
-  param_shards.check_codecs(codec, param_codec, tuple(c for _, c in policy.overrides))
+  param_shards.check_codecs(codec, param_codec)
   if error_feedback and codec.lossy:
     raise ValueError("error_feedback is not available with shard_params=True: its residual "
                      "would be a full-size copy of the gradient per device, what sharding the "
