@@ -56,6 +56,9 @@ def get_config(mode: str = "study") -> ml_collections.ConfigDict:
   config.exclude = ""                # comma-separated regexes of parameter paths sent exact
   config.shard_state = False         # sync(shard_state=True): 1/D of the optimizer state per device
   config.gather_bits = 4             # with shard_state: bits of the weight differences (QSGD)
+  config.shard_params = False       # sync(shard_params=True): ZeRO-3, the parameters as 1/D shards
+                                     # gathered per block inside lax.scan (training/lm.py)
+  config.param_gather_bits = 8       # with shard_params: bits of the parameters' gathers (32 exact)
   config.model_devices = 1          # > 1: a ("data", "model") mesh, the weights sharded over
                                      # "model" inside each replica (tensor parallel; training/lm.py)
   config.topk = 0.0                  # training/lm_diloco: > 0 sends qcomm.TopK(topk, bits) between

@@ -50,6 +50,8 @@ EXEMPT = {
     **{("ParamShard", f): "pytree container" for f in ("data", "shape", "dtype")},
     # Only waited for: any pytree of values.
     ("gather_params", "after"): "any pytree",
+    # A jax checkpoint policy (a function jax calls), not a function users call.
+    ("hpz_remat_policy", "prim"): "a checkpoint policy jax calls",
 }
 
 
@@ -305,6 +307,9 @@ def _cases() -> list[Case]:
       c("sync", "check_varying", lambda: qcomm.sync(sgd, check_varying="yes")),
       c("sync", "shard_state", lambda: qcomm.sync(sgd, shard_state=1)),
       c("sync", "gather_codec", lambda: qcomm.sync(sgd, shard_state=True, gather_codec="q8")),
+      c("sync", "shard_params", lambda: qcomm.sync(sgd, shard_params=1)),
+      c("sync", "param_codec", lambda: qcomm.sync(sgd, shard_params=True, param_codec="q8")),
+      c("sync", "hpz", lambda: qcomm.sync(sgd, shard_params=True, hpz="yes")),
       c("clip_by_global_norm", "max_norm", lambda: qcomm.clip_by_global_norm("1")),
       c("sync().init", "params", lambda: tx.init({"w": "abc"})),
       c("sync().update", "grads", _sync_update(grads=lambda v: {"w": v.astype(jnp.int32)})),
@@ -323,7 +328,18 @@ def _cases() -> list[Case]:
         _traced(lambda v: qcomm.gather_params(_shard(v), AX, check_layout="yes"))),
       c("shard_params", "params", lambda: qcomm.shard_params({"w": "abc"}, 2)),
       c("shard_params", "devices", lambda: qcomm.shard_params({"w": X}, 0)),
-      c("unshard_params", "shards", lambda: qcomm.unshard_params({"w": X})),
+      c("shard_params", "layers", lambda: qcomm.shard_params({"w": X}, 2, layers=5)),
+      c("unshard_params", "tree", lambda: qcomm.unshard_params({"w": X})),
+      c("reshard_params", "tree", lambda: qcomm.reshard_params({"w": X}, 2)),
+      c("reshard_params", "devices",
+        lambda: qcomm.reshard_params(qcomm.shard_params({"w": X}, 2), 0)),
+      c("shard_specs", "tree", lambda: qcomm.shard_specs({"w": X}, "data")),
+      c("shard_specs", "axis_name",
+        lambda: qcomm.shard_specs(qcomm.shard_params({"w": X}, 2), ["data"])),
+      c("gather_params", "hpz", _traced(lambda v: qcomm.gather_params(_shard(v), AX, hpz="yes"))),
+      c("describe", "regather", lambda: qcomm.describe(
+          qcomm.sync(sgd, shard_params=True), {"w": jnp.ones((4, 4))}, devices=2,
+          regather="yes")),
       c("accumulate_gradients", "grad_fn",
         lambda: qcomm.accumulate_gradients(5, {}, (jnp.ones((4, 2)),), 2)),
       c("accumulate_gradients", "batch",

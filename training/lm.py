@@ -215,6 +215,60 @@ def window_loss(graphdef: nnx.GraphDef, params: Any, windows: jax.Array) -> jax.
                                                          windows[:, 1:])
 
 
+# ---- sharded parameters (ZeRO-3) ----------------------------------------------------------------
+# With config.shard_params the blocks' parameters are stacked along a leading layer axis ("blocks")
+# and kept as 1/D shards ([L, D, m]); the loss gathers the embeddings and the final LayerNorm once,
+# and each block's parameters inside lax.scan, under remat (gathered again in backward).
+
+def stack_blocks(params: dict, num_layers: int) -> dict:
+  """The model's params dict with ``block0 .. block{L-1}`` stacked into ``blocks`` ``[L, ...]``."""
+  rest = {k: v for k, v in params.items() if not re.fullmatch(r"block\d+", k)}
+  blocks = [params[f"block{i}"] for i in range(num_layers)]
+  return {**rest, "blocks": jax.tree_util.tree_map(lambda *a: jnp.stack(a), *blocks)}
+
+
+def unstack_blocks(params: dict, num_layers: int) -> dict:
+  """:func:`stack_blocks` undone: the model's own params dict."""
+  rest = {k: v for k, v in params.items() if k != "blocks"}
+  return {**rest, **{f"block{i}": jax.tree_util.tree_map(lambda a, i=i: a[i], params["blocks"])
+                     for i in range(num_layers)}}
+
+
+def shard_layers(params: dict) -> dict:
+  """``qcomm.shard_params``' ``layers``: one stacked layer axis for the blocks, none elsewhere."""
+  return {k: int(k == "blocks") for k in params}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """The graph definitions of the modules the sharded loss merges with gathered parameters."""
+  embed: nnx.GraphDef
+  pos: nnx.GraphDef
+  ln_f: nnx.GraphDef
+  block: nnx.GraphDef
+
+
+def model_parts(model: TransformerLM) -> Parts:
+  return Parts(*(nnx.split(m)[0] for m in (model.embed, model.pos, model.ln_f, model.block0)))
+
+
+def sharded_window_loss(parts: Parts, shards: dict, windows: jax.Array) -> jax.Array:
+  """:func:`window_loss` of the sharded parameters, inside the runner's step: each block's full
+  parameters exist only while it runs (``lax.scan`` + ``jax.checkpoint``)."""
+  top = qcomm.gather_params({k: shards[k] for k in ("embed", "pos", "ln_f")})
+  tokens = windows[:, :-1]
+  embed = nnx.merge(parts.embed, top["embed"])
+  x = embed(tokens) + nnx.merge(parts.pos, top["pos"])(jnp.arange(tokens.shape[1]))
+
+  def block(x, shard):
+    return nnx.merge(parts.block, qcomm.gather_params(shard))(x), None
+
+  x, _ = lax.scan(jax.checkpoint(block), x, shards["blocks"])
+  logits = embed.attend(nnx.merge(parts.ln_f, top["ln_f"])(x))
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                         windows[:, 1:])
+
+
 # ---- configuration -------------------------------------------------------------------------------
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -246,6 +300,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     bad("model_devices", f"a positive divisor of num_devices ({config.num_devices})")
   if config.d_model % m:
     bad("model_devices", f"a divisor of d_model ({config.d_model}): the weights split over it")
+  if config.shard_params and m > 1:
+    bad("model_devices", "1 with shard_params=True (its shards split the data axis)")
   for field in ("learning_rate", "weight_decay", "grad_clip", "time_limit_minutes", "powersgd"):
     if not config[field] >= 0:
       bad(field, ">= 0")
@@ -267,6 +323,9 @@ def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     settings.pop("gather_bits", None)
   if not settings.get("powersgd"):
     settings.pop("powersgd", None)
+  if not settings.get("shard_params"):
+    settings.pop("shard_params", None)
+    settings.pop("param_gather_bits", None)
   if settings.get("model_devices", 1) == 1:  # runs recorded before the model axis existed
     settings.pop("model_devices", None)
   return settings
@@ -338,8 +397,13 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def _matrix_mask(params: Any) -> Any:
-  """Weight decay on matrices (kernels, embeddings), not on biases nor LayerNorm parameters."""
-  return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+  """Weight decay on matrices (kernels, embeddings), not on biases nor LayerNorm parameters (of
+  sharded parameters: by the full parameter's shape)."""
+  def matrix(p):
+    if isinstance(p, qcomm.ParamShard):
+      return qcomm.ParamShard(len(p.shape) >= 2, p.shape, p.dtype)
+    return p.ndim >= 2
+  return jax.tree_util.tree_map(matrix, params, is_leaf=lambda p: isinstance(p, qcomm.ParamShard))
 
 
 def local_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -356,6 +420,14 @@ def create_optimizer(config: ml_collections.ConfigDict,
   return create_sync(config, local_optimizer(config), axis_name)
 
 
+def peak_bytes_per_device(train_step: Callable, state: TrainState, windows: jax.Array) -> int:
+  """The compiled train step's memory on one device (``memory_analysis()``: arguments, outputs
+  and temporaries, less the donated buffers the outputs reuse)."""
+  m = train_step.lower(state, windows).compile().memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+
+
 def wire_bytes(params: Any, config: ml_collections.ConfigDict) -> dict[str, int]:
   """Bytes of one encoded copy of the gradient, per leaf codec as ``qcomm.sync`` chooses it
   (``qcomm.describe`` of the run's optimizer).
@@ -363,12 +435,18 @@ def wire_bytes(params: Any, config: ml_collections.ConfigDict) -> dict[str, int]
   Every optimizer step each device encodes its gradient into this many payload bytes (the
   scatter-reduce-allgather sends 2 (D-1)/D of it per device, whatever the codec). Returns
   ``wire_bytes`` (that payload), ``fp32_bytes`` (the same gradient as float32) and
-  ``compressed_elements`` (elements travelling through the lossy codec).
+  ``compressed_elements`` (elements travelling through the lossy codec), and
+  ``sent_bytes_per_step``: what each device sends per optimizer step (``describe``, equal to the
+  compiled step's collectives; with ``shard_params`` the blocks' gathers, again in backward, and
+  the gradients' reduce-scatters).
   """
-  described = qcomm.describe(create_optimizer(config), params, devices=config.num_devices)
+  regather = {k: k == "blocks" for k in params} if config.get("shard_params") else True
+  described = qcomm.describe(create_optimizer(config), params, devices=config.num_devices,
+                             regather=regather)
   return {"wire_bytes": described.payload_bytes, "fp32_bytes": described.fp32_bytes,
           "compressed_elements": sum(leaf.elements for leaf in described.leaves
-                                     if leaf.codec.lossy)}
+                                     if leaf.codec.lossy),
+          "sent_bytes_per_step": described.sent_bytes_per_sync}
 
 
 # ---- state and steps -----------------------------------------------------------------------------
@@ -391,6 +469,7 @@ class Programs:
   init: Callable[[], TrainState]          # the initial state (params from config.seed)
   train_step: Callable                    # (state, windows) -> (state, loss)
   eval_step: Callable                     # (params, windows) -> summed nats
+  full_params: Callable = lambda params: params  # the state's params -> the model's params dict
 
 
 def build_programs(config: ml_collections.ConfigDict, mesh: Mesh) -> Programs:
@@ -404,6 +483,8 @@ def build_programs(config: ml_collections.ConfigDict, mesh: Mesh) -> Programs:
                                   is_leaf=lambda s: isinstance(s, P))
   # One compiled program, rather than one small one per eager op of the initialisers.
   init_params = jax.jit(make_params, out_shardings=placed)
+  if config.get("shard_params", False):
+    return _sharded_programs(config, mesh, tx, graphdef, make_params)
   dp = create_data_parallel(graphdef, tx, mesh)
 
   def init() -> TrainState:
@@ -412,6 +493,34 @@ def build_programs(config: ml_collections.ConfigDict, mesh: Mesh) -> Programs:
                       opt_state=dp.init(params))
 
   return Programs(graphdef, tx, dp, init, make_train_step(dp), make_eval_step(graphdef, mesh))
+
+
+def _sharded_programs(config: ml_collections.ConfigDict, mesh: Mesh, tx, graphdef,
+                      make_params: Callable) -> Programs:
+  """:func:`build_programs` with ``config.shard_params``: the state's params are the shards."""
+  parts = model_parts(nnx.eval_shape(lambda: create_model(config, nnx.Rngs(0))))
+  n = config.num_layers
+  dp = qcomm.data_parallel(
+      lambda shards, windows: jnp.mean(sharded_window_loss(parts, shards, windows)), tx, mesh,
+      axis_name=AXIS)
+
+  def make_shards():
+    stacked = stack_blocks(make_params(), n)
+    return qcomm.shard_params(stacked, config.num_devices, layers=shard_layers(stacked))
+
+  specs = qcomm.shard_specs(jax.eval_shape(make_shards), AXIS)
+  # Each device computes its own shards: the full parameters never live on one device.
+  init_shards = jax.jit(make_shards, out_shardings=jax.tree_util.tree_map(
+      lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)))
+  replicated = NamedSharding(mesh, P())
+
+  def init() -> TrainState:
+    shards = init_shards()
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=shards,
+                      opt_state=dp.init(shards))
+
+  return Programs(graphdef, tx, dp, init, make_train_step(dp), make_eval_step(graphdef, mesh),
+                  full_params=lambda shards: unstack_blocks(dp.unshard(shards), n))
 
 
 @functools.lru_cache(maxsize=4)
@@ -554,7 +663,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
   val_bytes = config.num_val_windows * config.seq_len
 
   def evaluate(params) -> float:
-    return float(eval_step(params, val)) / val_bytes
+    return float(eval_step(programs.full_params(params), val)) / val_bytes
 
   ckpt = Checkpoints(workdir, config.keep_checkpoints) if workdir else None
   meta: dict[str, Any] = {"curve": [], "train_seconds": 0.0, "wall_seconds": 0.0,
@@ -569,7 +678,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
     state = ckpt.restore(state)
   start = int(jax.device_get(state.step)) // k
   log = _Log(workdir, quiet)
-  n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(programs.full_params(state.params)))
+  peak = peak_bytes_per_device(train_step, state, _global(mesh, train_windows(
+      corpus.train, config.seed, 0, config.batch_size, config.seq_len)))
   if not quiet and jax.process_index() == 0:
     print(f"byte LM, {n_params / 1e3:.0f}k parameters ({config.num_layers} x d{config.d_model}, "
           f"context {config.seq_len}), {mesh.size} devices, {config.batch_size} windows x accum "
@@ -627,6 +738,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
 
   result: dict[str, Any] = {
       "bits": config.bits, "powersgd": config.get("powersgd", 0), "accum_steps": k,
+      **({"shard_params": True, "param_gather_bits": config.param_gather_bits}
+         if config.get("shard_params") else {}),
       "error_feedback": error_feedback,
       "seed": config.seed, "steps": done, "num_steps": config.num_steps,
       "val_loss": None if stopped else meta["curve"][-1][1],
@@ -646,6 +759,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
       "batch_size": config.batch_size, "num_devices": mesh.size,
       "tokens_per_step": config.batch_size * k * config.seq_len,
       **wire_bytes(state.params, config),
+      # The compiled train step's memory per device (arguments + outputs + temporaries - aliased).
+      "peak_bytes_per_device": peak,
       "unigram_entropy_val": unigram_entropy(corpus.val),
       "corpus_sha256": corpus.sha256, "corpus_bytes": [int(corpus.train.size),
                                                        int(corpus.val.size)],

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ml_collections
 import optax
 
+import jax.numpy as jnp
+
 import jax_qcomm as qcomm
 
 
@@ -29,6 +31,9 @@ def create_sync(config: ml_collections.ConfigDict, inner: optax.GradientTransfor
   if config.get("shard_state", False):  # sharded optimizer state, weight differences at gather_bits
     extra.update(shard_state=True, gather_codec=qcomm.QSGD(config.gather_bits, config.bucket_size,
                                                            rounding="nearest"))
+  if config.get("shard_params", False):  # sharded parameters, gathered at param_gather_bits
+    extra.update(shard_params=True, param_codec=param_codec(config.param_gather_bits,
+                                                            config.bucket_size))
   codec = qcomm.codec_for_bits(config.bits, config.bucket_size, config.scheme,
                                rounding="nearest" if config.error_feedback else "stochastic")
   error_feedback = config.error_feedback
@@ -39,6 +44,18 @@ def create_sync(config: ml_collections.ConfigDict, inner: optax.GradientTransfor
   return qcomm.sync(inner, axis_name=axis_name, codec=codec, policy=policy,
                     accum_steps=config.accum_steps, error_feedback=error_feedback,
                     seed=config.seed, **extra)
+
+
+def param_codec(bits: int, bucket_size: int) -> qcomm.Codec:
+  """The parameters' gather codec of ``param_gather_bits``: 32 exact, 16 bfloat16, 1..8 QSGD
+  rounded to nearest (ZeRO++'s qwZ at 8)."""
+  if bits == 32:
+    return qcomm.NoCompression()
+  if bits == 16:
+    return qcomm.Cast(jnp.bfloat16)
+  if not (isinstance(bits, int) and 1 <= bits <= 8):
+    raise ValueError(f"param_gather_bits must be 32, 16 or 1..8, got {bits!r}")
+  return qcomm.QSGD(bits, bucket_size, rounding="nearest")
 
 
 def check_sync_fields(config: ml_collections.ConfigDict) -> None:

@@ -41,7 +41,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jax_qcomm import _compat
-from jax_qcomm._checks import check_array_leaves, check_bool, check_instance, check_key
+from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
+                               check_key)
 from jax_qcomm.codecs import Codec, NoCompression
 from jax_qcomm.collectives import ops, packing
 from jax_qcomm.transport.axes import AxisName, axis_names, axis_size, check_axis
@@ -143,9 +144,7 @@ def unshard_params(tree: Any) -> Any:
   """Every :class:`ParamShard` in ``tree`` (global ``[*layers, D, m]`` data) -> the full
   parameter ``[*layers, *shape]``; other leaves stay as they are (an optimizer state's counts).
   ValueError for a tree without shards."""
-  if not has_shards(tree):
-    raise ValueError(f"shards must be a pytree holding qcomm ParamShard (from qcomm.shard_params "
-                     f"or dp.shard), got {type(tree).__name__} without any")
+  _check_has_shards(tree)
 
   def one(s):
     if not is_shard(s):
@@ -154,6 +153,12 @@ def unshard_params(tree: Any) -> Any:
     return s.data.reshape(lead + (-1,))[..., :s.size].reshape(lead + s.shape).astype(s.dtype)
 
   return jax.tree_util.tree_map(one, tree, is_leaf=is_shard)
+
+
+def _check_has_shards(tree: Any) -> None:
+  if not has_shards(tree):
+    raise ValueError(f"tree must be a pytree holding qcomm.ParamShard (from qcomm.shard_params "
+                     f"or dp.shard), got a {type(tree).__name__} without any")
 
 
 def reshard_params(tree: Any, devices: int) -> Any:
@@ -172,6 +177,9 @@ def shard_specs(tree: Any, axis_name: AxisName) -> Any:
   """``shard_map`` specs of a pytree holding :class:`ParamShard` s (parameters, gradients or an
   optimizer state over them): a shard's data ``P(*[None] * layers, axis, None)``, every other leaf
   replicated, ``P()``."""
+  check_axis_name("axis_name", axis_name)
+  if not has_shards(tree) and jax.tree_util.tree_leaves(tree):
+    _check_has_shards(tree)
   names = axis_names(axis_name)
   dev = names[0] if len(names) == 1 else names
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm._checks import check_axis_name
-from jax_qcomm.collectives.sharded_params import shard_specs
+from jax_qcomm.collectives.sharded_params import has_shards, shard_specs
 from jax_qcomm.transforms import layout
 from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names
 
@@ -127,7 +127,7 @@ def _specs(tree: Any, axis_name: Any) -> Any:
       return _specs(value, axis_name)
     if name in cls.PER_DEVICE_NESTED_FIELDS:
       return prefixed(dev, value)
-    if name in getattr(cls, "PARAM_SHARD_FIELDS", ()):
+    if name in getattr(cls, "PARAM_SHARD_FIELDS", ()) and has_shards(value):
       return shard_specs(value, dev[0])
     return rep(value)
 
