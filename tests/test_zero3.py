@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import optax
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
-from tests.test_protocol import _shape_bytes
+from benchmarks import hlo
 
 W = 13  # 169-element kernels, 13-element biases: no D in (3, 6, 8) divides them
 L = 3
@@ -148,32 +148,6 @@ def test_hpz_equals_replicated_and_backward_gathers_stay_in_the_node(shape):
   _close(dp.unshard(shards), want)
 
 
-_OP = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(all-reduce|all-gather|"
-                 r"all-to-all|reduce-scatter|collective-permute)\(.*?replica_groups=mesh\[([^\]]*)\]"
-                 r" \{([^}]*)\}")
-
-
-def _hlo_bytes(text: str) -> tuple[float, float]:
-  """(bytes each device sends, of which over collectives that span the "node" axis), from the
-  compiled HLO: all-reduce 2 (k-1)/k x size, all-gather / all-to-all (k-1)/k x output,
-  reduce-scatter (k-1) x output, k the group's devices."""
-  total = cross = 0.0
-  for line in text.splitlines():
-    m = _OP.search(line)
-    if not m:
-      continue
-    shape, op, sizes, axes = m.groups()
-    sizes = {a.strip("'"): int(v) for a, v in (x.split("=") for x in sizes.split(","))}
-    axes = [a.strip().strip("'") for a in axes.split(",")]
-    k = math.prod(sizes[a] for a in axes)
-    f = {"all-reduce": 2 * (k - 1) / k, "all-gather": (k - 1) / k, "all-to-all": (k - 1) / k,
-         "reduce-scatter": k - 1, "collective-permute": 1}[op]
-    nbytes = f * sum(_shape_bytes(shape))
-    total += nbytes
-    cross += nbytes if "node" in axes else 0.0
-  return total, cross
-
-
 @pytest.mark.parametrize("bits,hpz", [(32, False), (4, False), (32, True), (4, True)])
 def test_describe_equals_the_compiled_hlo_and_hpz_crosses_nodes_once(bits, hpz):
   axis = ("node", "gpu")
@@ -185,7 +159,7 @@ def test_describe_equals_the_compiled_hlo_and_hpz_crosses_nodes_once(bits, hpz):
   shards = dp.shard(_loop_params(_params()))
   state = dp.init(shards)
   text = jax.jit(dp.step).lower(shards, state, _batch(6)).compile().as_text()
-  total, cross = _hlo_bytes(text)
+  total, cross = hlo.sent_bytes(text, "node")
   loss_pmean = 2 * 5 / 6 * 4
   with jax.set_mesh(mesh):
     described = qcomm.describe(tx, shards, regather={**{f"l{i}": True for i in range(L)},
@@ -330,3 +304,47 @@ def test_two_processes(tmp_path):
     for mode in ("sharded", "hpz"):
       np.testing.assert_allclose(runs[0][key.replace("replicated", mode)], runs[0][key],
                                  rtol=1e-5, atol=1e-6)
+
+
+def test_nnx_runner_names_the_runner_to_use():
+  from flax import nnx  # noqa: PLC0415
+  mesh = _mesh((2,))
+  model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, qcomm.sync(optax.sgd(0.1), shard_params=True), wrt=nnx.Param)
+  dp = qcomm.nnx_data_parallel(lambda m, b: jnp.mean(m(b) ** 2), mesh)
+  with pytest.raises(ValueError, match="nnx_data_parallel does not run .*shard_params"):
+    dp.step(model, optimizer, jnp.ones((4, 4)))
+
+
+def test_flax_linen_one_line_per_block_equals_replicated():
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jnp.tanh(nn.Dense(W)(x))
+
+  class Net(nn.Module):
+    block: Any = Block
+
+    @nn.compact
+    def __call__(self, x):
+      for i in range(L):
+        x = self.block(name=f"block{i}")(x)
+      return nn.Dense(2, name="head")(x)
+
+  sharded_block = nn.remat(nn.map_variables(Block, "params", trans_in_fn=qcomm.gather_params))
+  mesh = _mesh((3,))
+  params = Net().init(jax.random.key(0), jnp.ones((1, W)))["params"]
+
+  def plain(p, batch):
+    return jnp.mean((Net().apply({"params": p}, batch[0]) - batch[1]) ** 2)
+
+  def sharded(shards, batch):
+    head = qcomm.gather_params(shards["head"])  # the blocks' shards are gathered by the blocks
+    net = Net(block=sharded_block)
+    return jnp.mean((net.apply({"params": {**shards, "head": head}}, batch[0]) - batch[1]) ** 2)
+
+  want = _train(plain, qcomm.sync(optax.adam(1e-2), bits=32), mesh, "data", params, 3)[1]
+  dp, shards, _, _ = _train(sharded, _exact("data"), mesh, "data", params, 3, layers=0)
+  _close(dp.unshard(shards), want)

@@ -263,7 +263,8 @@ def sharded_window_loss(parts: Parts, shards: dict, windows: jax.Array) -> jax.A
   def block(x, shard):
     return nnx.merge(parts.block, qcomm.gather_params(shard))(x), None
 
-  x, _ = lax.scan(jax.checkpoint(block), x, shards["blocks"])
+  # hpz_remat_policy keeps hpZ's secondary shards (a sync with hpz=True); otherwise it saves nothing.
+  x, _ = lax.scan(jax.checkpoint(block, policy=qcomm.hpz_remat_policy), x, shards["blocks"])
   logits = embed.attend(nnx.merge(parts.ln_f, top["ln_f"])(x))
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
                                                          windows[:, 1:])

@@ -40,7 +40,7 @@ from jax_qcomm.runners.data_parallel import (_check, _check_shard_reductions, _r
                                              _shard_errors, check_batch,
                                              keep_layout, local_step, out_specs_of,
                                              per_shard_update)
-from jax_qcomm.transforms import layout
+from jax_qcomm.transforms import layout, param_shards
 from jax_qcomm.transforms.specs import _SpecKey, checked_spec, device_spec, place, replica_axes
 
 
@@ -83,6 +83,12 @@ class NNXDataParallel:
     # structure (and settings) there, unlike in the mapping form of nnx.state(optimizer).
     params, opt_state = nnx.as_pure(params), nnx.as_pure(optimizer.opt_state)
     spec = checked_spec(opt_state, self.axis_name)
+    if param_shards.sharded_params_config(opt_state) is not None:
+      raise ValueError(
+          "nnx_data_parallel does not run qcomm.sync(..., shard_params=True): an nnx.Optimizer "
+          "holds the model's full parameters. Run the sharded mode through qcomm.data_parallel "
+          "on the shards of nnx.state(model) (dp.shard(params); docs/usage.md, \"Sharded "
+          "parameters (ZeRO-3)\")")
     check_batch(batch, self.mesh, self.axis_name, self.batch_spec)
     names = axis_names(self.axis_name)
     # Parameters sharded over model axes (nnx.with_partitioning, placed on the mesh): the step
