@@ -29,6 +29,7 @@ from jax_qcomm.collectives import (ParamShard, all_gather, allreduce, cast_pmean
 from jax_qcomm.collectives.packing import LeafPolicy
 from jax_qcomm.transforms.accumulation import accumulate_gradients
 from jax_qcomm.transforms.sync import ShardedSyncState, SyncState, sync
+from jax_qcomm.transforms.param_shards import ParamShardSyncState
 from jax_qcomm.transforms.specs import local_params, state_partition_spec
 from jax_qcomm.transforms.clipping import clip_by_global_norm
 from jax_qcomm.runners.data_parallel import DataParallel, data_parallel
@@ -43,7 +44,8 @@ __all__ = [
     "Hierarchical", "LeafPolicy", "allreduce", "reduce_scatter", "all_gather", "cast_pmean",
     "gather_params", "shard_params", "unshard_params", "reshard_params", "shard_specs",
     "hpz_remat_policy", "ParamShard",
-    "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "clip_by_global_norm",
+    "accumulate_gradients", "sync", "SyncState", "ShardedSyncState", "ParamShardSyncState",
+    "clip_by_global_norm",
     "codec_for_bits", "state_partition_spec", "local_params",
     "data_parallel", "DataParallel", "describe", "Description",
     "diloco", "DiLoCoState",

@@ -42,6 +42,8 @@ EXEMPT = {
     # the state it receives (see the ("sync().update", "state") case).
     **{("SyncState", f): "pytree container" for f in qcomm.SyncState._fields},
     **{("ShardedSyncState", f): "pytree container" for f in qcomm.ShardedSyncState._fields},
+    **{("ParamShardSyncState", f): "pytree container"
+       for f in qcomm.ParamShardSyncState._fields},
     # Handed to grad_fn unchanged: any pytree grad_fn accepts is valid.
     ("accumulate_gradients", "params"): "passed through to grad_fn",
     # Only the structure is read; any pytree (a leaf gets PartitionSpec()) is valid.

@@ -97,9 +97,9 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     if i >= 3:
       times.append(time.perf_counter() - t0)
   times = slowest(times)
-  params = sum(p.numel() for p in model.parameters()) * world  # sharded: this rank's 1/world
+  params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one's
   return {"row": name, "step_s_median": statistics.median(times), "step_s": times,
-          "loss": float(loss), "parameters_about": params}
+          "loss": float(loss), "parameters": params}
 
 
 def main(argv=None) -> int:

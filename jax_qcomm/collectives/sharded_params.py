@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any, Iterator
 
@@ -44,7 +45,7 @@ from jax_qcomm import _compat
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
                                check_key)
 from jax_qcomm.codecs import Codec, NoCompression
-from jax_qcomm.collectives import ops, packing
+from jax_qcomm.collectives import packing
 from jax_qcomm.transport.axes import AxisName, axis_names, axis_size, check_axis
 
 #: The name of hpZ's secondary shards (``jax.ad_checkpoint.checkpoint_name``).
@@ -335,7 +336,7 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
   flats = _gather_flat(tuple(s for s, _ in metas), outer, names, codecs, grad_codecs, datas,
                        key)
   if inner:  # hpZ: the secondary shards (kept under hpz_remat_policy), gathered inside the node
-    flats = [_inner_gather(checkpoint_name(f, HPZ_NAME), inner, d) for f in flats]
+    flats = _inner_gather([checkpoint_name(f, HPZ_NAME) for f in flats], inner, d)
   fulls = [f[:math.prod(shape)].reshape(shape).astype(dtype)
            for f, (shape, dtype) in zip(flats, metas)]
   return jax.tree_util.tree_unflatten(treedef, fulls)
@@ -351,37 +352,69 @@ def check_gather_codec(name: str, codec: Codec, what: str = "all_gather") -> Cod
   return codec
 
 
-def _inner_gather(sec: jax.Array, inner: tuple, d: int) -> jax.Array:
-  """hpZ's second stage: the secondary shards ``[N * m]`` (outer index n) gathered exactly over
-  the last axis (index g) and put back in the shards' order, chunk ``n * G + g``. Its transpose
-  (autodiff's) is the exact reduce-scatter inside the node."""
+def _inner_gather(secs: list, inner: tuple, d: int) -> list:
+  """hpZ's second stage: the secondary shards ``[N * m_i]`` (outer index n) gathered exactly over
+  the last axis (index g), those of one dtype in one collective, and put back in the shards'
+  order, chunk ``n * G + g``. Its transpose (autodiff's) is the exact reduce-scatter inside the
+  node."""
   g = _size(inner)
-  rows = lax.all_gather(sec, inner, tiled=False)          # [G, N * m]
   n_outer = d // g
-  m = sec.shape[0] // n_outer
-  return rows.reshape(g, n_outer, m).transpose(1, 0, 2).reshape(-1)
+  out = [None] * len(secs)
+  for dtype in dict.fromkeys(x.dtype for x in secs):
+    members = [i for i, x in enumerate(secs) if x.dtype == dtype]
+    sizes = [secs[i].shape[0] for i in members]
+    rows = lax.all_gather(jnp.concatenate([secs[i] for i in members]), inner)  # [G, sum N*m_i]
+    for i, part in zip(members, jnp.split(rows, list(itertools.accumulate(sizes))[:-1], axis=1)):
+      m = part.shape[1] // n_outer
+      out[i] = part.reshape(g, n_outer, m).transpose(1, 0, 2).reshape(-1)
+  return out
 
 
 def _size(names: tuple) -> int:
   return math.prod(lax.axis_size(n) for n in names)
 
 
-def _gather_one(data, names, codec, key):
-  flat = data.reshape(-1)
-  if codec.exact:
-    whole = lax.all_gather(flat, names, tiled=True)
+def _groups(codecs: tuple, dtypes: tuple) -> list[list[int]]:
+  """The leaves that travel together: one collective per pair of codecs (gather, gradient), and
+  dtype where either is exact."""
+  groups: list[tuple[Any, list[int]]] = []
+  for i, (c, t) in enumerate(zip(codecs, dtypes)):
+    tag = (c, t if any(x.exact for x in c) else None)
+    for key, members in groups:
+      if key == tag:
+        members.append(i)
+        break
+    else:
+      groups.append((tag, [i]))
+  return [members for _, members in groups]
+
+
+def _gather_group(xs: list, names: tuple, codec: Codec, key) -> list:
+  """Shards ``[1, m_i]`` of one codec, gathered in one collective -> ``[k * m_i]`` each."""
+  if codec.exact:  # XLA's own all-gather of the concatenated shards
+    sizes = [x.shape[-1] for x in xs]
+    rows = lax.all_gather(jnp.concatenate([x.reshape(-1) for x in xs]), names)  # [k, M]
+    parts = jnp.split(rows, list(itertools.accumulate(sizes))[:-1], axis=1)
   else:
-    whole = ops.all_gather(flat.astype(jnp.float32), names, codec, key, tiled=True)
+    parts = [r.astype(x.dtype) for r, x in zip(codec.all_gather_leaves(
+        [x.reshape(-1).astype(jnp.float32) for x in xs], names, key), xs)]
   # Typed as varying, as lax.all_gather's result is: the loss's cotangent then reaches the
   # backward pass per device (an invariant result would have it summed over the devices first).
-  return _compat.make_varying(whole, frozenset(names)).astype(data.dtype)
+  return [_compat.make_varying(p.reshape(-1), frozenset(names)) for p in parts]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _gather_flat(sizes, names, all_names, codecs, grad_codecs, datas, key):
-  """Each shard ``[1, m]`` gathered over ``names`` to ``[len(names' devices) * m]``."""
-  keys = jax.random.split(key, len(datas)) if datas else []
-  return tuple(_gather_one(x, names, c, k) for x, c, k in zip(datas, codecs, keys))
+  """Each shard ``[1, m]`` gathered over ``names`` to ``[k * m]`` (k: the devices along
+  ``names``), the shards of one codec in one collective (each padded to whole buckets)."""
+  out = [None] * len(datas)
+  groups = _groups(tuple(zip(codecs, grad_codecs)), tuple(x.dtype for x in datas))
+  keys = jax.random.split(key, len(groups)) if groups else []
+  for members, k in zip(groups, keys):
+    fulls = _gather_group([datas[i] for i in members], names, codecs[members[0]], k)
+    for i, f in zip(members, fulls):
+      out[i] = f
+  return tuple(out)
 
 
 def _gather_flat_fwd(sizes, names, all_names, codecs, grad_codecs, datas, key):
@@ -391,24 +424,30 @@ def _gather_flat_fwd(sizes, names, all_names, codecs, grad_codecs, datas, key):
 
 def _gather_flat_bwd(sizes, names, all_names, codecs, grad_codecs, residual, cotangents):
   key, data_shapes = residual
-  keys = jax.random.split(jax.random.fold_in(key, 1), len(cotangents)) if cotangents else []
   k = _size(names)
   rest = _size(all_names) // k  # hpZ: the inner stage's transpose summed over the node's devices
-  grads = []
-  for g, n, dshape, grad_codec, kk in zip(cotangents, sizes, data_shapes, grad_codecs, keys):
-    m = dshape[-1]
-    flat = _compat.make_varying(g.astype(jnp.float32), frozenset(all_names))
-    if grad_codec.exact:
-      part = lax.psum_scatter(flat, names, tiled=True) / k
+  groups = _groups(tuple(zip(codecs, grad_codecs)), tuple(g.dtype for g in cotangents))
+  keys = jax.random.split(jax.random.fold_in(key, 1), len(groups)) if groups else []
+  grads = [None] * len(cotangents)
+  for members, kk in zip(groups, keys):
+    rows = [_compat.make_varying(cotangents[i].astype(jnp.float32), frozenset(all_names))
+            .reshape(k, data_shapes[i][-1]) for i in members]
+    grad_codec = grad_codecs[members[0]]
+    if grad_codec.exact:  # XLA's own reduce-scatter of the rows side by side
+      m = [r.shape[1] for r in rows]
+      packed = lax.psum_scatter(jnp.concatenate(rows, axis=1).reshape(-1), names, tiled=True)
+      parts = [p / k for p in jnp.split(packed, list(itertools.accumulate(m))[:-1])]
     else:
-      part = ops.reduce_scatter(flat, names, grad_codec, kk, "mean", check_varying=False)
-    if rest > 1:
-      part = part / rest
-    # The padding past the leaf's n values is no parameter: its gradient stays 0 (a stochastic
-    # codec would round it away from 0, and the optimizer would move it).
-    index = lax.axis_index(all_names) * m + jnp.arange(m)
-    part = jnp.where(index < math.prod(n), part, 0.0)
-    grads.append(part.reshape(dshape).astype(g.dtype))
+      parts = grad_codec.reduce_scatter_leaves([r[None] for r in rows], names, kk, "mean")[0]
+    for i, part in zip(members, parts):
+      if rest > 1:
+        part = part / rest
+      m = data_shapes[i][-1]
+      # The padding past the leaf's n values is no parameter: its gradient stays 0 (a stochastic
+      # codec would round it away from 0, and the optimizer would move it).
+      index = lax.axis_index(all_names) * m + jnp.arange(m)
+      part = jnp.where(index < math.prod(sizes[i]), part, 0.0)
+      grads[i] = part.reshape(data_shapes[i]).astype(cotangents[i].dtype)
   return tuple(grads), None
 
 
