@@ -236,4 +236,5 @@ def test_one_layer_at_a_time_in_the_compiled_step():
   temp = {mode: compiled_memory(mode, 8, layers, width, 2)["temp_bytes"] / layer
           for mode in ("up_front", "loop_remat", "per_layer")}
   assert temp["up_front"] > layers - 1, temp
-  assert temp["loop_remat"] < 2 and temp["per_layer"] < 2, temp
+  # One layer's gathered buffer and its leaves split from it: about two layers, not all eight.
+  assert temp["loop_remat"] < 2.5 and temp["per_layer"] < 2.5, temp

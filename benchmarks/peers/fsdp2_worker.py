@@ -134,6 +134,7 @@ def main(argv=None) -> int:
       with open(args.out, "w") as f:
         f.write(text)
     print(text, flush=True)
+  dist.barrier()  # every rank done before the group goes (gloo aborted a rank leaving early)
   dist.destroy_process_group()
   return 0
 
