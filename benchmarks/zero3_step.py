@@ -67,12 +67,11 @@ def cross_node_bytes(tx, shards, mesh: Mesh) -> float:
   tests/test_zero3.py checks against the compiled HLO."""
   cfg = qcomm.transforms.sync.config_of(tx)
   n = mesh.shape["node"]
-  exact = qcomm.NoCompression()
-  total = 2 * exact.sent_bytes(1, mesh.size)
-  for s in jax.tree_util.tree_leaves(shards, is_leaf=lambda x: isinstance(x, qcomm.ParamShard)):
-    probe = [jax.ShapeDtypeStruct(s.shape, s.dtype)]
-    lossy = qcomm.collectives.packing.leaf_codecs(probe, qcomm.QSGD(), cfg.policy)[0].lossy
-    gather, grad = (cfg.param_codec, cfg.codec) if lossy else (exact, exact)
+  total = 2 * qcomm.NoCompression().sent_bytes(1, mesh.size)
+  leaves = jax.tree_util.tree_leaves(shards, is_leaf=lambda x: isinstance(x, qcomm.ParamShard))
+  gathers, grads = qcomm.collectives.sharded_params.leaf_codecs(shards, cfg.param_codec, cfg.codec,
+                                                                cfg.policy)
+  for s, gather, grad in zip(leaves, gathers, grads):
     m, layers = s.data.shape[-1], int(np.prod(s.data.shape[:-2]))
     total += layers * (gather.sent_bytes(m, n, "all_gather")
                        + grad.sent_bytes(n * m, n, "reduce_scatter"))

@@ -52,6 +52,16 @@ from jax.extend import backend as jex_backend
 HAS_MAT: bool = hasattr(jax.core.ShapedArray, "mat")
 
 
+def current_trace() -> Any:
+  """The trace being built now (an object that identifies one tracing of a function), or None
+  where this jax does not expose it."""
+  try:
+    from jax._src import core  # noqa: PLC0415
+    return core.trace_ctx.trace
+  except (ImportError, AttributeError):
+    return None
+
+
 def vma_of(x: Any) -> frozenset:
   """The mesh axes ``x`` (an array, tracer or abstract value) varies over; empty outside
   ``shard_map`` and under ``shard_map(check_vma=False)`` or ``pmap``."""

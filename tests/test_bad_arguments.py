@@ -339,6 +339,7 @@ def _cases() -> list[Case]:
       c("shard_specs", "axis_name",
         lambda: qcomm.shard_specs(qcomm.shard_params({"w": X}, 2), ["data"])),
       c("gather_params", "hpz", _traced(lambda v: qcomm.gather_params(_shard(v), AX, hpz="yes"))),
+      c("gather_params", "index", _traced(lambda v: qcomm.gather_params(_shard(v), AX, index=0.5))),
       c("describe", "regather", lambda: qcomm.describe(
           qcomm.sync(sgd, shard_params=True), {"w": jnp.ones((4, 4))}, devices=2,
           regather="yes")),

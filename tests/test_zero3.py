@@ -348,3 +348,23 @@ def test_flax_linen_one_line_per_block_equals_replicated():
   want = _train(plain, qcomm.sync(optax.adam(1e-2), bits=32), mesh, "data", params, 3)[1]
   dp, shards, _, _ = _train(sharded, _exact("data"), mesh, "data", params, 3, layers=0)
   _close(dp.unshard(shards), want)
+
+
+def test_a_loss_that_never_gathers_and_two_branches_are_told_apart():
+  mesh = _mesh((3,))
+  tx = qcomm.sync(optax.sgd(0.1), shard_params=True, bits=32)
+
+  def forgot(s, batch):  # the shards used as they are: each device's own gradient, no mean
+    return jnp.mean(s["out"].data) + 0 * jnp.mean(batch[0])
+  dp = qcomm.data_parallel(forgot, tx, mesh)
+  shards = dp.shard(_params())
+  with pytest.raises(ValueError, match="loss_fn never called qcomm.gather_params"):
+    dp.step(shards, dp.init(shards), _batch(3))
+
+  def branches(s, batch):  # one layer gathered in either branch of a cond: one gather runs
+    out = jax.lax.cond(batch[0][0, 0] > 0, lambda: qcomm.gather_params(s["out"]),
+                       lambda: qcomm.gather_params(s["out"]) * 2)
+    return jnp.mean((batch[0] @ out - batch[1]) ** 2)
+  dp = qcomm.data_parallel(branches, tx, mesh)
+  _, _, loss, _ = dp.step(shards, dp.init(shards), _batch(3))
+  assert np.isfinite(float(loss))

@@ -260,11 +260,14 @@ def sharded_window_loss(parts: Parts, shards: dict, windows: jax.Array) -> jax.A
   embed = nnx.merge(parts.embed, top["embed"])
   x = embed(tokens) + nnx.merge(parts.pos, top["pos"])(jnp.arange(tokens.shape[1]))
 
-  def block(x, shard):
-    return nnx.merge(parts.block, qcomm.gather_params(shard))(x), None
+  def block(x, layer):
+    shard, i = layer  # i: the layer's own rounding key (the scan's body is traced once)
+    return nnx.merge(parts.block, qcomm.gather_params(shard, index=i))(x), None
 
   # hpz_remat_policy keeps hpZ's secondary shards (a sync with hpz=True); otherwise it saves nothing.
-  x, _ = lax.scan(jax.checkpoint(block, policy=qcomm.hpz_remat_policy), x, shards["blocks"])
+  layers = jax.tree_util.tree_leaves(shards["blocks"])[0].shape[0]
+  x, _ = lax.scan(jax.checkpoint(block, policy=qcomm.hpz_remat_policy), x,
+                  (shards["blocks"], jnp.arange(layers)))
   logits = embed.attend(nnx.merge(parts.ln_f, top["ln_f"])(x))
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
                                                          windows[:, 1:])
@@ -679,7 +682,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None = 
     state = ckpt.restore(state)
   start = int(jax.device_get(state.step)) // k
   log = _Log(workdir, quiet)
-  n_params = sum(x.size for x in jax.tree_util.tree_leaves(programs.full_params(state.params)))
+  is_shard = lambda x: isinstance(x, qcomm.ParamShard)  # noqa: E731
+  n_params = sum(math.prod(x.data.shape[:-2]) * x.size if is_shard(x) else x.size
+                 for x in jax.tree_util.tree_leaves(state.params, is_leaf=is_shard))
   peak = peak_bytes_per_device(train_step, state, _global(mesh, train_windows(
       corpus.train, config.seed, 0, config.batch_size, config.seq_len)))
   if not quiet and jax.process_index() == 0:

@@ -212,21 +212,23 @@ _SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("jax_qcom
 
 @contextlib.contextmanager
 def gathering(axis_name: AxisName, codec: Codec, grad_codec: Codec, key: jax.Array,
-              hpz: bool = False, policy: Any = None) -> Iterator[None]:
+              hpz: bool = False, policy: Any = None) -> Iterator[_Scope]:
   """While tracing a step's loss: :func:`gather_params` calls that leave ``axis_name`` out take
   these settings (the runner's shard_params mode, from its ``qcomm.sync``; ``policy``, a
   :class:`qcomm.LeafPolicy`, picks each leaf's codecs by its path inside the gathered subtree and
   its shape), each call a key of its own; a shard gathered twice is an error."""
-  token = _SCOPE.set(_Scope(axis_name, codec, grad_codec, key, hpz, policy))
+  scope = _Scope(axis_name, codec, grad_codec, key, hpz, policy)
+  token = _SCOPE.set(scope)
   try:
-    yield
+    yield scope
   finally:
     _SCOPE.reset(token)
 
 
 def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec | None = None,
                   grad_codec: Codec | None = None, key: jax.Array | None = None, *,
-                  after: Any = None, hpz: bool | None = None, check_layout: bool = True) -> Any:
+                  index: Any = None, after: Any = None, hpz: bool | None = None,
+                  check_layout: bool = True) -> Any:
   """This device's shards of a subtree of parameters -> the full subtree (inside ``shard_map``).
 
   Inside :func:`qcomm.data_parallel`'s step with ``qcomm.sync(..., shard_params=True)``, call it
@@ -244,6 +246,9 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
     grad_codec: how the backward reduce-scatter sends the gradient (``QSGD(4)``: each value
       quantised once, unbiased). Each shard receives the devices' mean gradient.
     key: a PRNG key, required where a codec rounds stochastically (a new one per step).
+    index: optional, an integer (or int32 scalar) folded into the key: the layer's index where
+      one call gathers every layer in turn (``lax.scan`` traces its body once, so without it every
+      layer would round with the same key: unbiased each, but with errors alike across layers).
     after: optional, values the gather must wait for (the layer's input activations): the
       gather is then scheduled after them, not at the start of the program. In a Python loop
       over layers, XLA would otherwise start every layer's gather at once (they depend on the
@@ -264,6 +269,8 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
   """
   scope = _SCOPE.get()
   policy = None
+  if scope is not None:
+    scope.calls += 1
   if axis_name is None:
     if scope is None:
       raise ValueError("axis_name is required outside qcomm.data_parallel's step with "
@@ -276,7 +283,6 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
     policy = scope.policy
     if key is None:
       key = jax.random.fold_in(scope.key, scope.calls)
-    scope.calls += 1
   codec = NoCompression() if codec is None else codec
   grad_codec = NoCompression() if grad_codec is None else grad_codec
   check_axis(axis_name, hierarchical=False)
@@ -285,6 +291,11 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
   check_bool("check_layout", check_layout)
   hpz = check_bool("hpz", bool(hpz) if hpz is None else hpz)
   check_key("key", key)
+  if index is not None:
+    if not (isinstance(index, int) and not isinstance(index, bool)) and not (
+        hasattr(index, "dtype") and jnp.ndim(index) == 0
+        and jnp.issubdtype(index.dtype, jnp.integer)):
+      raise ValueError(f"index must be None, an int or an integer scalar array, got {index!r}")
   names = axis_names(axis_name)
   if hpz and len(names) < 2:
     raise ValueError(f"hpz=True needs axis_name with two or more axes (node, gpu): the secondary "
@@ -293,6 +304,7 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
   check_gather_codec("grad_codec", grad_codec, "reduce_scatter")
   leaves, treedef = jax.tree_util.tree_flatten(shards, is_leaf=is_shard)
   d = axis_size(axis_name)
+  trace = _compat.current_trace()  # a shard gathered twice in one tracing (not in two branches)
   for i, s in enumerate(leaves):
     if not is_shard(s):
       raise ValueError(f"shards must be a pytree of qcomm ParamShard (qcomm.shard_params), got "
@@ -305,30 +317,25 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
           f"layer's shard, made by qcomm.shard_params(params, {d}) and passed with "
           f"qcomm.shard_specs(shards, {axis_name!r}) in shard_map's in_specs; stacked layers "
           f"[L, 1, m] are gathered one at a time inside lax.scan)")
-    if scope is not None and id(s.data) in scope.seen:
+    if scope is not None and (id(trace), id(s.data)) in scope.seen:
       raise ValueError(
           f"shards: leaf {i} (a parameter of shape {s.shape}) is gathered twice in one step. "
           f"Each gather holds a full copy and sends it again: gather a layer once where it runs "
           f"and use the full parameters for every use in it; to free it between forward and "
           f"backward, wrap the layer in jax.checkpoint (remat), which gathers it again in "
           f"backward by itself")
-  if scope is not None:
-    scope.seen.update((id(s.data), s.data) for s in leaves)  # keep them alive: ids stay unique
+  if scope is not None:  # kept alive while the scope lasts, so that the ids stay unique
+    scope.seen.update(((id(trace), id(s.data)), (trace, s.data)) for s in leaves)
   if key is None and (codec.needs_key or grad_codec.needs_key):
     raise ValueError("key is required where codec or grad_codec rounds stochastically: pass "
                      "key=jax.random.key(...) (a new one per step)")
   metas = tuple((s.shape, jnp.dtype(s.dtype).name) for s in leaves)
-  codecs, grad_codecs = (tuple([codec] * len(leaves)), tuple([grad_codec] * len(leaves)))
-  if policy is not None:  # the sync's leaf policy: small and 1-D leaves exact, overrides
-    shapes = jax.tree_util.tree_unflatten(
-        treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves])
-    grad_codecs = tuple(packing.leaf_codecs(shapes, grad_codec, policy))
-    probe = codec if codec.lossy else grad_codec  # which leaves the policy sends exact
-    if probe.lossy:
-      codecs = tuple(NoCompression() if not c.lossy else codec
-                     for c in packing.leaf_codecs(shapes, probe, policy))
-  # Each device rounds its own shard with a key of its own.
+  codecs, grad_codecs = leaf_codecs(jax.tree_util.tree_unflatten(treedef, leaves), codec,
+                                    grad_codec, policy)
+  # Each device rounds its own shard with a key of its own (and each layer, given index=).
   key = jax.random.fold_in(jax.random.key(0) if key is None else key, lax.axis_index(names))
+  if index is not None:
+    key = jax.random.fold_in(key, index)
   datas = tuple(s.data for s in leaves)
   if after is not None:  # the shards pass a barrier with `after`: the gather waits for it
     datas, _ = lax.optimization_barrier((datas, after))
@@ -340,6 +347,25 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
   fulls = [f[:math.prod(shape)].reshape(shape).astype(dtype)
            for f, (shape, dtype) in zip(flats, metas)]
   return jax.tree_util.tree_unflatten(treedef, fulls)
+
+
+def leaf_codecs(shards: Any, codec: Codec, grad_codec: Codec,
+                policy: Any = None) -> tuple[tuple, tuple]:
+  """Per :class:`ParamShard` of ``shards`` (in tree order): the codec of its gathers and of its
+  gradient's reduce-scatter. Without a ``policy`` (a :class:`qcomm.LeafPolicy`) every leaf gets
+  ``codec`` and ``grad_codec``; with one, the leaves it sends exact (small and 1-D ones, by the
+  full parameter's shape) travel exact both ways. The one decision :func:`gather_params`,
+  :func:`qcomm.describe` and the benchmarks share."""
+  leaves = jax.tree_util.tree_leaves(shards, is_leaf=is_shard)
+  if policy is None:
+    return tuple([codec] * len(leaves)), tuple([grad_codec] * len(leaves))
+  shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves]
+  grad_codecs = tuple(packing.leaf_codecs(shapes, grad_codec, policy))
+  probe = codec if codec.lossy else grad_codec  # which leaves the policy sends exact
+  if not probe.lossy:
+    return tuple([codec] * len(leaves)), grad_codecs
+  return (tuple(codec if c.lossy else NoCompression()
+                for c in packing.leaf_codecs(shapes, probe, policy)), grad_codecs)
 
 
 def check_gather_codec(name: str, codec: Codec, what: str = "all_gather") -> Codec:

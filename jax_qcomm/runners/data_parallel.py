@@ -325,9 +325,15 @@ def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, na
   kwargs = {}
   if key is not None:  # dropout etc.: different randomness on every device
     kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
-  with param_shards.gather_scope(opt_state):  # qcomm.gather_params(shards) takes the sync's codecs
+  with param_shards.gather_scope(opt_state) as scope:  # gather_params takes the sync's codecs
     out, grads = jax.value_and_grad(_checked_loss(loss_fn, has_aux), has_aux=has_aux)(
         diff, batch, *extra, **kwargs)
+  if scope is not None and scope.calls == 0:
+    raise ValueError(
+        "loss_fn never called qcomm.gather_params, but tx is a qcomm.sync(..., "
+        "shard_params=True): the parameters arrive as shards, and only gather_params' backward "
+        "pass averages their gradient over the devices. Gather each layer where it runs: "
+        "full = qcomm.gather_params(shards['layer'])")
   loss, aux = out if has_aux else (out, None)
   new, opt_state = (update or functools.partial(apply_update, tx))(grads, opt_state, params)
   return new, opt_state, loss, aux

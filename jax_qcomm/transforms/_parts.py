@@ -226,8 +226,8 @@ def refuse_shard_reductions(closed: Any) -> None:
       if eqn.primitive.name in _REDUCTIONS and any(
           len(getattr(v.aval, "shape", ())) > 0 for v in eqn.invars):
         raise ValueError(
-            f"inner of a sync with shard_state=True or shard_params=True reduces over the elements of a parameter "
-            f"(a {eqn.primitive.name}): it sees this device's shard of every parameter, so a "
+            f"inner of a sync with shard_state=True or shard_params=True reduces over the "
+            f"elements of a parameter (a {eqn.primitive.name}): it sees this device's shard of every parameter, so a "
             f"norm, trust ratio or factored moment would be computed per shard, differently on "
             f"every device. For global-norm clipping use qcomm.clip_by_global_norm(max_norm) "
             f"(the norm over the whole model), not optax.clip_by_global_norm; run LAMB, LARS and "

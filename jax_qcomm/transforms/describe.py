@@ -189,8 +189,9 @@ def describe(tx: Any, params: Any, *, devices: int | None = None,
   With ``shard_params`` the bytes per sync are, per leaf and per call (times ``accum_steps``):
   the forward all-gather of its shard (``param_codec``), again in backward if ``regather``, and
   the reduce-scatter of its gradient (the sync's codec); with ``hpz``, each in its two stages.
-  ``params`` may be the shards (a stacked leaf ``[L, D, m]`` is L gathers) or the full
-  parameters (one gather per leaf).
+  ``params`` may be the shards (a stacked leaf ``[L, D, m]`` is L gathers; D is read from them)
+  or the full parameters (one gather per leaf: pass the shards for stacked layers). Exact leaves
+  count as float32, as the compiled step sends them for float32 parameters.
 
   Returns:
     A :class:`Description`; ``print()`` it for a table. Payloads come from the codecs'
@@ -206,8 +207,10 @@ def describe(tx: Any, params: Any, *, devices: int | None = None,
   if isinstance(cfg.axis_name, Hierarchical):
     raise ValueError("describe covers flat axes (a name or a tuple of names), not "
                      "qcomm.Hierarchical, whose exact and compressed parts cross different links")
+  shard_d = sorted({s.data.shape[-2] for s in jax.tree_util.tree_leaves(
+      params, is_leaf=sharded_params.is_shard) if sharded_params.is_shard(s)})
   if devices is None:
-    devices, _ = num_devices(cfg.axis_name)
+    devices = shard_d[0] if len(shard_d) == 1 else num_devices(cfg.axis_name)[0]
   else:
     devices = check_int("devices", devices)
   if getattr(cfg, "shard_params", False):
@@ -284,15 +287,13 @@ def _describe_shards(tx: Any, cfg: Any, params: Any, devices: int, regather: boo
     inner = math.prod(_axis_sizes(names, devices)[-1:])
   outer = devices // inner
   leaves, calls = [], cfg.accum_steps
-  for (path, s), regather in zip(with_path, again_of):
-    if sharded_params.shard_size(s.size, devices) != s.data.shape[-1]:
-      raise ValueError(f"params: the shard of '{packing.path_str(path)}' has {s.data.shape[-1]} "
-                       f"elements, not ceil({s.size} / {devices}): shards of another device count")
-    probe = [jax.ShapeDtypeStruct(s.shape, s.dtype)]
-    grad = packing.leaf_codecs(probe, cfg.codec, cfg.policy)[0]
-    lossy = packing.leaf_codecs(probe, cfg.param_codec if cfg.param_codec.lossy else cfg.codec,
-                                cfg.policy)[0].lossy
-    gather = cfg.param_codec if lossy else exact
+  gathers, grads = sharded_params.leaf_codecs(shards, cfg.param_codec, cfg.codec, cfg.policy)
+  for (path, s), regather, gather, grad in zip(with_path, again_of, gathers, grads):
+    if (s.data.shape[-2], s.data.shape[-1]) != (devices, sharded_params.shard_size(s.size,
+                                                                                    devices)):
+      raise ValueError(f"params: the shard of '{packing.path_str(path)}' has data of shape "
+                       f"{tuple(s.data.shape)}, not [..., {devices}, ceil({s.size} / {devices})]: "
+                       f"shards of another device count")
     m, layers = s.data.shape[-1], math.prod(s.data.shape[:-2])
     if cfg.hpz:  # across the outer axes to the secondary shard, then inside the node
       fwd = gather.sent_bytes(m, outer, "all_gather") + exact.sent_bytes(outer * m, inner,

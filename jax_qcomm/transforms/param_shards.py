@@ -54,6 +54,9 @@ class ParamShardSyncState(NamedTuple):
   NESTED_FIELDS = ()
   PER_DEVICE_NESTED_FIELDS = ()
   PARAM_SHARD_FIELDS = ("inner_opt_state", "acc_grads")
+  #: Its fields are a subset of SyncState's: a mapping of them (nnx.state) is a SyncState's.
+  #: (The sharded mode never runs with an nnx.Optimizer.)
+  MAPPING_FORM = False
   REPLICATED_FIELDS = ("mini_step", "key", "gradient_step", "total_notfinite")
 
 
@@ -165,6 +168,9 @@ def gather_scope(opt_state: Any) -> contextlib.AbstractContextManager:
   states = [s for s in find_states(opt_state) if isinstance(s, ParamShardSyncState)]
   if not states:
     return contextlib.nullcontext()
+  if len(states) > 1:
+    raise ValueError(f"tx holds {len(states)} qcomm.sync(..., shard_params=True): the parameters "
+                     f"have one set of shards, gathered by one sync's codecs")
   s = states[0]
   cfg = s.config
   key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(s.key), s.mini_step),

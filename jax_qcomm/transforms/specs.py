@@ -71,6 +71,8 @@ def state_type(x: Any) -> type | None:
     return None
   keys = set(x.keys())
   for cls in _STATE_TYPES:
+    if not getattr(cls, "MAPPING_FORM", True):  # never in an nnx.State: not guessed from keys
+      continue
     if set(cls.REPLICATED_FIELDS) <= keys <= set(cls._fields):
       return cls
   return None
