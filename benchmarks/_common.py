@@ -25,6 +25,7 @@ import re
 import shlex
 import socket
 import sys
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -250,6 +251,21 @@ def collective_timing(t: Timing) -> Timing:
 
   all_times = np.asarray(distributed.process_allgather(np.asarray(t.times, np.float64)))
   return Timing(tuple(float(v) for v in all_times.max(axis=0)))
+
+
+def time_step_calls(step, params, state, *args, steps: int, warmup: int = 3):
+  """Calls ``params, state, *rest = step(params, state, *args)`` ``warmup + steps`` times, each
+  waited for; returns ``(seconds of the last `steps` calls, params, state, rest)`` (a runner's
+  step, timed as its users call it: one jitted call after another)."""
+  import jax  # noqa: PLC0415 (the torch peers import this module without jax)
+  times, rest = [], ()
+  for i in range(steps + warmup):
+    t0 = time.perf_counter()
+    params, state, *rest = step(params, state, *args)
+    jax.block_until_ready((params, state, rest))
+    if i >= warmup:
+      times.append(time.perf_counter() - t0)
+  return times, params, state, rest
 
 
 def log(msg: str) -> None:

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_qcomm as qcomm  # noqa: E402
+from benchmarks._common import time_step_calls  # noqa: E402
 from training import lm  # noqa: E402
 from configs import lm_bytes  # noqa: E402
 
@@ -118,14 +119,7 @@ def time_steps(config, mesh: Mesh, bits: int, steps: int) -> dict:
   rows = config.batch_size // jax.process_count()
   local = np.zeros((rows, config.seq_len + 1), np.int32)
   windows = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
-  step = jax.jit(dp.step)
-  times = []
-  for i in range(steps + 3):
-    t0 = time.perf_counter()
-    params, state, loss, _ = step(params, state, windows)
-    jax.block_until_ready((params, state, loss))
-    if i >= 3:
-      times.append(time.perf_counter() - t0)
+  times, params, state, _ = time_step_calls(jax.jit(dp.step), params, state, windows, steps=steps)
   d = mesh.shape["data"]
   return {"bits": bits, "step_s_median": float(np.median(times)), "step_s": times,
           "sent_bytes_per_device": qcomm.describe(tx, params, devices=d).sent_bytes_per_sync}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -38,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_qcomm as qcomm  # noqa: E402
+from benchmarks._common import time_step_calls, write_json  # noqa: E402
 from training import lm  # noqa: E402
 from configs import lm_bytes  # noqa: E402
 
@@ -112,13 +112,7 @@ def time_row(config, mesh: Mesh, name: str, steps: int) -> dict:
   step = jax.jit(dp.step)
   compiled = step.lower(params, state, windows).compile()
   mem = compiled.memory_analysis()
-  times = []
-  for i in range(steps + 3):
-    t0 = time.perf_counter()
-    params, state, loss, _ = step(params, state, windows)
-    jax.block_until_ready((params, state, loss))
-    if i >= 3:
-      times.append(time.perf_counter() - t0)
+  times, params, state, (loss, _) = time_step_calls(step, params, state, windows, steps=steps)
   # Slowest process's time per step (the step ends for all when the last one does).
   times = np.asarray(jax.experimental.multihost_utils.process_allgather(
       np.asarray(times))).reshape(-1, len(times)).max(axis=0) if jax.process_count() > 1 else \
@@ -160,9 +154,7 @@ def main(argv=None) -> dict:
     if jax.process_index() == 0:
       print(json.dumps({k: v for k, v in row.items() if k != "step_s"}), flush=True)
   if args.out and jax.process_index() == 0:
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=1)
+    write_json(args.out, result)
   return result
 
 
