@@ -141,6 +141,26 @@ def test_sharded_state_learns_like_replicated_and_resumes(quick_runs, tmp_path):
   assert resumed["val_loss"] == sharded["val_loss"]
 
 
+def test_sharded_parameters_learn_like_replicated_resume_and_report_bytes(quick_runs, tmp_path):
+  """config.shard_params (ZeRO-3): exact gathers and gradients end at the replicated fp32 run's
+  loss; 8-bit gathers and 4-bit gradients learn like it at a quarter of the exact sharded step's
+  bytes and less memory than the replicated step; a stopped run resumes to the same result."""
+  exact = lm.train_and_evaluate(_quick(bits=32, shard_params=True, param_gather_bits=32),
+                                quiet=True)
+  assert exact["val_loss"] == pytest.approx(quick_runs[32]["val_loss"], rel=1e-4)
+  config = _quick(bits=4, shard_params=True, param_gather_bits=8)
+  q = lm.train_and_evaluate(config, quiet=True)
+  assert q["shard_params"] and q["param_gather_bits"] == 8 and q["steps"] == 100
+  assert abs(q["val_loss"] - quick_runs[32]["val_loss"]) < 0.05 * quick_runs[32]["val_loss"]
+  assert q["sent_bytes_per_step"] < 0.3 * exact["sent_bytes_per_step"]
+  assert q["peak_bytes_per_device"] < quick_runs[32]["peak_bytes_per_device"]
+  assert q["params"] == quick_runs[32]["params"]
+  part = lm.train_and_evaluate(config, str(tmp_path), quiet=True, stop_after=30)
+  assert part["stopped"] and part["steps"] == 30
+  resumed = lm.train_and_evaluate(config, str(tmp_path), quiet=True)
+  assert resumed["params_checksum"] == q["params_checksum"] and resumed["val_loss"] == q["val_loss"]
+
+
 def test_resume_is_bit_identical(quick_runs, tmp_path):
   """The 4-bit quick run stopped after 30 steps, then by the time limit after 1 more, then run to
   the end: the same parameters, curve and final loss as the uninterrupted run (the sync state's
