@@ -368,3 +368,19 @@ def test_a_loss_that_never_gathers_and_two_branches_are_told_apart():
   dp = qcomm.data_parallel(branches, tx, mesh)
   _, _, loss, _ = dp.step(shards, dp.init(shards), _batch(3))
   assert np.isfinite(float(loss))
+
+
+def test_clipping_before_the_sharded_sync_is_refused_and_inside_it_sees_the_whole_model():
+  mesh = _mesh((3,))
+  with pytest.raises(ValueError, match="clips by global norm before the qcomm synchronisation"):
+    qcomm.data_parallel(_scan_loss, optax.chain(optax.clip_by_global_norm(1.0), _exact("data")),
+                        mesh)
+  # qcomm's clip inside: the whole model's norm over the shards, as replicated clipping computes
+  tiny = 1e-3
+  tx = qcomm.sync(optax.chain(qcomm.clip_by_global_norm(tiny), optax.sgd(1.0)), bits=32,
+                  shard_params=True, param_codec=qcomm.NoCompression())
+  ref = qcomm.sync(optax.chain(optax.clip_by_global_norm(tiny), optax.sgd(1.0)), bits=32)
+  want = _train(_full_loss, ref, mesh, "data", _params(), 2)[1]
+  dp, shards, _, _ = _train(_scan_loss, tx, mesh, "data", _params(), 2,
+                            layers={"layers": 1, "out": 0})
+  _close(dp.unshard(shards), want)

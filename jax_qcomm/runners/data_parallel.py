@@ -551,7 +551,7 @@ def _update_order(obj: Any, seen: set | None = None, enter_sync: bool = False) -
     return []
   seen.add(id(obj))
   qualname = getattr(obj, "__qualname__", "")
-  if qualname.startswith(("_Sync.", "_ShardedSync.")):
+  if qualname.startswith(("_Sync.", "_ShardedSync.", "ParamShardSync.")):
     inner = getattr(getattr(obj, "__self__", None), "inner", None)
     return ["sync"] + (_update_order(inner, seen, True) if enter_sync and inner else [])
   if "clip_by_global_norm" in qualname:
