@@ -153,6 +153,28 @@ def test_nnx_runner_trains_and_keeps_replicas_identical(kind, names, accum):
   assert float(_nnx_loss(model, batch)) < 0.9 * first
 
 
+def test_nnx_runner_donate_gives_the_same_training_and_frees_the_inputs():
+  mesh = _mesh(ONE_D)
+  models, opts = [], []
+  for donate in (False, True):
+    model = MLP(nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+      opt = nnx.Optimizer(model, qcomm.sync(optax.adam(1e-2), bits=4, accum_steps=2),
+                          wrt=nnx.Param)
+    dp = qcomm.nnx_data_parallel(_nnx_loss, mesh, donate=donate)
+    dp.step(model, opt, _data())  # compiled, and the inputs placed on the mesh
+    before = jax.tree.leaves(nnx.state(model, nnx.Param))
+    for _ in range(3):
+      dp.step(model, opt, _data())
+    assert all(x.is_deleted() for x in before) == donate
+    models.append(model)
+    opts.append(opt)
+  for a, b in zip(jax.tree.leaves(nnx.state(models[0])), jax.tree.leaves(nnx.state(models[1]))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="donate"):
+    qcomm.nnx_data_parallel(_nnx_loss, mesh, donate="yes")
+
+
 # ---- the exact oracles ---------------------------------------------------------------------------
 
 def test_exact_diloco_with_outer_sgd_1_on_the_same_data_equals_data_parallelism():

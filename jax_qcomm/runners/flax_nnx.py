@@ -56,11 +56,12 @@ class NNXDataParallel:
   has_aux: bool = False
   aux_reduce: str = "mean"
   batch_spec: P | None = None
+  donate: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "_layouts", {})  # params treedef -> the layout seen (model specs)
     _check(self.loss_fn, None, self.mesh, self.axis_name, self.has_aux, self.aux_reduce,
-           self.batch_spec, False, check_tx=False)
+           self.batch_spec, self.donate, check_tx=False)
 
   @property
   def _spec(self) -> P:
@@ -150,15 +151,16 @@ class NNXDataParallel:
                        out_specs=(P(), spec_key.spec, P(), out_specs_of("mean", names, replicas),
                                   out_specs_of(reduce, names, replicas)),
                        **({"axis_names": set(names)} if sharded else {}))
+    donate = (0, 1) if self.donate else ()  # the model's parameters and the optimizer's state
     if not sharded:
-      return jax.jit(fn)
+      return jax.jit(fn, donate_argnums=donate)
     keep = keep_layout(self.mesh, pspec_key.spec, layout.merge(spec_key.spec, mspec_key.spec))
 
     def call(*args):
       params, opt_state, rest, loss, aux = fn(*args)
       return (*keep(params, opt_state), rest, loss, aux)
 
-    return jax.jit(call)
+    return jax.jit(call, donate_argnums=donate)
 
 
 def _is_variable(x: Any) -> bool:
@@ -179,7 +181,7 @@ def _mean_if_varying(a: jax.Array, names: tuple) -> jax.Array:
 
 def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: AxisName = "data",
                       has_aux: bool = False, aux_reduce: str = "mean",
-                      batch_spec: P | None = None) -> NNXDataParallel:
+                      batch_spec: P | None = None, donate: bool = False) -> NNXDataParallel:
   """A jitted data-parallel train step for a Flax NNX model and its ``nnx.Optimizer``.
 
   Args:
@@ -192,6 +194,10 @@ def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: Axi
     aux_reduce: ``"mean"`` (default), ``"sum"``, ``"stack"`` or ``"concat"`` (per-example outputs
       such as logits, for the global batch), as in :func:`qcomm.data_parallel`.
     batch_spec: how the batch is split (default ``PartitionSpec(axis_name)``).
+    donate: donate the model's parameters and the optimizer's state to the step, as
+      :func:`qcomm.data_parallel`'s ``donate`` (saves memory: XLA writes the new values into
+      their buffers; the arrays the model and optimizer held before the step are then invalid,
+      and the step replaces them in place as always). No effect inside your own ``nnx.jit``.
 
   Returns:
     An :class:`NNXDataParallel`; ``loss = dp.step(model, optimizer, batch, *extra, key=key)``
@@ -201,4 +207,4 @@ def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: Axi
     axes).
   """
   return NNXDataParallel(loss_fn=loss_fn, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                         aux_reduce=aux_reduce, batch_spec=batch_spec)
+                         aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)
