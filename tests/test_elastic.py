@@ -8,6 +8,7 @@ Each run is three processes of tests/elastic_worker.py (a noisy linear regressio
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,9 +154,12 @@ def test_stopped_worker_is_declared_lost_and_rejoins(tmp_path, uninterrupted):
   is restarted."""
   proc = _launch(tmp_path)
   others = _stop_then(tmp_path, proc, 2, 8.0, signal.SIGCONT)
-  _finish(proc)
+  text = _finish(proc)
   done = _check_against(tmp_path, others, uninterrupted)
   assert min(done["replicas_per_sync"]) == 2
+  # one line per synchronisation that ran short, naming the missing process, and the admission
+  assert re.search(r"synchronisation \d+ averaged 2 of 3 replicas \(missing \[2\]\)", text), text
+  assert re.search(r"of 3 replicas[^\n]*, admitted \[2\]; it took [0-9.]+ s", text), text
 
 
 def test_elastic_needs_a_coordination_service_outside_the_workers():

@@ -197,6 +197,10 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
       "replicas_per_sync": (None if method != "diloco" else list(dp.replicas_per_sync) if elastic
                             else [mesh.shape[NODE]] * int(np.asarray(state.outer_step.addressable_data(0)))),
       "sent_bytes_per_step": desc.sent_bytes_per_sync / sync_every,
+      # Elastic: this process's seconds in synchronisation attempts a lost process broke and in
+      # backend rebuilds, and a record per synchronisation that ran short or admitted a process.
+      "stall_s": getattr(dp, "stall_s", None) if elastic else None,
+      "short_syncs": getattr(dp, "short_syncs", None) if elastic else None,
       "python": corpus.python, "jax": jax.__version__, "corpus_sha256": corpus.sha256,
   }
 

@@ -42,6 +42,7 @@ import functools
 import hashlib
 import json
 import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -111,6 +112,11 @@ class ElasticDataParallel:
     step on this process's share of the batch; on a synchronising call, the round.
   calls(opt_state) -> the calls the group has made (the counters a rejoined process receives).
   replicas_per_sync: the replicas averaged at each synchronisation so far (the group's record).
+  stall_s: this process's seconds in synchronisation attempts that a lost process broke (run again
+    without it) and in CPU backend rebuilds, so far.
+  short_syncs: one record per synchronisation of this process that averaged fewer replicas than
+    the group has, or admitted a restarted one: ``{"outer_step", "replicas", "missing",
+    "admitted", "seconds", "stall_s"}`` (also logged, one line each).
   """
   tx: optax.GradientTransformation
   mesh: Mesh
@@ -139,6 +145,8 @@ class ElasticDataParallel:
     self._mini = 0
     self._sync_calls = None
     self.replicas_per_sync: list[int] = []
+    self.stall_s = 0.0
+    self.short_syncs: list[dict] = []
 
   # -- meshes ---------------------------------------------------------------------------------------
   def _set_replica_axis(self, state: Any) -> None:
@@ -237,7 +245,10 @@ class ElasticDataParallel:
 
   def _synchronise(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
     inputs = (params, opt_state)
+    t_start = time.perf_counter()
+    stalled = 0.0  # seconds of attempts a lost process broke
     while True:
+      t_attempt = time.perf_counter()
       if self._live is None:
         self._live = self._get_live()
       live = self._live
@@ -254,8 +265,11 @@ class ElasticDataParallel:
           self._check_live(live)  # raises _Changed if a peer was lost
           raise error
         self._check_live(live)
-        return self._commit(*result)
+        out = self._commit(*result[:5])
+        self._report(result[5], result[6], result[2], time.perf_counter() - t_start, stalled)
+        return out
       except _Changed as change:
+        stalled += time.perf_counter() - t_attempt
         gone = sorted(p for p in live if change.live.get(p) != live[p])
         new = sorted(p for p in change.live if p not in live or p in gone)
         _log(f"process {self._me}: the live processes changed (lost {gone}, new {new}); the "
@@ -285,6 +299,7 @@ class ElasticDataParallel:
       if self._backend is None and full:
         self._backend = fp
     elif full and any(i["backend"] != fp for i in infos.values()):
+      t_rebuild = time.perf_counter()
       self._inputs = jax.device_get(self._inputs)
       _compat.reset_cpu_backend()
       self._check_live(live)
@@ -294,7 +309,9 @@ class ElasticDataParallel:
       self._check_live(live)
       self._backend = fp
       self._rebuild()
-      _log(f"process {self._me}: CPU backend rebuilt for processes {processes}")
+      self.stall_s += time.perf_counter() - t_rebuild
+      _log(f"process {self._me}: CPU backend rebuilt for processes {processes} "
+           f"({time.perf_counter() - t_rebuild:.2f} s)")
     receivers = [p for p in processes if p not in holders] if (full and holders) else []
     params, state = self._inputs
     history = list(infos[holders[0]]["history"]) + [len(holders)] if holders else []
@@ -303,7 +320,23 @@ class ElasticDataParallel:
     if receivers:
       params, state = self._broadcast(processes, holders[0], receivers, params, state)
     admitted = not holders or self._me in holders or self._me in receivers
-    return params, state, history, admitted, bool(holders)
+    missing = sorted(set(range(self._n)) - set(holders)) if holders else []
+    return params, state, history, admitted, bool(holders), missing, receivers
+
+  def _report(self, missing: list[int], admitted: list[int], history: list[int], seconds: float,
+              stalled: float) -> None:
+    """One log line and record for a synchronisation that ran short or admitted a process."""
+    self.stall_s += stalled
+    if not (missing or admitted) or not history:
+      return
+    record = {"outer_step": self._outer_step, "replicas": history[-1], "missing": missing,
+              "admitted": admitted, "seconds": round(seconds, 3), "stall_s": round(stalled, 3)}
+    self.short_syncs.append(record)
+    text = (f"synchronisation {self._outer_step} averaged {history[-1]} of {self._n} replicas"
+            + (f" (missing {missing})" if missing else "")
+            + (f", admitted {admitted}" if admitted else "")
+            + f"; it took {seconds:.2f} s, {stalled:.2f} s of it in attempts a lost process broke")
+    _log(f"process {self._me}: {text}")
 
   def _commit(self, params, state, history, admitted, synchronised) -> tuple[Any, Any]:
     if admitted:
