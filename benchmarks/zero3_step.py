@@ -38,6 +38,7 @@ from flax import nnx  # noqa: E402
 
 import jax_qcomm as qcomm  # noqa: E402
 from benchmarks._common import time_step_calls, write_json  # noqa: E402
+from benchmarks._lm_step import add_shape_args  # noqa: E402
 from training import lm  # noqa: E402
 from configs import lm_bytes  # noqa: E402
 
@@ -131,11 +132,7 @@ def time_row(config, mesh: Mesh, name: str, steps: int) -> dict:
 
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--d-model", type=int, default=512)
-  ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--seq-len", type=int, default=32)
-  ap.add_argument("--steps", type=int, default=8)
+  add_shape_args(ap)
   ap.add_argument("--rows", default=",".join(ROWS))
   ap.add_argument("--out", default="")
   args = ap.parse_args(argv)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_qcomm as qcomm
+from tests._launch import launch_workers
 from tests.test_protocol import _COLLECTIVE, _shape_bytes
 
 # Leaves whose unsharded dimensions neither data axis size (2, 4) divides; the sharded dimension
@@ -317,19 +318,9 @@ def test_nnx_model_with_partitioning_keeps_its_layout_and_equals_the_replicated_
 
 @pytest.mark.multiprocess
 def test_two_processes_with_the_model_sharded_in_each(tmp_path):
-  import os  # noqa: PLC0415
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
   import json  # noqa: PLC0415
 
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2",
-                         "--local-devices", "4", "--timeout", "240",
-                         os.path.join(root, "tests", "model_sharded_mp_worker.py"), str(tmp_path)],
-                        env=env, capture_output=True, text=True, timeout=300, cwd=root)
-  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  launch_workers("model_sharded_mp_worker.py", str(tmp_path), local_devices=4)
   shards = [dict(np.load(tmp_path / f"proc{p}.npz")) for p in range(2)]
   layouts = [json.loads((tmp_path / f"proc{p}.json").read_text()) for p in range(2)]
   assert layouts[0] == layouts[1]

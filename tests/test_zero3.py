@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -26,6 +23,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_qcomm as qcomm
 from benchmarks import hlo
+from tests._launch import launch_workers
 
 W = 13  # 169-element kernels, 13-element biases: no D in (3, 6, 8) divides them
 L = 3
@@ -287,15 +285,9 @@ def test_misuse_is_named():
     qcomm.describe(tx, qcomm.shard_params(_params(), 4), devices=3)
 
 
+@pytest.mark.multiprocess
 def test_two_processes(tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  proc = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "2",
-                         "--local-devices", "3", "--timeout", "240",
-                         os.path.join(root, "tests", "zero3_mp_worker.py"), str(tmp_path)],
-                        env=env, capture_output=True, text=True, timeout=300, cwd=root)
-  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  launch_workers("zero3_mp_worker.py", str(tmp_path), local_devices=3)
   runs = [dict(np.load(tmp_path / f"proc{p}.npz")) for p in range(2)]
   assert runs[0].keys() == runs[1].keys() and runs[0]
   for key in runs[0]:  # every process ends with the same full parameters, bit for bit

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks._lm_step import add_shape_args  # noqa: E402
 from benchmarks._machine import cpu_model  # noqa: E402
 from benchmarks.peers.torch_worker import init_group, slowest  # noqa: E402
 
@@ -104,11 +105,7 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--d-model", type=int, default=512)
-  ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--seq-len", type=int, default=32)
-  ap.add_argument("--steps", type=int, default=8)
+  add_shape_args(ap)
   ap.add_argument("--rows", default="fsdp2_fp32,fsdp2_bf16")
   ap.add_argument("--out", default="")
   args = ap.parse_args(argv)

@@ -31,7 +31,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import itertools
 import math
 from typing import Any, Iterator
 
@@ -45,6 +44,7 @@ from jax_qcomm import _compat
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_instance,
                                check_key)
 from jax_qcomm.codecs import Codec, NoCompression
+from jax_qcomm.codecs._common import split_leaves
 from jax_qcomm.collectives import packing
 from jax_qcomm.transport.axes import AxisName, axis_names, axis_size, check_axis
 
@@ -168,10 +168,9 @@ def reshard_params(tree: Any, devices: int) -> Any:
   go on at another. Other leaves stay as they are."""
   _check_devices(devices)
   full = unshard_params(tree)
-  shards = jax.tree_util.tree_map(
+  return jax.tree_util.tree_map(
       lambda s, f: shard_params(f, devices, layers=s.data.ndim - 2) if is_shard(s) else f,
       tree, full, is_leaf=is_shard)
-  return shards
 
 
 def shard_specs(tree: Any, axis_name: AxisName) -> Any:
@@ -179,7 +178,7 @@ def shard_specs(tree: Any, axis_name: AxisName) -> Any:
   optimizer state over them): a shard's data ``P(*[None] * layers, axis, None)``, every other leaf
   replicated, ``P()``."""
   check_axis_name("axis_name", axis_name)
-  if not has_shards(tree) and jax.tree_util.tree_leaves(tree):
+  if jax.tree_util.tree_leaves(tree):
     _check_has_shards(tree)
   names = axis_names(axis_name)
   dev = names[0] if len(names) == 1 else names
@@ -289,7 +288,7 @@ def gather_params(shards: Any, axis_name: AxisName | None = None, codec: Codec |
   check_instance("codec", codec, Codec, "a qcomm codec")
   check_instance("grad_codec", grad_codec, Codec, "a qcomm codec")
   check_bool("check_layout", check_layout)
-  hpz = check_bool("hpz", bool(hpz) if hpz is None else hpz)
+  hpz = check_bool("hpz", False if hpz is None else hpz)
   check_key("key", key)
   if index is not None:
     if not (isinstance(index, int) and not isinstance(index, bool)) and not (
@@ -390,7 +389,7 @@ def _inner_gather(secs: list, inner: tuple, d: int) -> list:
     members = [i for i, x in enumerate(secs) if x.dtype == dtype]
     sizes = [secs[i].shape[0] for i in members]
     rows = lax.all_gather(jnp.concatenate([secs[i] for i in members]), inner)  # [G, sum N*m_i]
-    for i, part in zip(members, jnp.split(rows, list(itertools.accumulate(sizes))[:-1], axis=1)):
+    for i, part in zip(members, split_leaves(rows, sizes, 1)):
       m = part.shape[1] // n_outer
       out[i] = part.reshape(g, n_outer, m).transpose(1, 0, 2).reshape(-1)
   return out
@@ -420,7 +419,7 @@ def _gather_group(xs: list, names: tuple, codec: Codec, key) -> list:
   if codec.exact:  # XLA's own all-gather of the concatenated shards
     sizes = [x.shape[-1] for x in xs]
     rows = lax.all_gather(jnp.concatenate([x.reshape(-1) for x in xs]), names)  # [k, M]
-    parts = jnp.split(rows, list(itertools.accumulate(sizes))[:-1], axis=1)
+    parts = split_leaves(rows, sizes, 1)
   else:
     parts = [r.astype(x.dtype) for r, x in zip(codec.all_gather_leaves(
         [x.reshape(-1).astype(jnp.float32) for x in xs], names, key), xs)]
@@ -462,7 +461,7 @@ def _gather_flat_bwd(sizes, names, all_names, codecs, grad_codecs, residual, cot
     if grad_codec.exact:  # XLA's own reduce-scatter of the rows side by side
       m = [r.shape[1] for r in rows]
       packed = lax.psum_scatter(jnp.concatenate(rows, axis=1).reshape(-1), names, tiled=True)
-      parts = [p / k for p in jnp.split(packed, list(itertools.accumulate(m))[:-1])]
+      parts = [p / k for p in split_leaves(packed, m, 1)]
     else:
       parts = grad_codec.reduce_scatter_leaves([r[None] for r in rows], names, kk, "mean")[0]
     for i, part in zip(members, parts):

@@ -31,7 +31,7 @@ from jax_qcomm._checks import check_instance
 from jax_qcomm.transport.axes import AxisName, axis_names, axis_size
 from jax_qcomm.codecs import Codec, codec_for_bits
 from jax_qcomm.codecs.base import nonfinite_mark
-from jax_qcomm.collectives.shard_layout import SHARDED, SYNC_AXES, shard_axes
+from jax_qcomm.collectives.shard_layout import PROBE, SHARDED, SYNC_AXES, shard_axes
 
 
 # ---- counters, keys ---------------------------------------------------------------------------
@@ -239,3 +239,17 @@ def refuse_shard_reductions(closed: Any) -> None:
             visit(inner)
 
   visit(closed.jaxpr)
+
+
+def inner_on_shards(inner: Any, names: Sequence[Any], extra_args: dict, *probe: Any):
+  """``run(grads, state, params)``: ``inner.update`` on this device's shards (the sharded
+  modes), after tracing it once on ``probe`` (shards like those it will get) to refuse the
+  reductions a shard makes wrong (:func:`refuse_shard_reductions`). Call ``run`` under
+  ``sharded((names, weights))`` so that whole-model sums add the shards."""
+  def run(g, s, p):
+    with inside(names):
+      return inner.update(g, s, p, **extra_args)
+
+  with sharded(PROBE):
+    refuse_shard_reductions(jax.make_jaxpr(run)(*probe))
+  return run

@@ -21,7 +21,6 @@ from jax import lax
 from jax_qcomm import _compat
 from jax_qcomm.codecs import Codec
 from jax_qcomm.collectives import packing, sharded_params
-from jax_qcomm.collectives.shard_layout import PROBE
 from jax_qcomm.transforms import _parts
 from jax_qcomm.transforms.specs import find_states, register_state
 from jax_qcomm.transport import _varying
@@ -140,12 +139,8 @@ class ParamShardSync:
     grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
     weights = (1.0,) * len(jax.tree_util.tree_leaves(grads))
 
-    def run(g, s, p):
-      with _parts.inside(self.names):
-        return self.inner.update(g, s, p, **extra_args)
-
-    with _parts.sharded(PROBE):
-      _parts.refuse_shard_reductions(jax.make_jaxpr(run)(grads, state.inner_opt_state, params))
+    run = _parts.inner_on_shards(self.inner, self.names, extra_args, grads,
+                                 state.inner_opt_state, params)
 
     def step():
       with _parts.sharded((self.names, weights)):

@@ -41,7 +41,7 @@ from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, 
 from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names, axis_size
 from jax_qcomm.codecs import QSGD, Codec, NoCompression
 from jax_qcomm.transforms.specs import register_state
-from jax_qcomm.collectives.shard_layout import PROBE, Layout
+from jax_qcomm.collectives.shard_layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -631,11 +631,8 @@ class _ShardedSync(_Sync):
     master = jax.tree_util.tree_map(lambda a: a[0], state.master)
     grad_shards = jax.tree_util.tree_unflatten(treedef, shards)
     weights = tuple(1.0 if leaf.split else 1.0 / d for leaf in layout.leaves)
-    def run(g, s, m):
-      with _parts.inside(self.names):
-        return self.inner.update(g, s, m, **extra_args)
-    with _parts.sharded(PROBE):
-      _parts.refuse_shard_reductions(jax.make_jaxpr(run)(grad_shards, inner_state, master))
+    run = _parts.inner_on_shards(self.inner, self.names, extra_args, grad_shards, inner_state,
+                                 master)
 
     def step():
       lead = jax.tree_util.tree_map(lambda a: a[None], grad_shards)
