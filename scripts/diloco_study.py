@@ -26,6 +26,9 @@ RESULTS = os.path.join(REPO, "notebooks", "data", "lm", "diloco.jsonl")
 # (lr and momentum) of the fp32 cell with the lowest loss at the same H (seed 0) among the lr sweep
 # and plain averaging, read from the results when the cell runs.
 TUNED = "tuned"
+AVERAGING = {"outer_lr": 1.0, "outer_momentum": 0.0}
+SPARSELOCO = {"bits": 2, "topk": 1 / 64, "error_feedback": True}
+SPARSELOCO_OUTER = {"outer": "sparseloco", "outer_lr": 1.0, "outer_momentum": 0.95}
 SWEEP_LRS = (0.4, 0.6, 0.8, 1.0)
 HS = (10, 50, 100)
 CELLS: dict[str, tuple[dict, dict]] = {
@@ -80,6 +83,23 @@ CELLS: dict[str, tuple[dict, dict]] = {
     # A second seed (parameters, data order, rounding).
     **{f"{name}_h{h}_tuned_seed1": ({**cfg, "seed": 1}, {"every": h, "outer_lr": TUNED})
        for h in (50, 100) for name, cfg in (("fp32", {"bits": 32}), ("q4", {"bits": 4}))},
+    # SparseLoCo (outer="sparseloco": TopK 1/64 of each 4096 values, 2-bit values, error feedback
+    # decayed by 0.95 in place of the outer momentum, plain SGD lr 1.0 on the mean sent) against
+    # fp32 diloco with plain averaging, at K = 2, 4, 8 and H = 10, 30, 50.
+    **{f"slc_h{h}_k{k}": (SPARSELOCO, {"every": h, "replicas": k, **SPARSELOCO_OUTER})
+       for k in (2, 4, 8) for h in (10, 30, 50)},
+    "slc_h30_k2_seed1": ({**SPARSELOCO, "seed": 1}, {"every": 30, **SPARSELOCO_OUTER}),
+    **{f"fp32_h{h}_k{k}_avg": ({"bits": 32}, {"every": h, "replicas": k, **AVERAGING})
+       for k, h in ((2, 30), (4, 10), (4, 30), (8, 10), (8, 30))},
+    "fp32_h30_avg_seed1": ({"bits": 32, "seed": 1}, {"every": 30, **AVERAGING}),
+    # Which part of SparseLoCo matters (K = 2, H = 30): no decay, density 1/32, 8-bit values,
+    # outer lr 0.8, and TopK(0.02) with the earlier default outer (Nesterov 1.0, 0.5).
+    "slc_h30_k2_nodecay": (SPARSELOCO, {"every": 30, **SPARSELOCO_OUTER, "outer_momentum": 1.0}),
+    "slc_h30_k2_d32": ({**SPARSELOCO, "topk": 1 / 32}, {"every": 30, **SPARSELOCO_OUTER}),
+    "slc_h30_k2_8bit": ({**SPARSELOCO, "bits": 8}, {"every": 30, **SPARSELOCO_OUTER}),
+    "slc_h30_k2_lr0.8": (SPARSELOCO, {"every": 30, **SPARSELOCO_OUTER, "outer_lr": 0.8}),
+    "topk2_ef_h30_default": ({"bits": 2, "topk": 0.02, "error_feedback": True},
+                             {"every": 30, "outer_lr": 1.0, "outer_momentum": 0.5}),
 }
 
 
@@ -96,7 +116,8 @@ def tuned(every: int, finished: dict[str, dict]) -> dict[str, float]:
 
 def command(name: str, finished: dict[str, dict]) -> list[str]:
   overrides, flags = CELLS[name]
-  flags = {"replicas": 2, "outer_momentum": 0.9, **flags}
+  flags = {"replicas": 2, **({} if flags.get("outer") == "sparseloco" else {"outer_momentum": 0.9}),
+           **flags}
   if flags["outer_lr"] == TUNED:
     flags.update(tuned(flags["every"], finished))
   cmd = [sys.executable, "-m", "training.lm_diloco", "--config=configs/lm_bytes.py"]

@@ -45,7 +45,7 @@ def test_positions_are_the_largest_and_codes_the_levels():
     for i in top:  # each sent value decodes to the level nearest to it
       assert np.isclose(out[i], levels[np.argmin(np.abs(levels - row[i]))], rtol=1e-6) or (
           out[i] == 0 and np.isclose(min(np.abs(levels - row[i])), np.abs(row[i]), rtol=1e-6))
-  assert codec.payload_size(96) == 3 * (4 + 2 * 8 + 8 * 2 // 8)
+  assert codec.payload_size(96) == 3 * (4 + 8 * 5 // 8 + 8 * 2 // 8)  # 5-bit positions
 
 
 def test_a_non_finite_chunk_decodes_non_finite():
@@ -107,8 +107,10 @@ def test_diloco_with_topk_and_error_feedback_tracks_fp32_diloco():
 
 def test_a_short_last_chunk_has_its_own_k():
   codec = qcomm.TopK(0.02, 2)  # whole chunks: k = 88 of 4096
-  assert codec.payload_size(10) == 4 + 2 * 8 + 8 * 2 // 8  # padded to 16 values, 8 sent
-  assert codec.payload_size(4096 + 300) == 202 + 4 + 2 * 8 + 2
+  # padded to 16 values, 8 sent at 4-bit positions
+  assert codec.payload_size(10) == 4 + 8 * 4 // 8 + 8 * 2 // 8
+  # a whole chunk: 88 12-bit positions; the tail (304 values): 8 9-bit positions
+  assert codec.payload_size(4096 + 300) == (4 + 132 + 22) + (4 + 9 + 2)
   x = jax.random.normal(jax.random.key(2), (4096 + 300,))
   y = np.asarray(codec.roundtrip(x))
   tail, out = np.asarray(x)[4096:], y[4096:]

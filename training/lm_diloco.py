@@ -14,7 +14,14 @@ over all devices, so each replica sees 1/K of it: the tokens equal the exact dat
 ``config.bits`` / ``bucket_size`` / ``scheme`` / ``error_feedback`` / ``min_size`` /
 ``compress_1d`` / ``exclude`` choose the *outer* codec and leaf policy (``config.fragments``:
 ``qcomm.diloco(fragments=...)``); ``config.topk`` > 0 makes
-it ``qcomm.TopK(topk, bits)``. The anchor is evaluated
+it ``qcomm.TopK(topk, bits)``. ``--outer=sparseloco`` runs SparseLoCo's rule instead of Nesterov
+SGD (``qcomm.diloco(outer="sparseloco")``): ``--outer_lr`` is its alpha (default 1.0) and
+``--outer_momentum`` its accumulator decay beta (default 0.95)::
+
+    python -m training.lm_diloco --config=configs/lm_bytes.py --config.topk=0.015625 \
+        --config.bits=2 --config.error_feedback=True --outer=sparseloco --every=30
+
+The anchor is evaluated
 (the params the runner returns) every ``eval_every_steps`` inner steps and at the end.
 
 The last line printed is one JSON object (``val_loss`` in nats per byte, ``bytes_per_param_step``:
@@ -40,13 +47,45 @@ from ml_collections import config_flags
 import optax
 
 import jax_qcomm as qcomm
+from jax_qcomm.transforms import diloco
 from training import lm
 from training.sync_config import exclude_patterns
 
 FLAGS = flags.FLAGS
 
 
-def create_tx(config, every: int, outer_lr: float, outer_momentum: float):
+#: ``--outer`` -> the (lr, momentum) its ``--outer_lr`` / ``--outer_momentum`` default to.
+OUTER_DEFAULTS = {
+    "nesterov": (diloco.DEFAULT_OUTER_LR, diloco.DEFAULT_OUTER_MOMENTUM),
+    "sparseloco": (diloco.SPARSELOCO_LR, diloco.SPARSELOCO_DECAY),
+}
+
+
+def define_outer_flags() -> None:
+  """``--outer``, ``--outer_lr`` and ``--outer_momentum`` (for the trainers that run diloco)."""
+  flags.DEFINE_enum("outer", "nesterov", sorted(OUTER_DEFAULTS),
+                    "the outer rule: Nesterov SGD, or SparseLoCo's (plain SGD on the mean sent, "
+                    "the decayed error-feedback accumulator in place of the momentum)")
+  flags.DEFINE_float("outer_lr", None,
+                     "nesterov: the outer learning rate (default 0.3, qcomm.diloco's); "
+                     "sparseloco: alpha (default 1.0)")
+  flags.DEFINE_float("outer_momentum", None,
+                     "nesterov: the outer momentum (default 0.9; 0: plain SGD); sparseloco: the "
+                     "accumulator decay beta (default 0.95)")
+
+
+def outer_settings(outer: str, outer_lr: float | None,
+                   outer_momentum: float | None) -> tuple[float, float]:
+  """``--outer_lr`` / ``--outer_momentum`` with the defaults of ``--outer`` filled in."""
+  if outer not in OUTER_DEFAULTS:
+    raise ValueError(f"--outer must be one of {sorted(OUTER_DEFAULTS)}, got {outer!r}")
+  lr, momentum = OUTER_DEFAULTS[outer]
+  return (lr if outer_lr is None else outer_lr,
+          momentum if outer_momentum is None else outer_momentum)
+
+
+def create_tx(config, every: int, outer_lr: float, outer_momentum: float,
+              outer: str = "nesterov"):
   inner = optax.chain(
       optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity(),
       optax.adamw(lm.learning_rate_schedule(config), b1=config.b1, b2=config.b2,
@@ -60,16 +99,25 @@ def create_tx(config, every: int, outer_lr: float, outer_momentum: float):
                                  rounding="nearest" if config.error_feedback else "stochastic")
   policy = qcomm.LeafPolicy(min_size=config.min_size, compress_1d=config.compress_1d,
                             exclude=exclude_patterns(config))
-  outer = optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=bool(outer_momentum))
-  return qcomm.diloco(inner, axis_name="node", every=every, codec=codec, outer=outer,
+  if outer == "sparseloco":  # plain SGD at alpha; the accumulator, decayed by beta, is the momentum
+    if not config.error_feedback:
+      raise ValueError("--outer=sparseloco needs --config.error_feedback=True: its error-feedback "
+                       "accumulator replaces the outer momentum")
+    kw = dict(outer=optax.sgd(outer_lr), residual_decay=outer_momentum)
+  else:
+    kw = dict(outer=optax.sgd(outer_lr, momentum=outer_momentum or None,
+                              nesterov=bool(outer_momentum)))
+  return qcomm.diloco(inner, axis_name="node", every=every, codec=codec,
                       error_feedback=config.error_feedback, policy=policy, seed=config.seed,
-                      fragments=config.fragments, delay=config.delay)
+                      fragments=config.fragments, delay=config.delay, **kw)
 
 
-def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: float,
+def run(config, *, every: int, replicas: int, outer_lr: float | None = None,
+        outer_momentum: float | None = None, outer: str = "nesterov",
         quiet: bool = False) -> dict:
   t_wall = time.perf_counter()
   lm.validate_config(config)
+  outer_lr, outer_momentum = outer_settings(outer, outer_lr, outer_momentum)
   if config.num_devices % replicas:
     raise ValueError(f"--replicas must divide config.num_devices ({config.num_devices}), "
                      f"got {replicas}")
@@ -77,7 +125,7 @@ def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: f
   devices = np.array(jax.devices()[:config.num_devices]).reshape(replicas, -1)
   mesh = Mesh(devices, ("node", lm.AXIS))
   k = config.accum_steps
-  tx = create_tx(config, every, outer_lr, outer_momentum)
+  tx = create_tx(config, every, outer_lr, outer_momentum, outer)
   graphdef = nnx.split(nnx.eval_shape(lambda: lm.create_model(config, nnx.Rngs(0))))[0]
   params = jax.jit(lambda: nnx.state(lm.create_model(config, nnx.Rngs(config.seed)))
                    .to_pure_dict(), out_shardings=NamedSharding(mesh, P()))()
@@ -120,7 +168,7 @@ def run(config, *, every: int, replicas: int, outer_lr: float, outer_momentum: f
       "bucket_size": config.bucket_size,
       "error_feedback": config.error_feedback, "fragments": config.fragments,
       "delay": config.delay,
-      "every": every, "replicas": replicas, "outer_lr": outer_lr,
+      "every": every, "replicas": replicas, "outer": outer, "outer_lr": outer_lr,
       "outer_momentum": outer_momentum, "seed": config.seed, "steps": config.num_steps,
       "accum_steps": k, "val_loss": curve[-1][1], "curve": curve,
       "outer_steps": int(state.outer_step), "total_notfinite": int(state.total_notfinite),
@@ -136,7 +184,7 @@ def main(argv) -> None:
   config = FLAGS.config
   lm.setup_devices(config)
   result = run(config, every=FLAGS.every, replicas=FLAGS.replicas, outer_lr=FLAGS.outer_lr,
-               outer_momentum=FLAGS.outer_momentum)
+               outer_momentum=FLAGS.outer_momentum, outer=FLAGS.outer)
   if FLAGS.results:
     with open(FLAGS.results, "a") as f:
       f.write(json.dumps(result) + "\n")
@@ -147,9 +195,7 @@ if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "configs/lm_bytes.py", lock_config=True)
   flags.DEFINE_integer("every", 50, "inner optimizer steps between outer synchronisations (H)")
   flags.DEFINE_integer("replicas", 2, "DiLoCo replicas K (nodes); must divide num_devices")
-  flags.DEFINE_float("outer_lr", 0.3,
-                     "outer Nesterov SGD learning rate (qcomm.diloco's default)")
-  flags.DEFINE_float("outer_momentum", 0.9, "outer momentum (0: plain SGD)")
+  define_outer_flags()
   flags.DEFINE_string("results", "", "append the result JSON to this JSON-lines file")
   flags.mark_flags_as_required(["config"])
   app.run(main)

@@ -93,12 +93,14 @@ def _batch(mesh, windows: np.ndarray) -> jax.Array:
                                                 windows[i * rows:(i + 1) * rows])
 
 
-def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: float,
-        target: float | None, eval_every: int, overlap: bool = False) -> dict:
+def run(config, *, method: str, every: int, outer_lr: float | None = None,
+        outer_momentum: float | None = None, target: float | None, eval_every: int,
+        overlap: bool = False, outer: str = "nesterov") -> dict:
   t_wall = time.perf_counter()
   if method not in ("ddp", "diloco"):
     raise ValueError(f"method must be 'ddp' or 'diloco', got {method!r}")
   lm.validate_config(config)
+  outer_lr, outer_momentum = lm_diloco.outer_settings(outer, outer_lr, outer_momentum)
   corpus = lm.load_corpus(config.stdlib_dir)
   mesh = create_mesh(config, spare=overlap)
   k = config.accum_steps
@@ -123,7 +125,7 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
     desc = qcomm.describe(lm.create_optimizer(config, NODE), params, devices=mesh.shape[NODE])
     sync_every = 1
   else:
-    tx = lm_diloco.create_tx(config, every, outer_lr, outer_momentum)
+    tx = lm_diloco.create_tx(config, every, outer_lr, outer_momentum, outer)
     dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS), elastic=elastic,
                              overlap=overlap)
     state = dp.init(params)
@@ -185,7 +187,8 @@ def run(config, *, method: str, every: int, outer_lr: float, outer_momentum: flo
       "method": method, "bits": config.bits, "error_feedback": config.error_feedback,
       "fragments": config.fragments if method == "diloco" else None,
       "delay": config.delay if method == "diloco" else None, "overlap": overlap,
-      "every": sync_every, "outer_lr": outer_lr if method == "diloco" else None,
+      "every": sync_every, "outer": outer if method == "diloco" else None,
+      "outer_lr": outer_lr if method == "diloco" else None,
       "outer_momentum": outer_momentum if method == "diloco" else None,
       "seed": config.seed, "num_steps": config.num_steps, "steps_run": step, "accum_steps": k,
       "target": target, "target_s": target_s, "val_loss": curve[-1][1], "curve": curve,
@@ -211,7 +214,7 @@ def main(argv) -> None:
   setup(config)
   result = run(config, method=FLAGS.method, every=FLAGS.every, outer_lr=FLAGS.outer_lr,
                outer_momentum=FLAGS.outer_momentum, target=FLAGS.target,
-               eval_every=FLAGS.eval_every, overlap=FLAGS.overlap)
+               eval_every=FLAGS.eval_every, overlap=FLAGS.overlap, outer=FLAGS.outer)
   if jax.process_index() == 0:
     if FLAGS.out:
       with open(FLAGS.out, "w") as f:
@@ -223,9 +226,7 @@ if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "configs/lm_bytes.py", lock_config=True)
   flags.DEFINE_enum("method", "ddp", ["ddp", "diloco"], "data-parallel sync or diloco")
   flags.DEFINE_integer("every", 50, "diloco: inner optimizer steps between synchronisations (H)")
-  flags.DEFINE_float("outer_lr", 0.3,
-                     "diloco: outer Nesterov SGD learning rate (qcomm.diloco's default)")
-  flags.DEFINE_float("outer_momentum", 0.9, "diloco: outer momentum (0: plain SGD)")
+  lm_diloco.define_outer_flags()
   flags.DEFINE_float("target", None, "stop at the first evaluation at or below this val loss")
   flags.DEFINE_integer("eval_every", 50, "optimizer steps between evaluations")
   flags.DEFINE_bool("overlap", False, "diloco with --config.delay=1: the synchronisation's "

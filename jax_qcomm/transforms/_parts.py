@@ -90,9 +90,12 @@ def count_notfinite(total: jax.Array, finite: jax.Array) -> jax.Array:
   return total + jnp.logical_not(finite).astype(jnp.int32)
 
 
-def add_residual(values: Any, residual: Any) -> Any:
-  """``values`` plus this device's error-feedback residual (``(1, ...)`` leaves)."""
-  return jax.tree_util.tree_map(lambda x, r: x + r[0], values, residual)
+def add_residual(values: Any, residual: Any, decay: float = 1.0) -> Any:
+  """``values`` plus this device's error-feedback residual (``(1, ...)`` leaves), times
+  ``decay``."""
+  if decay == 1:
+    return jax.tree_util.tree_map(lambda x, r: x + r[0], values, residual)
+  return jax.tree_util.tree_map(lambda x, r: x + jnp.float32(decay) * r[0], values, residual)
 
 
 def next_residual(finite: jax.Array, lost: Any, residual: Any) -> Any:

@@ -40,9 +40,9 @@ from jax_qcomm.transforms import _parts
 from jax_qcomm.transport import _varying
 from jax_qcomm.collectives import ops as collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_instance,
-                               check_int, check_int_or_none)
+                               check_int, check_int_or_none, check_real)
 from jax_qcomm.transport.axes import AxisName, Hierarchical, axis_names, axis_size
-from jax_qcomm.codecs import Codec
+from jax_qcomm.codecs import Codec, TopK
 from jax_qcomm.collectives.shard_layout import REPLICA_AXES
 from jax_qcomm.transforms.specs import find_states, local_params, register_state
 
@@ -52,6 +52,14 @@ from jax_qcomm.transforms.specs import find_states, local_params, register_state
 DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.3, 0.9
 #: The default outer optimizer's (lr, Nesterov momentum) for a sparse codec with error feedback.
 SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM = 1.0, 0.5
+#: ``outer="sparseloco"``: the outer learning rate alpha (plain SGD on the mean of what was sent)
+#: and the decay beta of each replica's error-feedback accumulator, ``e <- beta e + delta``.
+SPARSELOCO_LR, SPARSELOCO_DECAY = 1.0, 0.95
+#: ``outer="sparseloco"``'s codec when given none: 64 of every 4096 values (1/64), 2-bit values,
+#: 12-bit positions.
+SPARSELOCO_CODEC = TopK(1 / 64, bits=2, chunk=4096)
+#: The outer rules :func:`diloco` names by a string.
+OUTERS = ("sparseloco",)
 #: The extra argument of a diloco ``update`` that runs one part of it (the elastic runner runs the
 #: inner steps and the synchronisation as separate programs): ``"inner"`` takes the inner step and
 #: never synchronises; ``"outer"`` synchronises now, with no inner step (``grads`` is ignored and
@@ -91,6 +99,7 @@ class DiLoCoConfig:
   inner_axis_name: Any = None
   fragments: int = 1
   delay: int = 0
+  residual_decay: float = 1.0
 
   @property
   def accum_steps(self) -> int:
@@ -173,7 +182,8 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
            codec: Codec | None = None, outer: optax.GradientTransformation | None = None,
            error_feedback: bool | None = None, policy: packing.LeafPolicy | None = None,
            comm_bucket_size: int | None = None, seed: int = 0,
-           fragments: int = 1, delay: int = 0) -> optax.GradientTransformationExtraArgs:
+           fragments: int = 1, delay: int = 0,
+           residual_decay: float | None = None) -> optax.GradientTransformationExtraArgs:
   """Local steps of ``inner``, and every ``every`` steps a compressed outer step across replicas.
 
   Args:
@@ -198,6 +208,16 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
       of what the momentum would (with momentum 0.9 on top, the held-back mass arrives late and
       amplified: docs/accuracy.md). Its state is float32 and replicated. ``optax.sgd(1.0)``
       makes the anchor the replicas' mean.
+
+      ``"sparseloco"``: SparseLoCo's rule (Sarfi, Therien, Lidin, Belilovsky, "Communication
+      Efficient LLM Pre-training with SparseLoCo", 2025, arXiv:2508.15706): no outer momentum;
+      each replica's error-feedback accumulator takes its place, decayed,
+      ``e <- beta e + delta``; the replica sends ``Q(top-k(e))`` and keeps ``e - sent``; the
+      anchor moves by ``-alpha`` times the mean of what was sent. The same as
+      ``outer=optax.sgd(1.0), error_feedback=True, residual_decay=0.95`` with ``codec``
+      defaulting to ``qcomm.TopK(1/64, bits=2, chunk=4096)`` (64 of every 4096 values, 2-bit
+      values, 12-bit positions); give ``outer=optax.sgd(alpha)`` and ``residual_decay=beta``
+      for other values. It needs a lossy codec.
     error_feedback: keep, per replica, what its quantisation of the pseudo-gradient lost and add it
       to the next one (float32; only for lossy codecs). Default (None): on for a codec that wants
       it (:attr:`qcomm.Codec.wants_error_feedback`: ``qcomm.TopK``, ``qcomm.PowerSGD``), off
@@ -224,6 +244,9 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
       collective still runs in the step, with the same results. Not with ``fragments > 1``.
       The delay costs accuracy (the byte LM at K = 2, H = 50: +3.9%); it pays where the
       synchronisation is a sizable share of the time (docs/benchmarks.md).
+    residual_decay: beta in [0, 1], the decay of the error-feedback residual at each
+      synchronisation: a replica sends ``delta + beta * residual`` (default 1.0, or 0.95 with
+      ``outer="sparseloco"``). Needs error feedback.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` builds a :class:`DiLoCoState`
@@ -242,7 +265,29 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
   if every % fragments:
     raise ValueError(f"fragments must divide every (one fragment every every / fragments inner "
                      f"steps), got fragments={fragments}, every={every}")
+  if isinstance(outer, str):
+    if outer not in OUTERS:
+      raise ValueError(f"outer must be an optax.GradientTransformation, one of {OUTERS} or None, "
+                       f"got {outer!r}")
+    if error_feedback is False:
+      raise ValueError("error_feedback must be True or None with outer='sparseloco': its "
+                       "error-feedback accumulator is the rule")
+    codec = SPARSELOCO_CODEC if codec is None else codec
+    if not check_instance("codec", codec, Codec, "a qcomm.Codec").lossy:
+      raise ValueError(f"outer='sparseloco' needs a lossy codec (its accumulator carries what the "
+                       f"codec does not send), got {codec.name}; qcomm.TopK is SparseLoCo's")
+    error_feedback, outer = True, optax.sgd(SPARSELOCO_LR)
+    residual_decay = SPARSELOCO_DECAY if residual_decay is None else residual_decay
   error_feedback = _parts.resolve_error_feedback(error_feedback, codec)
+  if residual_decay is None:
+    residual_decay = 1.0
+  else:
+    residual_decay = check_real("residual_decay", residual_decay)
+    if not 0 <= residual_decay <= 1:
+      raise ValueError(f"residual_decay must be in [0, 1], got {residual_decay!r}")
+    if residual_decay != 1 and not error_feedback:
+      raise ValueError(f"residual_decay={residual_decay!r} decays the error-feedback residual: "
+                       f"it needs error_feedback=True (or a codec that wants it)")
   if isinstance(delay, bool) or delay not in DELAYS:
     raise ValueError(f"delay must be one of {DELAYS}, got {delay!r}")
   if delay and fragments > 1:
@@ -258,7 +303,8 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
   config = DiLoCoConfig(axis_name=axis_name, codec=codec, policy=policy, every=every,
                         error_feedback=error_feedback and codec.lossy,
                         comm_bucket_size=check_int_or_none("comm_bucket_size", comm_bucket_size),
-                        seed=_parts.check_seed(seed), fragments=fragments, delay=int(delay))
+                        seed=_parts.check_seed(seed), fragments=fragments, delay=int(delay),
+                        residual_decay=residual_decay)
   d = _DiLoCo(optax.with_extra_args_support(inner), outer, config)
   return optax.GradientTransformationExtraArgs(d.init, d.update)
 
@@ -285,7 +331,10 @@ def _round_progress(state: DiLoCoState, local: Any) -> Any:
 
 
 def _with_residual(delta: Any, residual: Any, cfg: DiLoCoConfig) -> Any:
-  return _parts.add_residual(delta, residual) if cfg.error_feedback else delta
+  """What a replica sends: ``delta`` plus its residual decayed by ``residual_decay``."""
+  if not cfg.error_feedback:
+    return delta
+  return _parts.add_residual(delta, residual, cfg.residual_decay)
 
 
 def delayed_send(before: DiLoCoState, after: DiLoCoState) -> tuple[Any, jax.Array]:
@@ -408,8 +457,7 @@ class _DiLoCo:
       state."""
       anchor = jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params)
       delta = jax.tree_util.tree_map(lambda a, p: a - p.astype(jnp.float32), anchor, local)
-      if cfg.error_feedback:
-        delta = _parts.add_residual(delta, state.residual)
+      delta = _with_residual(delta, state.residual, cfg)
       key, sub = _parts.split_key(state.key)
       if group is not None:  # the fragment's leaves, keyed by their paths (the policy reads them)
         paths, anchor_leaves = _paths_and_leaves(anchor)
