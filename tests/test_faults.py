@@ -140,7 +140,7 @@ def _spawn_ranks(n: int, env_extra: dict[str, str]) -> list[subprocess.Popen]:
 
 @multiprocess
 @pytest.mark.parametrize("victim", [1, 0])
-def test_killed_process_is_named_and_the_others_stopped(victim):
+def test_killed_process_is_named_by_the_launcher_and_the_survivor(victim):
   proc, out, pids = _launch("--heartbeat-timeout", str(HEARTBEAT))
   try:
     os.kill(pids[victim], signal.SIGKILL)
@@ -148,7 +148,14 @@ def test_killed_process_is_named_and_the_others_stopped(victim):
     print(f"rank {victim} killed: launcher exited {proc.returncode} after {took:.1f} s")
     assert proc.returncode == 128 + signal.SIGKILL, out.text[-3000:]
     assert f"[launch] process {victim} was killed by SIGKILL (signal 9)" in out.text, out.text[-3000:]
-    assert "[launch] final status of each process:" in out.text
+    # The launcher hosts the coordination service: process 0's death is an ordinary loss, and the
+    # survivor exits by itself, naming it (no SIGABRT, not stopped by the launcher).
+    survivor = 1 - victim
+    line = (f"[{survivor}] jax_qcomm.tools.distributed: process {survivor} of 2 exits with status "
+            f"1: lost process {victim}")
+    assert line in out.text, out.text[-3000:]
+    assert f"{survivor}: 1" in out.text.split("final status of each process:")[1], out.text[-3000:]
+    assert "SIGABRT" not in out.text, out.text[-3000:]
     _wait_gone(pids.values(), 5)
   finally:
     _kill_leftovers(pids.values())

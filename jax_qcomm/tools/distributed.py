@@ -27,6 +27,9 @@ Environment variables (set by :mod:`jax_qcomm.tools.launch`):
 * ``QCOMM_ELASTIC``             ``1``: join a coordination service that runs outside the workers
   (the launcher's ``--elastic``, or ``python -m jax_qcomm.tools.coordinator``), so that any
   process, process 0 included, may die and be restarted (:func:`initialize`'s ``elastic``).
+* ``QCOMM_EXTERNAL_SERVICE``    ``1``: join a coordination service that runs outside the workers
+  without elasticity (the launcher hosts one in the recoverability mode), so that the death of
+  process 0 is an ordinary loss (:func:`initialize`'s ``external_service``).
 
 Without a coordinator (no argument, no ``QCOMM_COORDINATOR``), :func:`initialize` defers to jax's
 cluster detection: SLURM (``srun``), Open MPI (``mpirun``), Kubernetes, mpi4py.
@@ -79,6 +82,7 @@ ENV_INITIALIZATION_TIMEOUT = "QCOMM_INITIALIZATION_TIMEOUT"
 ENV_RECOVERABLE = "QCOMM_RECOVERABLE"
 ENV_MALLOC = "QCOMM_MALLOC"
 ENV_ELASTIC = "QCOMM_ELASTIC"
+ENV_EXTERNAL_SERVICE = "QCOMM_EXTERNAL_SERVICE"
 
 #: XLA's timeout of one CPU collective across processes (gloo): default 30 minutes.
 XLA_CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
@@ -99,7 +103,7 @@ __all__ = ["initialize", "is_elastic", "global_mesh", "global_devices", "under_l
            "Timeouts", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
            "ENV_LOCAL_DEVICES", "ENV_GLOO_INTERFACE", "ENV_HEARTBEAT_TIMEOUT",
            "ENV_COLLECTIVE_TIMEOUT", "ENV_SHUTDOWN_TIMEOUT", "ENV_INITIALIZATION_TIMEOUT",
-           "ENV_RECOVERABLE", "ENV_ELASTIC", "CLUSTER_DETECTION_METHODS"]
+           "ENV_RECOVERABLE", "ENV_ELASTIC", "ENV_EXTERNAL_SERVICE", "CLUSTER_DETECTION_METHODS"]
 
 
 _ELASTIC = False
@@ -275,7 +279,7 @@ def _ask_live(num_processes: int, wait: float) -> tuple[str, Any]:
 
 
 def _lost_process_text(exc: BaseException, process_id: int, num_processes: int,
-                       timeouts: Timeouts) -> str:
+                       timeouts: Timeouts, external: bool = False) -> str:
   """Which process this collective failure lost, as the coordination service knows it.
 
   A reset connection means a peer's process is gone: the service declares it dead within the
@@ -295,7 +299,7 @@ def _lost_process_text(exc: BaseException, process_id: int, num_processes: int,
               f"longer than the heartbeat timeout, {timeouts.heartbeat} s)")
     return "no process was declared lost (every process reached the coordination service)"
   if kind == "error":
-    if process_id != 0:
+    if process_id != 0 and not external:
       return ("lost process 0: the coordination service it runs is unreachable "
               f"({str(value).splitlines()[0][:160]})")
     return f"the coordination service did not answer ({str(value).splitlines()[0][:160]})"
@@ -309,7 +313,7 @@ def _lost_process_text(exc: BaseException, process_id: int, num_processes: int,
 
 
 def _install_fail_fast(process_id: int, num_processes: int, timeouts: Timeouts,
-                       recoverable: bool) -> None:
+                       recoverable: bool, external: bool = False) -> None:
   """Makes an uncaught exception end this process at once with status 1 (130 for Ctrl-C).
 
   Without this, Python's exit runs jax's atexit ``jax.distributed.shutdown()``, a barrier that
@@ -330,7 +334,8 @@ def _install_fail_fast(process_id: int, num_processes: int, timeouts: Timeouts,
                f"reach the same collective within the collective timeout ({timeouts.collective} s)")
         if recoverable and status == FAIL_FAST_EXIT:
           sys.stderr.flush()
-          why = f"{_lost_process_text(exc, process_id, num_processes, timeouts)}; {why}"
+          why = (f"{_lost_process_text(exc, process_id, num_processes, timeouts, external)}; "
+                 f"{why}")
       else:
         why = f"uncaught {exc_type.__name__}"
       sys.stderr.write(f"jax_qcomm.tools.distributed: process {process_id} of {num_processes} exits "
@@ -356,7 +361,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                coordinator_bind_address: str | None = None, mtls_cert_file: str | None = None,
                mtls_key_file: str | None = None, mtls_ca_file: str | None = None,
                mtls_peer_uri_prefix: str | None = None, malloc: str | None = None,
-               elastic: bool | None = None) -> Timeouts:
+               elastic: bool | None = None,
+               external_service: bool | None = None) -> Timeouts:
   """Joins this process to a multi-process CPU run: gloo collectives over ``jax.distributed``.
 
   Must be called before anything initialises a JAX backend (any computation, ``jax.devices()``,
@@ -418,6 +424,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       may then die and be restarted with the same index, by any supervisor, and rejoin
       (``qcomm.data_parallel(..., elastic=True)``). Needs the coordinator, the process count and
       the index (no cluster detection) and the recoverability mode; no mTLS.
+    external_service: default False, else ``QCOMM_EXTERNAL_SERVICE`` (which ``launch`` sets in the
+      recoverability mode, where it hosts the service). Join the coordination service as a
+      client, as ``elastic`` does, without its restarts: process 0 then runs no service, so its
+      death is a loss like any other, which the survivors name when they exit (``fail_fast``).
+      The same needs as ``elastic``; implied by it.
 
   Returns:
     The :class:`Timeouts` in force.
@@ -436,6 +447,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   if elastic is not None:
     check_bool("elastic", elastic)
   elastic = bool(_env_bool(ENV_ELASTIC, elastic, what))
+  if external_service is not None:
+    check_bool("external_service", external_service)
+  external = elastic or bool(_env_bool(ENV_EXTERNAL_SERVICE, external_service, what))
+  option = "elastic=True" if elastic else "external_service=True"
   check_bool("fail_fast", fail_fast)
   check_bool("preemption_service", preemption_service)
   if malloc is None:
@@ -468,15 +483,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                       (f"num_processes ({ENV_NUM_PROCESSES})", num_processes),
                                       (f"process_id ({ENV_PROCESS_ID})", process_id))
              if value is None]
-  if elastic:
+  if external:
     if missing:
-      raise ValueError(f"{what}: elastic=True needs {', '.join(missing)} (the coordination "
+      raise ValueError(f"{what}: {option} needs {', '.join(missing)} (the coordination "
                        "service runs outside the workers, so there is no cluster detection)")
     if not recoverable:
-      raise ValueError(f"{what}: elastic=True needs recoverable=True (a lost process must not "
+      raise ValueError(f"{what}: {option} needs recoverable=True (a lost process must not "
                        "end the others)")
     if any(mtls.values()):
-      raise ValueError(f"{what}: elastic=True does not support mTLS")
+      raise ValueError(f"{what}: {option} does not support mTLS")
   if not missing:
     detection = "deactivate"
   elif cluster_detection_method == "deactivate":
@@ -495,12 +510,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   jax.config.update("jax_enable_preemption_service", bool(preemption_service))
   jax.config.update("jax_enable_recoverability", recoverable)
   try:
-    if elastic:
+    if external:
       client = _compat.connect_client(coordinator_address, int(process_id), int(num_processes),
                                       initialization_timeout=timeouts.initialization,
                                       heartbeat_timeout=timeouts.heartbeat,
                                       shutdown_timeout=timeouts.shutdown)
-      elastic_core.before_backend(client, int(process_id))
+      if elastic:
+        elastic_core.before_backend(client, int(process_id))
     else:
       jax.distributed.initialize(coordinator_address=coordinator_address,
                                  num_processes=None if num_processes is None else int(num_processes),
@@ -533,7 +549,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   if recoverable:
     _live_asker()  # started now: Python 3.12 starts no thread at exit
   if fail_fast:
-    _install_fail_fast(int(process_id), int(num_processes), timeouts, recoverable)
+    _install_fail_fast(int(process_id), int(num_processes), timeouts, recoverable, external)
   global _ELASTIC
   _ELASTIC = elastic
   if recoverable and not elastic:

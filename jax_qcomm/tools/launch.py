@@ -38,9 +38,14 @@ process stopped by SIGSTOP is named too), stops the others (SIGTERM, then SIGKIL
 ``--kill-grace`` seconds), prints every process's final status and exits with the failed one's
 status (128 + signal number for a process killed by a signal). When several fail in the same
 instant, the one killed by an outside signal is taken as the cause (the others are most likely
-reacting to its loss). With ``--elastic`` the launcher hosts jax's coordination service itself (recoverable, as
-:mod:`jax_qcomm.tools.coordinator` does), so that the death of process 0 is an ordinary loss, and
-sets ``QCOMM_ELASTIC=1`` (:func:`jax_qcomm.tools.distributed.initialize` then joins as a client).
+reacting to its loss). In the recoverability mode (the default) the launcher hosts jax's
+coordination service itself (recoverable, as :mod:`jax_qcomm.tools.coordinator` does) and sets
+``QCOMM_EXTERNAL_SERVICE=1`` (:func:`jax_qcomm.tools.distributed.initialize` then joins as a
+client), so that the death of process 0 is an ordinary loss: without ``--elastic``, when a process
+is killed by a signal, the survivors are given the heartbeat timeout plus a few seconds to exit
+by themselves, each with status 1 and a line naming the lost process (``initialize``'s
+``fail_fast``), before the launcher stops those still running (a process that exits with an
+error status has the others stopped at once). ``--elastic`` sets ``QCOMM_ELASTIC=1`` as well.
 A process that dies (any signal, any exit status but 0) is restarted with its rank, up to
 ``--max-restarts`` times each (default 3), while the others keep running; each loss and restart is
 reported. Once a process has exited with 0 (the run is ending), a loss is no longer restarted.
@@ -102,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--port", type=int, default=None,
                       help="coordinator port (default: a free port)")
   parser.add_argument("--host", default="127.0.0.1",
-                      help="coordinator address, process 0 runs the service (default: 127.0.0.1)")
+                      help="coordinator address (default: 127.0.0.1); the launcher hosts the service "
+                           "there in the recoverability mode, process 0 does otherwise")
   parser.add_argument("--interface", default=None,
                       help="network interface gloo binds to (QCOMM_GLOO_INTERFACE), e.g. eth0")
   parser.add_argument("--timeout", type=float, default=None,
@@ -261,14 +267,25 @@ class _Reporter:
       self.out.flush()
 
 
+def _wait_for(procs: Sequence[subprocess.Popen], seconds: float, deadline: float | None) -> None:
+  """Until every process has exited, ``seconds`` have passed, or the ``deadline``."""
+  end = time.monotonic() + seconds
+  if deadline is not None:
+    end = min(end, deadline)
+  while any(p.poll() is None for p in procs) and time.monotonic() < end:
+    time.sleep(0.05)
+
+
 def _report_failure(procs: Sequence[subprocess.Popen], failed: Sequence[tuple[int, int]],
-                    report: _Reporter) -> int:
+                    report: _Reporter, wait_s: float | None = None) -> int:
   """Reports the failures of one poll (the likely cause first) and any stopped process; returns
-  the exit status of the cause."""
+  the exit status of the cause. ``wait_s``: the seconds the others get to exit by themselves
+  (None: they are stopped now)."""
   ordered = _cause_first(failed)
   rank, code = ordered[0]
   live = [i for i, p in enumerate(procs) if p.poll() is None]
-  others = "; stopping the others" if live else ""
+  others = ("" if not live else "; stopping the others" if wait_s is None else
+            f"; the others may take up to {wait_s:g} s to exit by themselves, then are stopped")
   report(f"process {rank} {describe_status(code)}{others}")
   for other, other_code in ordered[1:]:
     report(f"process {other} {describe_status(other_code)} too")
@@ -350,6 +367,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
                    distributed.ENV_NUM_PROCESSES: str(num_processes),
                    distributed.ENV_RECOVERABLE: "1" if recoverable else "0",
                    distributed.ENV_ELASTIC: "1" if elastic else "0",
+                   distributed.ENV_EXTERNAL_SERVICE: "1" if recoverable else "0",
                    "PYTHONUNBUFFERED": "1"})
   for name in (distributed.ENV_LOCAL_DEVICES, distributed.ENV_GLOO_INTERFACE):
     base_env.pop(name, None)
@@ -379,8 +397,12 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
     signal.signal(signal.SIGINT, signal.default_int_handler)
   status = 0
   stop_signal = signal.SIGTERM
-  hosted = None  # the coordination service this launcher hosts (elastic)
+  hosted = None  # the coordination service this launcher hosts (recoverability mode)
   restarts = [0] * num_processes
+  # Seconds the survivors of a loss get to exit by themselves: the service declares the lost
+  # process within the heartbeat timeout, and each survivor's fail-fast line names it.
+  survivor_wait = (distributed.Timeouts.from_env(heartbeat=heartbeat_timeout).heartbeat
+                   + distributed.ASK_LIVE_WAIT_AFTER_TIMEOUT + kill_grace)
 
   def spawn(rank: int) -> subprocess.Popen:
     proc_env = dict(base_env)
@@ -395,7 +417,7 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
     return p
 
   try:
-    if elastic and service:
+    if recoverable and service:
       from jax_qcomm.tools import coordinator  # imports jax's service only when needed
 
       hosted = coordinator.start(port, num_processes, heartbeat_timeout=heartbeat_timeout)
@@ -415,7 +437,12 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
       if failed:
-        status = _report_failure(procs, failed, report)
+        # A process killed by a signal is lost: with the service hosted here, the survivors name
+        # it and exit by themselves. One that exited with an error is stopped with the others.
+        lost = hosted is not None and _cause_first(failed)[0][1] < 0
+        status = _report_failure(procs, failed, report, wait_s=survivor_wait if lost else None)
+        if lost:
+          _wait_for(procs, survivor_wait, deadline)
         break
       if all(c == 0 for c in codes):
         break
