@@ -1,7 +1,10 @@
 """One process of an elastic diloco run (tests/test_elastic.py): linear regression, one replica
 per process, a JSON line per synchronisation in ``<out>/rank<r>.jsonl``.
 
-    python -m jax_qcomm.tools.launch -n 3 --elastic tests/elastic_worker.py OUT STEPS SLEEP
+    python -m jax_qcomm.tools.launch -n 3 --elastic tests/elastic_worker.py OUT STEPS SLEEP [nnx]
+
+With ``nnx`` the same model is an ``nnx.Module`` stepped by ``qcomm.nnx_data_parallel(...,
+elastic=True)``.
 """
 
 import hashlib
@@ -23,6 +26,7 @@ import optax  # noqa: E402
 import jax_qcomm as qcomm  # noqa: E402
 
 out, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+NNX = sys.argv[4:] == ["nnx"]
 rank, n = jax.process_index(), jax.process_count()
 DIM, ROWS = 37, 12  # 37 does not split over 2 or 3 replicas
 w_true = np.random.default_rng(0).normal(size=(DIM,)).astype(np.float32)
@@ -41,10 +45,38 @@ def loss_fn(p, b):
 mesh = distributed.global_mesh(("node",))
 tx = qcomm.diloco(optax.sgd(0.05), axis_name="node", every=4, codec=qcomm.QSGD(4),
                   outer=optax.sgd(1.0))
-dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name="node", elastic=True)
-params = {"w": np.zeros((DIM,), np.float32), "b": np.zeros((), np.float32)}
-state = dp.init(params)
-params, state = dp.join(params, state)
+if NNX:
+  from flax import nnx  # noqa: E402
+
+  class Linear(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(np.zeros((DIM,), np.float32))
+      self.b = nnx.Param(np.zeros((), np.float32))
+
+  model = Linear()
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  ndp = qcomm.nnx_data_parallel(lambda m, b: loss_fn({"w": m.w[...], "b": m.b[...]}, b), mesh,
+                                axis_name="node", elastic=True)
+  ndp.join(model, opt)
+  dp = ndp.runner
+  calls = lambda: ndp.calls(opt)  # noqa: E731
+  current = lambda: (nnx.as_pure(nnx.state(model, nnx.Param)),  # noqa: E731
+                     nnx.as_pure(opt.opt_state))
+
+  def train_step(b):
+    ndp.step(model, opt, b)
+    assert int(opt.step.get_value()) == ndp.calls(opt)  # the group's count
+else:
+  dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name="node", elastic=True)
+  params = {"w": np.zeros((DIM,), np.float32), "b": np.zeros((), np.float32)}
+  state = dp.init(params)
+  params, state = dp.join(params, state)
+  calls = lambda: dp.calls(state)  # noqa: E731
+  current = lambda: (params, state)  # noqa: E731
+
+  def train_step(b):
+    global params, state
+    params, state, _, _ = dp.step(params, state, b)
 log = open(os.path.join(out, f"rank{rank}.jsonl"), "a")
 
 
@@ -53,15 +85,17 @@ def record(**kw):
   log.flush()
 
 
-record(event="joined", calls=dp.calls(state))
-while (calls := dp.calls(state)) < steps:
-  params, state, loss, _ = dp.step(params, state, batch(calls))
+record(event="joined", calls=calls())
+while (done := calls()) < steps:
+  train_step(batch(done))
+  params, state = current()
   if int(state.mini_step) == 0:  # a synchronisation
     flat = np.concatenate([np.asarray(params["w"]).ravel(), np.asarray(params["b"]).ravel()])
-    record(event="sync", outer_step=int(state.outer_step), calls=dp.calls(state),
+    record(event="sync", outer_step=int(state.outer_step), calls=calls(),
            anchor=hashlib.sha256(flat.tobytes()).hexdigest()[:16],
            replicas=dp.replicas_per_sync[-1] if dp.replicas_per_sync else None)
   time.sleep(pause)
+params, state = current()
 x_eval = np.random.default_rng(7).normal(size=(64, DIM)).astype(np.float32)
 final = float(loss_fn(jax.device_get(params), {"x": x_eval, "y": x_eval @ w_true}))
 record(event="done", loss=final, replicas_per_sync=dp.replicas_per_sync)

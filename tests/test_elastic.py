@@ -1,6 +1,7 @@
 """Elastic diloco across processes (jax_qcomm/runners/elastic.py, launch --elastic): processes killed
 (SIGKILL) or stopped (SIGSTOP past the heartbeat timeout), restarted by the launcher with their
-rank, rejoining with the group's state; anchors bit-identical at every synchronisation.
+rank, rejoining with the group's state; anchors bit-identical at every synchronisation; the same
+with an NNX model (nnx_data_parallel(elastic=True)).
 
 Each run is three processes of tests/elastic_worker.py (a noisy linear regression, diloco every
 4 steps); the worker writes one JSON line per synchronisation."""
@@ -20,10 +21,10 @@ WORKER = os.path.join(os.path.dirname(__file__), "elastic_worker.py")
 STEPS, PAUSE = 200, 0.1
 
 
-def _launch(out, steps=STEPS):
+def _launch(out, steps=STEPS, nnx=False):
   cmd = [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "3", "--elastic",
          "--heartbeat-timeout", "5", "--collective-timeout", "10", "--timeout", "400",
-         WORKER, str(out), str(steps), str(PAUSE)]
+         WORKER, str(out), str(steps), str(PAUSE)] + (["nnx"] if nnx else [])
   return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -108,6 +109,24 @@ def test_killed_workers_and_worker_zero_rejoin(tmp_path, uninterrupted):
   assert _pids(out, 2) == [survivor]  # the survivor never restarted
   assert len(_pids(out, 0)) == 2 and len(_pids(out, 1)) == 3
   assert text.count("restarting it with rank") == 3
+  done = _check_run(out)
+  replicas = done["replicas_per_sync"]
+  assert len(replicas) == STEPS // 4 and min(replicas) < 3 and replicas[-1] == 3
+  assert abs(done["loss"] - uninterrupted["loss"]) <= 0.1 * uninterrupted["loss"], (
+      done["loss"], uninterrupted["loss"])
+
+
+def test_nnx_killed_workers_rejoin(tmp_path, uninterrupted):
+  """The same model as an nnx.Module, stepped by nnx_data_parallel(elastic=True): workers 1 and
+  0 killed mid-window and restarted; anchors bit-identical at every synchronisation, the
+  optimizer's step the group's count, the loss that of the Linen run's."""
+  out = tmp_path
+  proc = _launch(out, nnx=True)
+  _wait(lambda: all(_pids(out, r) for r in range(3)), proc, "all to join")
+  _kill_mid_window(out, proc, 1, 3)
+  _kill_mid_window(out, proc, 0, 3)
+  text = _finish(proc)
+  assert text.count("restarting it with rank") == 2
   done = _check_run(out)
   replicas = done["replicas_per_sync"]
   assert len(replicas) == STEPS // 4 and min(replicas) < 3 and replicas[-1] == 3

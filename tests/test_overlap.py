@@ -31,6 +31,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 import jax_qcomm as qcomm
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -144,6 +145,68 @@ def test_overlapped_runner_resumes_from_a_flushed_state():
   state = fresh.flush(state)
   for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves((params, state))):
     assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+class _NNXModel(nnx.Module):
+  def __init__(self, n_hidden: int = 41):
+    params = _params(n_hidden)
+    self.w, self.v, self.b = (nnx.Param(params[k]) for k in ("w", "v", "b"))
+
+  def __call__(self, x):
+    return jnp.tanh(x @ self.w) @ self.v + self.b
+
+
+class _WithBatchStats(_NNXModel):
+  def __init__(self):
+    super().__init__()
+    self.seen = nnx.BatchStat(jnp.zeros(()))
+
+  def __call__(self, x):
+    self.seen[...] = self.seen[...] + 1.0
+    return super().__call__(x)
+
+
+def test_nnx_overlapped_runner_equals_the_ordinary_one():
+  """nnx_data_parallel(overlap=True): the same anchors, step by step, and (flushed) the same
+  optimizer state as the ordinary NNX runner, at 3 replicas with 4 bits and error feedback."""
+  d = 3
+  loss = lambda m, b: jnp.mean((m(b) - 1.0) ** 2)  # noqa: E731
+  runs = []
+  for overlap in (False, True):
+    model = _NNXModel()
+    tx = qcomm.diloco(optax.adam(1e-2), axis_name=AX, every=2, codec=qcomm.QSGD(4),
+                      error_feedback=True, delay=1, seed=3)
+    with jax.set_mesh(_mesh(d)):
+      opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    dp = qcomm.nnx_data_parallel(loss, _mesh(d), axis_name=AX, overlap=overlap)
+    anchors = []
+    for b in _batches(9, 6):
+      dp.step(model, opt, b)
+      anchors.append([np.asarray(x) for x in jax.tree_util.tree_leaves(nnx.state(model,
+                                                                                  nnx.Param))])
+    if overlap:
+      dp.flush(opt)
+    runs.append((anchors, nnx.as_pure(opt.opt_state), int(opt.step.get_value())))
+    assert (dp.runner is None) != overlap
+  (want, want_state, n), (got, got_state, m) = runs
+  assert n == m == 9
+  for step, (a, b) in enumerate(zip(want, got)):
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)), step
+  for a, b in zip(jax.tree_util.tree_leaves(want_state), jax.tree_util.tree_leaves(got_state)):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  assert int(got_state.outer_step) == 4
+  # A forward pass that changes other model state: the overlapped runner does not carry it.
+  model = _WithBatchStats()
+  with jax.set_mesh(_mesh(d)):
+    opt = nnx.Optimizer(model, qcomm.diloco(optax.adam(1e-2), axis_name=AX, every=2, delay=1),
+                        wrt=nnx.Param)
+  with pytest.raises(ValueError, match="forward pass changed model state"):
+    qcomm.nnx_data_parallel(loss, _mesh(d), axis_name=AX, overlap=True).step(
+        model, opt, _batches(1, 6)[0])
+  with pytest.raises(ValueError, match="donate=True is not supported with overlap"):
+    qcomm.nnx_data_parallel(loss, _mesh(d), axis_name=AX, overlap=True, donate=True)
+  with pytest.raises(ValueError, match="elastic must be"):
+    qcomm.nnx_data_parallel(loss, _mesh(d), axis_name=AX, elastic="yes")
 
 
 def test_a_nonfinite_round_is_skipped_and_does_not_poison_the_next():

@@ -34,10 +34,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 from flax import nnx
 
 from jax_qcomm import _compat
-from jax_qcomm._checks import check_key
+from jax_qcomm._checks import check_bool, check_key
 from jax_qcomm.transport.axes import AxisName, axis_names
 from jax_qcomm.runners.data_parallel import (_check, _check_shard_reductions, _reduce_aux,
-                                             _shard_errors, check_batch,
+                                             _shard_errors, check_batch, data_parallel,
                                              keep_layout, local_step, out_specs_of,
                                              per_shard_update)
 from jax_qcomm.transforms import layout, param_shards
@@ -57,11 +57,30 @@ class NNXDataParallel:
   aux_reduce: str = "mean"
   batch_spec: P | None = None
   donate: bool = False
+  elastic: bool = False
+  overlap: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "_layouts", {})  # params treedef -> the layout seen (model specs)
+    # The elastic or overlapped runner once made: "key" (graphdef, wrt, tx), "runner", and
+    # "state", the optimizer state it returned last.
+    object.__setattr__(self, "_held", {})
     _check(self.loss_fn, None, self.mesh, self.axis_name, self.has_aux, self.aux_reduce,
            self.batch_spec, self.donate, check_tx=False)
+    check_bool("elastic", self.elastic)
+    check_bool("overlap", self.overlap)
+    if self.elastic and self.overlap:
+      raise ValueError("overlap=True cannot be combined with elastic=True")
+    if self.donate and (self.elastic or self.overlap):
+      raise ValueError(f"donate=True is not supported with "
+                       f"{'elastic' if self.elastic else 'overlap'}=True (as qcomm.data_parallel)")
+
+  @property
+  def runner(self) -> Any:
+    """The :func:`qcomm.data_parallel` runner (``elastic=`` / ``overlap=``) the steps go through,
+    once the first step has made it (None before, and without those options): its
+    ``replicas_per_sync``, ``stall_s``, ``short_syncs`` (elastic) and ``flush`` (overlap)."""
+    return self._held.get("runner")
 
   @property
   def _spec(self) -> P:
@@ -83,6 +102,9 @@ class NNXDataParallel:
     # Plain arrays, as nnx.Optimizer.update hands them to optax: the qcomm states keep their
     # structure (and settings) there, unlike in the mapping form of nnx.state(optimizer).
     params, opt_state = nnx.as_pure(params), nnx.as_pure(optimizer.opt_state)
+    if self.elastic or self.overlap:
+      return self._runner_step(graphdef, params, rest, opt_state, model, optimizer, batch, extra,
+                               key)
     spec = checked_spec(opt_state, self.axis_name)
     if param_shards.sharded_params_config(opt_state) is not None:
       raise ValueError(
@@ -112,13 +134,94 @@ class NNXDataParallel:
       args += (put(key, P()),)
     with _shard_errors("step"):
       params, opt_state, rest, loss, aux = fn(*args)
+    return self._write_back(model, optimizer, params, rest, opt_state, loss, aux)
+
+  __call__ = step
+
+  def _write_back(self, model, optimizer, params, rest, opt_state, loss, aux) -> Any:
     nnx.update(model, params, rest)
     jax.tree_util.tree_map(lambda v, x: v.set_value(x), optimizer.opt_state, opt_state,
                            is_leaf=_is_variable)
     optimizer.step.set_value(optimizer.step.get_value() + 1)
     return (loss, aux) if self.has_aux else loss
 
-  __call__ = step
+  def _runner_step(self, graphdef, params, rest, opt_state, model, optimizer, batch, extra, key):
+    """The step through :func:`qcomm.data_parallel`'s elastic or overlapped runner, on the pure
+    parameters and state; the model's other state goes to ``loss_fn`` unchanged."""
+    runner, opt_state = self._runner_of(graphdef, params, opt_state, optimizer)
+    params, opt_state, loss, aux = runner.step(params, opt_state, batch, rest, *extra, key=key)
+    self._held["state"] = opt_state
+    out = self._write_back(model, optimizer, params, rest, opt_state, loss, aux)
+    if self.elastic:  # the group's count, which a restarted process takes up
+      self._set_step(optimizer, runner.calls(opt_state))
+    return out
+
+  @staticmethod
+  def _set_step(optimizer: nnx.Optimizer, calls: int) -> None:
+    optimizer.step.set_value(jnp.asarray(calls, jnp.result_type(optimizer.step.get_value())))
+
+  def _runner_of(self, graphdef, params, opt_state, optimizer) -> tuple[Any, Any]:
+    """The runner of this model and optimizer, made at the first call, and the state to step
+    from: for ``elastic``, at the first call this process's replica of the state, which the runner
+    makes (the optimizer's own, made over the whole mesh, is replaced); for ``overlap``, the
+    optimizer's state placed on the mesh."""
+    runner_key = (graphdef, optimizer.wrt, optimizer.tx)
+    if self._held:
+      if self._held["key"] != runner_key:
+        raise ValueError("an nnx_data_parallel with elastic= or overlap= steps one model and "
+                         "optimizer: make another for another")
+      # The state the runner returned last, if the optimizer still holds its arrays: the runner
+      # knows that object (the overlapped runner's collective in flight belongs to it).
+      last = self._held.get("state")
+      if last is not None and _same_arrays(opt_state, last):
+        opt_state = last
+      return self._held["runner"], opt_state
+    runner = data_parallel(
+        _pure_loss(self.loss_fn, graphdef, optimizer.wrt), optimizer.tx, self.mesh,
+        axis_name=self.axis_name, has_aux=self.has_aux, aux_reduce=self.aux_reduce,
+        batch_spec=self.batch_spec, elastic=self.elastic, overlap=self.overlap)
+    fresh = runner.init(params)
+    self._held.update(key=runner_key, runner=runner)
+    if self.elastic:
+      return runner, fresh
+    return runner, place(opt_state, runner.state_spec(opt_state), self.mesh)
+
+  def join(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    """``elastic=True``: until this process holds the group's state (a restarted process takes
+    the parameters, the optimizer's state and its step count from a live peer), written into
+    ``model`` and ``optimizer``; a no-op once it does. ``step`` joins first in any case."""
+    if not self.elastic:
+      raise ValueError("join is for nnx_data_parallel(..., elastic=True)")
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    params, opt_state = nnx.as_pure(params), nnx.as_pure(optimizer.opt_state)
+    runner, opt_state = self._runner_of(graphdef, params, opt_state, optimizer)
+    params, opt_state = runner.join(params, opt_state)
+    self._held["state"] = opt_state
+    nnx.update(model, params)
+    jax.tree_util.tree_map(lambda v, x: v.set_value(x), optimizer.opt_state, opt_state,
+                           is_leaf=_is_variable)
+    self._set_step(optimizer, runner.calls(opt_state))
+
+  def flush(self, optimizer: nnx.Optimizer) -> None:
+    """``overlap=True``: waits for the mean in flight and writes it into the optimizer's state
+    (its ``pending`` fields): the state to checkpoint or evaluate from; training may go on."""
+    if not self.overlap:
+      raise ValueError("flush is for nnx_data_parallel(..., overlap=True)")
+    if self.runner is None:
+      return
+    state = nnx.as_pure(optimizer.opt_state)
+    if _same_arrays(state, self._held.get("state")):
+      state = self._held["state"]
+    state = self.runner.flush(state)
+    self._held["state"] = state
+    jax.tree_util.tree_map(lambda v, x: v.set_value(x), optimizer.opt_state, state,
+                           is_leaf=_is_variable)
+
+  def calls(self, optimizer: nnx.Optimizer) -> int:
+    """``elastic=True``: the calls of ``step`` the group's state has seen (0 before the first)."""
+    if self.runner is None:
+      return 0
+    return self.runner.calls(nnx.as_pure(optimizer.opt_state))
 
   @functools.lru_cache(maxsize=None)
   def _step_fn(self, graphdef, wrt, tx, spec_key, replicas: tuple, n_extra: int,
@@ -163,6 +266,33 @@ class NNXDataParallel:
     return jax.jit(call, donate_argnums=donate)
 
 
+def _pure_loss(loss_fn: Callable[..., Any], graphdef: Any, wrt: Any):
+  """``loss_fn`` on the pure parameters: ``(params, batch, rest, *extra, key=None)``, the model
+  merged from them and its other state ``rest``; ValueError if the forward pass changes ``rest``
+  (the elastic and overlapped runners return parameters and optimizer state only)."""
+  def pure(params, batch, rest, *extra, key=None):
+    rest = jax.tree_util.tree_map(lambda a: a, rest)  # fresh variables of this trace
+    before = jax.tree_util.tree_leaves(rest)
+    model = nnx.merge(graphdef, params, rest)
+    kwargs = {} if key is None else {"rngs": nnx.Rngs(dropout=key)}
+    out = loss_fn(model, batch, *extra, **kwargs)
+    if not _same_arrays(nnx.state(model, nnx.Not(wrt)), before):
+      raise ValueError(
+          "nnx_data_parallel(elastic=True / overlap=True): the forward pass changed model state "
+          "other than the optimizer's parameters (BatchNorm statistics, a counter, an RNG held "
+          "by the model), which these runners do not carry; use a model whose forward pass "
+          "changes none (pass rngs to loss_fn: step(..., key=key)), or the ordinary runner")
+    return out
+
+  return pure
+
+
+def _same_arrays(a: Any, b: Any) -> bool:
+  """Whether two pytrees hold the very same array objects, leaf for leaf."""
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
+
+
 def _is_variable(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
@@ -181,7 +311,8 @@ def _mean_if_varying(a: jax.Array, names: tuple) -> jax.Array:
 
 def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: AxisName = "data",
                       has_aux: bool = False, aux_reduce: str = "mean",
-                      batch_spec: P | None = None, donate: bool = False) -> NNXDataParallel:
+                      batch_spec: P | None = None, donate: bool = False,
+                      elastic: bool = False, overlap: bool = False) -> NNXDataParallel:
   """A jitted data-parallel train step for a Flax NNX model and its ``nnx.Optimizer``.
 
   Args:
@@ -198,6 +329,17 @@ def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: Axi
       :func:`qcomm.data_parallel`'s ``donate`` (saves memory: XLA writes the new values into
       their buffers; the arrays the model and optimizer held before the step are then invalid,
       and the step replaces them in place as always). No effect inside your own ``nnx.jit``.
+    elastic: for ``qcomm.diloco`` with one replica per process, as :func:`qcomm.data_parallel`'s
+      ``elastic`` (the same runner, the same meaning): replicas in processes that may die and
+      come back, synchronisations over those alive. At the first step the runner makes this
+      process's replica of the state and the optimizer holds it from then on; a restarted
+      process receives the group's state there (``dp.runner.join`` happens inside the step).
+    overlap: for ``qcomm.diloco(..., delay=1)``, as :func:`qcomm.data_parallel`'s ``overlap``:
+      each synchronisation's collective on a device the mesh leaves out, while the next round
+      computes; ``dp.flush(optimizer)`` receives the mean in flight into the optimizer's state.
+      With ``elastic`` or ``overlap``, the forward pass must change no model state besides the
+      parameters (ValueError otherwise), the step is called eagerly (not inside ``nnx.jit``),
+      and ``donate`` is refused.
 
   Returns:
     An :class:`NNXDataParallel`; ``loss = dp.step(model, optimizer, batch, *extra, key=key)``
@@ -207,4 +349,5 @@ def nnx_data_parallel(loss_fn: Callable[..., Any], mesh: Mesh, *, axis_name: Axi
     axes).
   """
   return NNXDataParallel(loss_fn=loss_fn, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                         aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate)
+                         aux_reduce=aux_reduce, batch_spec=batch_spec, donate=donate,
+                         elastic=elastic, overlap=overlap)
