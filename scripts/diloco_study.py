@@ -2,7 +2,7 @@
 
     python scripts/diloco_study.py run [--cells fp32_h10,q4_h50 | all]
     python scripts/diloco_study.py status
-    python scripts/diloco_study.py table     # the results table in docs/accuracy.md
+    python scripts/diloco_study.py table     # the results tables in docs/accuracy.md
 
 Each cell is its own process; its result JSON line is appended to
 ``notebooks/data/lm/diloco.jsonl``. ``run`` skips cells already there, so the study can be run in
@@ -143,6 +143,8 @@ BEGIN, END = "<!-- diloco-table -->", "<!-- /diloco-table -->"
 
 
 def _codec(r: dict) -> str:
+  if r.get("outer") == "sparseloco":
+    return f"SparseLoCo, TopK {r['topk']:g} x {r['bits']} bits"
   if r.get("topk"):
     return f"TopK {r['topk']:g} x {r['bits']} bits" + (" + EF" if r["error_feedback"] else "")
   name = {32: "fp32", 16: "16-bit"}.get(r["bits"], f"QSGD {r['bits']} bits")
@@ -193,6 +195,96 @@ def write_table(finished: dict[str, dict]) -> None:
     f.write(head + BEGIN + "\n" + body + "\n" + END + tail)
 
 
+SLC_BEGIN, SLC_END = "<!-- sparseloco-table -->", "<!-- /sparseloco-table -->"
+#: The ablation cells (K = 2, H = 30) and what each changes from SparseLoCo's defaults.
+ABLATIONS = {
+    "slc_h30_k2_nodecay": "no decay (beta 1.0)",
+    "slc_h30_k2_lr0.8": "outer lr 0.8",
+    "slc_h30_k2_8bit": "8-bit values",
+    "slc_h30_k2_d32": "density 1/32",
+    "slc_h30_k2_d16": "density 1/16",
+    "slc_h30_k2_d4": "density 1/4",
+    "topk2_ef_h30_default": "TopK 0.02, Nesterov (1.0, 0.5) outer, residual not decayed",
+}
+
+
+def _gap(r: dict, ref: dict | None) -> str:
+  """``r``'s val loss against ``ref``'s, in percent ('' without ``ref``)."""
+  return "" if ref is None else f"{100 * (r['val_loss'] / ref['val_loss'] - 1):+.1f}%"
+
+
+def _fp32_avg(finished: dict[str, dict], every: int, k: int, seed: int) -> dict | None:
+  """The fp32 plain-averaging cell at (H, K, seed) over 2000 steps, whatever its name."""
+  return next((r for r in finished.values() if r["bits"] == 32 and r["every"] == every
+               and r["replicas"] == k and r["seed"] == seed and r["steps"] == 2000
+               and r["outer_lr"] == 1.0 and r["outer_momentum"] == 0.0
+               and r.get("outer", "nesterov") == "nesterov" and not r.get("fragments", 1) > 1
+               and not r.get("delay")), None)
+
+
+def _q4_bytes(finished: dict[str, dict], k: int) -> float | None:
+  """QSGD 4's bytes per synchronisation at K replicas (every leaf counted; H does not matter)."""
+  r = next((r for r in finished.values() if r["bits"] == 4 and not r.get("topk")
+            and r["replicas"] == k and r.get("bucket_size", 128) == 128
+            and not r["error_feedback"]), None)
+  return None if r is None else r["sent_bytes_per_sync"]
+
+
+def write_sparseloco_table(finished: dict[str, dict]) -> None:
+  """The SparseLoCo grid (K x H against fp32 averaging), its bytes and the ablation, between the
+  markers of docs/accuracy.md."""
+  hs, ks = (10, 30, 50), (2, 4, 8)
+  grid = ["| K | " + " | ".join(f"H = {h}: fp32 avg / SparseLoCo (gap)" for h in hs)
+          + " | SparseLoCo B / sync | QSGD 4 B / sync | fewer bytes |",
+          "|--:|" + "--:|" * (len(hs) + 3)]
+  for k in ks:
+    cells = []
+    for h in hs:
+      slc, ref = finished.get(f"slc_h{h}_k{k}"), _fp32_avg(finished, h, k, 0)
+      if slc is None or ref is None:
+        cells.append("—")
+        continue
+      cells.append(f"{ref['val_loss']:.4f} / {slc['val_loss']:.4f} ({_gap(slc, ref)})")
+    slc = next((finished[f"slc_h{h}_k{k}"] for h in hs if f"slc_h{h}_k{k}" in finished), None)
+    q4 = _q4_bytes(finished, k)
+    sent = "—" if slc is None else f"{slc['sent_bytes_per_sync']:,.0f}"
+    ratio = "—" if slc is None or q4 is None else f"{q4 / slc['sent_bytes_per_sync']:.1f}x"
+    grid.append(f"| {k} | " + " | ".join(cells) + f" | {sent} | "
+                + ("—" if q4 is None else f"{q4:,.0f}") + f" | {ratio} |")
+  base = finished.get("slc_h30_k2")
+  rows = ["| cell | what changes | val loss | vs SparseLoCo | vs fp32 averaging | B / sync "
+          "| B / param / step |", "|---|---|--:|--:|--:|--:|--:|"]
+  ref = _fp32_avg(finished, 30, 2, 0)
+  for name, what in (("slc_h30_k2", "SparseLoCo's defaults"), *ABLATIONS.items()):
+    r = finished.get(name)
+    if r is None:
+      continue
+    rows.append(
+        f"| `{name}` | {what} | {r['val_loss']:.4f} "
+        f"| {'' if r is base else _gap(r, base)} | {_gap(r, ref)} "
+        f"| {r['sent_bytes_per_sync']:,.0f} | {r['bytes_per_param_step']:.5f} |")
+  seeds = []
+  for seed, name in ((0, "slc_h30_k2"), (1, "slc_h30_k2_seed1")):
+    r, ref = finished.get(name), _fp32_avg(finished, 30, 2, seed)
+    if r is not None and ref is not None:
+      seeds.append(f"seed {seed}: {ref['val_loss']:.4f} / {r['val_loss']:.4f} ({_gap(r, ref)})")
+  body = ("Val loss (nats/byte) after 2000 inner steps, fp32 diloco with plain averaging against "
+          "SparseLoCo (`--outer=sparseloco`, TopK 1/64 x 2 bits, beta 0.95, alpha 1.0), seed 0; "
+          "bytes per synchronisation each replica sends, every leaf counted:\n\n"
+          + "\n".join(grid) + "\n\nK = 2, H = 30, fp32 averaging / SparseLoCo: "
+          + "; ".join(seeds) + ".\n\nWhat each part does (K = 2, H = 30, seed 0):\n\n"
+          + "\n".join(rows))
+  path = os.path.join(REPO, "docs", "accuracy.md")
+  with open(path) as f:
+    text = f.read()
+  if SLC_BEGIN not in text:
+    raise SystemExit(f"docs/accuracy.md has no {SLC_BEGIN} marker")
+  head, rest = text.split(SLC_BEGIN)
+  _, tail = rest.split(SLC_END)
+  with open(path, "w") as f:
+    f.write(head + SLC_BEGIN + "\n" + body + "\n" + SLC_END + tail)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("action", choices=("run", "status", "table"))
@@ -205,6 +297,7 @@ def main() -> None:
   finished = done()
   if args.action == "table":
     write_table(finished)
+    write_sparseloco_table(finished)
     return
   if args.action == "status":
     for name in CELLS:

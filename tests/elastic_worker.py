@@ -1,10 +1,12 @@
 """One process of an elastic diloco run (tests/test_elastic.py): linear regression, one replica
 per process, a JSON line per synchronisation in ``<out>/rank<r>.jsonl``.
 
-    python -m jax_qcomm.tools.launch -n 3 --elastic tests/elastic_worker.py OUT STEPS SLEEP [nnx]
+    python -m jax_qcomm.tools.launch -n 3 --elastic tests/elastic_worker.py OUT STEPS SLEEP \
+        [nnx | sync]
 
 With ``nnx`` the same model is an ``nnx.Module`` stepped by ``qcomm.nnx_data_parallel(...,
-elastic=True)``.
+elastic=True)``; with ``sync`` the optimizer is per-step data parallelism, ``qcomm.sync`` with 4
+bits and 2 accumulation steps, and a "sync" line is written at every optimizer step.
 """
 
 import hashlib
@@ -26,7 +28,7 @@ import optax  # noqa: E402
 import jax_qcomm as qcomm  # noqa: E402
 
 out, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-NNX = sys.argv[4:] == ["nnx"]
+NNX, SYNC = sys.argv[4:] == ["nnx"], sys.argv[4:] == ["sync"]
 rank, n = jax.process_index(), jax.process_count()
 DIM, ROWS = 37, 12  # 37 does not split over 2 or 3 replicas
 w_true = np.random.default_rng(0).normal(size=(DIM,)).astype(np.float32)
@@ -43,8 +45,11 @@ def loss_fn(p, b):
 
 
 mesh = distributed.global_mesh(("node",))
-tx = qcomm.diloco(optax.sgd(0.05), axis_name="node", every=4, codec=qcomm.QSGD(4),
-                  outer=optax.sgd(1.0))
+if SYNC:
+  tx = qcomm.sync(optax.sgd(0.05), axis_name="node", codec=qcomm.QSGD(4), accum_steps=2)
+else:
+  tx = qcomm.diloco(optax.sgd(0.05), axis_name="node", every=4, codec=qcomm.QSGD(4),
+                    outer=optax.sgd(1.0))
 if NNX:
   from flax import nnx  # noqa: E402
 
@@ -91,7 +96,8 @@ while (done := calls()) < steps:
   params, state = current()
   if int(state.mini_step) == 0:  # a synchronisation
     flat = np.concatenate([np.asarray(params["w"]).ravel(), np.asarray(params["b"]).ravel()])
-    record(event="sync", outer_step=int(state.outer_step), calls=calls(),
+    rounds = state.gradient_step if SYNC else state.outer_step
+    record(event="sync", outer_step=int(rounds), calls=calls(),
            anchor=hashlib.sha256(flat.tobytes()).hexdigest()[:16],
            replicas=dp.replicas_per_sync[-1] if dp.replicas_per_sync else None)
   time.sleep(pause)

@@ -21,10 +21,10 @@ WORKER = os.path.join(os.path.dirname(__file__), "elastic_worker.py")
 STEPS, PAUSE = 200, 0.1
 
 
-def _launch(out, steps=STEPS, nnx=False):
+def _launch(out, steps=STEPS, mode=None, pause=PAUSE):
   cmd = [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "3", "--elastic",
          "--heartbeat-timeout", "5", "--collective-timeout", "10", "--timeout", "400",
-         WORKER, str(out), str(steps), str(PAUSE)] + (["nnx"] if nnx else [])
+         WORKER, str(out), str(steps), str(pause)] + ([mode] if mode else [])
   return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -83,17 +83,19 @@ def uninterrupted(tmp_path_factory):
   return done
 
 
-def _kill_mid_window(out, proc, rank, after_syncs):
-  """SIGKILL ``rank``'s current incarnation once it has recorded ``after_syncs`` more
-  synchronisations, half a window later (in the middle of its inner steps); waits for the
-  restarted one to join. Returns its old pid."""
+def _kill_mid_window(out, proc, rank, after_syncs, pause=PAUSE, also=()):
+  """SIGKILL ``rank``'s current incarnation (and those of the ranks in ``also``, at once) once
+  it has recorded ``after_syncs`` more synchronisations, two pauses later (in the middle of its
+  inner steps); waits for the restarted ones to join. Returns the old pid."""
   pid = _pids(out, rank)[-1]
   start = len(_syncs(out, rank, pid))
   _wait(lambda: len(_syncs(out, rank, pid)) >= start + after_syncs, proc, f"rank {rank} syncs")
-  time.sleep(2 * PAUSE)
-  os.kill(pid, signal.SIGKILL)
-  _wait(lambda: len(_pids(out, rank)) > len(_pids(out, rank)[:_pids(out, rank).index(pid) + 1]),
-        proc, f"rank {rank} to rejoin")
+  time.sleep(2 * pause)
+  victims = {r: _pids(out, r)[-1] for r in (rank, *also)}
+  for p in victims.values():
+    os.kill(p, signal.SIGKILL)
+  for r, p in victims.items():
+    _wait(lambda r=r, p=p: _pids(out, r)[-1] != p, proc, f"rank {r} to rejoin")
   return pid
 
 
@@ -121,7 +123,7 @@ def test_nnx_killed_workers_rejoin(tmp_path, uninterrupted):
   0 killed mid-window and restarted; anchors bit-identical at every synchronisation, the
   optimizer's step the group's count, the loss that of the Linen run's."""
   out = tmp_path
-  proc = _launch(out, nnx=True)
+  proc = _launch(out, mode="nnx")
   _wait(lambda: all(_pids(out, r) for r in range(3)), proc, "all to join")
   _kill_mid_window(out, proc, 1, 3)
   _kill_mid_window(out, proc, 0, 3)
@@ -132,6 +134,50 @@ def test_nnx_killed_workers_rejoin(tmp_path, uninterrupted):
   assert len(replicas) == STEPS // 4 and min(replicas) < 3 and replicas[-1] == 3
   assert abs(done["loss"] - uninterrupted["loss"]) <= 0.1 * uninterrupted["loss"], (
       done["loss"], uninterrupted["loss"])
+
+
+SYNC_CALLS, SYNC_PAUSE = 1000, 0.03  # per-step sync: 500 optimizer steps of 2 calls
+
+
+@pytest.fixture(scope="module")
+def sync_uninterrupted(tmp_path_factory):
+  out = tmp_path_factory.mktemp("elastic_sync_clean")
+  _finish(_launch(out, SYNC_CALLS, "sync", SYNC_PAUSE))
+  done = _check_run(out)
+  assert done["replicas_per_sync"] == [3] * (SYNC_CALLS // 2)
+  return done
+
+
+def test_per_step_sync_survives_kills_restarts_of_rank_zero_and_two_at_once(tmp_path,
+                                                                            sync_uninterrupted):
+  """Per-step data parallelism (qcomm.sync, 4 bits, 2 accumulation steps) under launch
+  --elastic: rank 1 killed, rank 0 killed twice, then ranks 1 and 2 at once, then rank 2
+  stopped past the heartbeat timeout; every loss is restarted and admitted, the run ends with
+  exit 0, the anchors are bit-identical at every optimizer step, each short step is logged, and
+  the final loss is within 2% of the uninterrupted run's."""
+  out = tmp_path
+  proc = _launch(out, SYNC_CALLS, "sync", SYNC_PAUSE)
+  _wait(lambda: all(_pids(out, r) for r in range(3)), proc, "all to join")
+  _kill_mid_window(out, proc, 1, 10, SYNC_PAUSE)
+  _kill_mid_window(out, proc, 0, 10, SYNC_PAUSE)
+  _kill_mid_window(out, proc, 0, 10, SYNC_PAUSE)
+  _kill_mid_window(out, proc, 1, 10, SYNC_PAUSE, also=(2,))
+  pid = _pids(out, 2)[-1]
+  start = len(_syncs(out, 2, pid))
+  _wait(lambda: len(_syncs(out, 2, pid)) >= start + 10, proc, "rank 2 syncs")
+  os.kill(pid, signal.SIGSTOP)
+  time.sleep(8.0)
+  os.kill(pid, signal.SIGCONT)
+  _wait(lambda: _pids(out, 2)[-1] != pid, proc, "rank 2 to rejoin")
+  text = _finish(proc)
+  assert text.count("restarting it with rank") == 6, text[-4000:]
+  done = _check_run(out)
+  replicas = done["replicas_per_sync"]
+  assert len(replicas) == SYNC_CALLS // 2 and min(replicas) == 1 and replicas[-1] == 3
+  assert re.search(r"step \d+ averaged 1 of 3 replicas \(missing \[1, 2\]\)", text), text[-4000:]
+  assert re.search(r"averaged 2 of 3 replicas \(missing \[0\]\)[^\n]*, admitted \[0\]", text)
+  want = sync_uninterrupted["loss"]
+  assert abs(done["loss"] - want) <= 0.02 * want + 1e-5, (done["loss"], want)
 
 
 def _stop_then(out, proc, rank, seconds, then):

@@ -15,11 +15,12 @@ schedule and global batch are training/lm.py's (the tokens of every method are e
 * ``--method=diloco``: training/lm_diloco.py's optimizer: an exact sync over ``data`` inside each
   node, ``qcomm.diloco(..., axis_name="node", every=H, codec=<config.bits>)`` across nodes.
 
-Under ``python -m jax_qcomm.tools.launch --elastic`` (``--method=diloco`` only) the run survives
-lost processes: each process steps its own replica on its rows of the global batch and evaluates
-the anchor on its own devices, synchronisations average over the live processes, and a restarted
-process takes up the group's state and step (docs/distributed.md); the result JSON's
-``replicas_per_sync`` lists the replicas averaged at each synchronisation.
+Under ``python -m jax_qcomm.tools.launch --elastic`` the run survives lost processes: each
+process steps its own replica on its rows of the global batch and evaluates the parameters (the
+anchor) on its own devices, every step (ddp) or synchronisation (diloco) averages over the live
+processes, and a restarted process takes up the group's state and step (docs/distributed.md); the
+result JSON's ``replicas_per_step`` (ddp) or ``replicas_per_sync`` (diloco) lists the replicas
+averaged at each, and ``stall_s`` this process's seconds lost to losses.
 
 Every ``--eval_every`` optimizer (inner) steps the parameters (diloco: the anchor) are evaluated
 on the validation windows. The training clock (``train_s``) is paused during evaluation and counts
@@ -105,8 +106,6 @@ def run(config, *, method: str, every: int, outer_lr: float | None = None,
   mesh = create_mesh(config, spare=overlap)
   k = config.accum_steps
   elastic = distributed.is_elastic()
-  if elastic and method != "diloco":
-    raise ValueError("an elastic launch (--elastic) runs --method=diloco only")
   if overlap and (method != "diloco" or not config.delay):
     raise ValueError("--overlap runs --method=diloco with --config.delay=1")
   graphdef = nnx.split(nnx.eval_shape(lambda: lm.create_model(config, nnx.Rngs(0))))[0]
@@ -118,7 +117,7 @@ def run(config, *, method: str, every: int, outer_lr: float | None = None,
 
   if method == "ddp":
     tx = lm.create_optimizer(config, qcomm.Hierarchical(lm.AXIS, NODE))
-    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS))
+    dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=(NODE, lm.AXIS), elastic=elastic)
     state = dp.init(params)
     # What crosses a node's slow link per step: the codec's allreduce of the gradient between the
     # nodes (each device sends that of its 1/data shard).
@@ -199,6 +198,9 @@ def run(config, *, method: str, every: int, outer_lr: float | None = None,
       "elastic": elastic,
       "replicas_per_sync": (None if method != "diloco" else list(dp.replicas_per_sync) if elastic
                             else [mesh.shape[NODE]] * int(np.asarray(state.outer_step.addressable_data(0)))),
+      # ddp: the replicas averaged at each optimizer step (elastic; all of them otherwise).
+      "replicas_per_step": (None if method != "ddp" else list(dp.replicas_per_sync) if elastic
+                            else [mesh.shape[NODE]] * (step - start)),
       "sent_bytes_per_step": desc.sent_bytes_per_sync / sync_every,
       # Elastic: this process's seconds in synchronisation attempts a lost process broke and in
       # backend rebuilds, and a record per synchronisation that ran short or admitted a process.

@@ -34,7 +34,7 @@ from jax_qcomm.collectives import ops as collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_choice,
                                check_key)
 from jax_qcomm.transport.axes import axis_names
-from jax_qcomm.runners.elastic import ElasticDataParallel
+from jax_qcomm.runners.elastic import ElasticDataParallel, ElasticSyncDataParallel
 from jax_qcomm.runners.overlap import OverlappedDataParallel
 from jax_qcomm.collectives.shard_layout import MODEL_AXES
 from jax_qcomm.collectives import sharded_params
@@ -474,7 +474,12 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       replicas that die and come back. Each process steps its own replica on its own devices and
       its own share of the batch, and every synchronisation averages over the processes alive; a
       restarted process receives the group's state (:class:`jax_qcomm.runners.elastic.ElasticDataParallel`,
-      docs/distributed.md).
+      docs/distributed.md). Also for ``tx`` holding a ``qcomm.sync`` (replicated state) over
+      axes whose first is the process axis (``axis_name=("node", "data")``): every step is
+      averaged over the processes alive at that step, a replica lost during it costs that
+      step its share of the batch, and a restarted process receives the parameters, the state
+      and the step count from a live peer
+      (:class:`jax_qcomm.runners.elastic.ElasticSyncDataParallel`).
     param_spec: optional, a pytree of ``PartitionSpec`` with the structure of ``params``: how each
       parameter is sharded over the mesh axes that are not data axes (the "model axes": tensor
       parallel ``P(None, "model")``, FSDP inside a node ``P("model", None)``, or a mix). Default:
@@ -527,6 +532,11 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     if param_spec is not None:
       raise ValueError(f"param_spec is not supported with {option}=True: its runner keeps the "
                        f"parameters replicated over each process's devices")
+    if elastic and "sync" in _update_order(tx):  # per-step data parallelism, not diloco
+      runner = ElasticSyncDataParallel
+      if has_aux and aux_reduce != "mean":
+        raise ValueError(f"elastic=True with qcomm.sync returns each process's aux as the mean "
+                         f"over its devices: aux_reduce must be 'mean', got {aux_reduce!r}")
     local = functools.partial(_local_runner, loss_fn, axis_name, has_aux, aux_reduce, batch_spec)
     return runner(tx=tx, mesh=mesh, axis_name=axis_name, local_runner=local)
   return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name, has_aux=has_aux,

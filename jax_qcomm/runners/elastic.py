@@ -57,7 +57,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jax_qcomm import _compat
 from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, replica_rows
 from jax_qcomm.transforms import layout
-from jax_qcomm.transforms.specs import _SpecKey, checked_spec, place
+from jax_qcomm.transforms.specs import _SpecKey, checked_spec, find_states, is_state, place
+from jax_qcomm.transport.axes import axis_names
 
 #: Seconds to wait for a coordination-service key that every process of a round wrote before the
 #: barrier it passed (present at once unless the service is failing).
@@ -81,6 +82,26 @@ def _try_get(client: Any, key: str) -> str | None:
     return client.key_value_try_get(key)
   except Exception:  # noqa: BLE001  (NOT_FOUND)
     return None
+
+
+def _zero_fields(state: Any, fields: tuple[str, ...]) -> Any:
+  """``state`` with the named fields of every qcomm state in it set to zeros."""
+  def zero(node):
+    if not is_state(node):
+      return node
+    return node._replace(**{f: jax.tree_util.tree_map(np.zeros_like, getattr(node, f))
+                            for f in fields if hasattr(node, f)})
+  return jax.tree_util.tree_map(zero, state, is_leaf=is_state)
+
+
+def _appended(history: list[list[int]], replicas: int) -> list[list[int]]:
+  """A run-length encoded record ``[[rounds, replicas], ...]`` with one more round."""
+  history = [list(h) for h in history]
+  if history and history[-1][1] == replicas:
+    history[-1][0] += 1
+  else:
+    history.append([1, replicas])
+  return history
 
 
 def _fingerprint(live: dict[int, int]) -> str:
@@ -144,13 +165,28 @@ class ElasticDataParallel:
     self._outer_step = -1
     self._mini = 0
     self._sync_calls = None
-    self.replicas_per_sync: list[int] = []
+    self._history: list[list[int]] = []  # [[rounds, replicas], ...]: run-length encoded
     self.stall_s = 0.0
     self.short_syncs: list[dict] = []
 
+  #: State fields a receiver does not take from the source but starts at zero.
+  OWN_FIELDS = ("residual",)
+
+  @property
+  def replicas_per_sync(self) -> list[int]:
+    """The replicas averaged at each round so far (the group's record)."""
+    return [replicas for count, replicas in self._history for _ in range(count)]
+
   # -- meshes ---------------------------------------------------------------------------------------
+  #: What one round is called in the log lines and errors.
+  ROUND = "synchronisation"
+
+  def _rows(self, state: Any) -> tuple[str, np.ndarray]:
+    """The replica axis's name and the mesh's devices as rows, one per replica."""
+    return replica_rows(state, self.mesh, "elastic=True")
+
   def _set_replica_axis(self, state: Any) -> None:
-    name, devices = replica_rows(state, self.mesh, "elastic=True")
+    name, devices = self._rows(state)
     axis = self.mesh.axis_names.index(name)
     rows = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices)
     owners = [set(r.tolist()) for r in rows]
@@ -173,13 +209,17 @@ class ElasticDataParallel:
     return Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(ids), self.mesh.axis_names)
 
   def _rebuild(self) -> None:
-    """Meshes and the inner runner on the current backend (after a rebuild: new devices)."""
+    """Meshes and the local programs on the current backend (after a rebuild: new devices)."""
     self._local_mesh = self._mesh_of([self._me])
+    self._build_local()
+    self._outer_fn.cache_clear()
+    self._broadcast_fn.cache_clear()
+
+  def _build_local(self) -> None:
+    """The runner of the inner steps on this process's devices (diloco's ``"inner"`` phase)."""
     inner = optax.GradientTransformationExtraArgs(
         self.tx.init, functools.partial(self.tx.update, **{PHASE_ARG: "inner"}))
     self._inner = self.local_runner(inner, self._local_mesh)
-    self._outer_fn.cache_clear()
-    self._broadcast_fn.cache_clear()
 
   # -- the public calls -----------------------------------------------------------------------------
   def init(self, params: Any) -> Any:
@@ -188,14 +228,21 @@ class ElasticDataParallel:
     if self._replica_axis is None:
       with jax.set_mesh(self.mesh):
         self._set_replica_axis(jax.eval_shape(self.tx.init, params))
-    state = self._inner.init(params)
+    state = self._local_init(params)
     self._sync_calls = state.config.sync_calls
     return state
+
+  def _local_init(self, params: Any) -> Any:
+    return self._inner.init(params)
 
   def calls(self, opt_state: Any) -> int:
     """Calls of ``step`` the group's state has seen (synchronisations x calls between them, plus
     the calls since the last): after a join, where this process takes up the training."""
     return int(opt_state.outer_step) * opt_state.config.sync_calls + int(opt_state.mini_step)
+
+  def _rounds_of(self, opt_state: Any) -> int:
+    """The rounds ``opt_state`` has been through (what the holders of the newest state share)."""
+    return int(opt_state.outer_step)
 
   def join(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
     """Until this process holds the group's state: the next rounds (module docstring)."""
@@ -221,8 +268,10 @@ class ElasticDataParallel:
 
   __call__ = step
 
+  STATE_TYPE: Any = DiLoCoState
+
   def _need_init(self, opt_state: Any) -> None:
-    if self._replica_axis is None or not isinstance(opt_state, DiLoCoState):
+    if self._replica_axis is None or not isinstance(opt_state, self.STATE_TYPE):
       raise ValueError("opt_state must come from this runner's init (dp.init(params))")
 
   # -- the round ------------------------------------------------------------------------------------
@@ -243,8 +292,11 @@ class ElasticDataParallel:
     if now != live:
       raise _Changed(now)
 
-  def _synchronise(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-    inputs = (params, opt_state)
+  def _synchronise(self, params: Any, opt_state: Any, grads: Any = None) -> tuple[Any, Any]:
+    """The round, run again over the new live set until one completes: diloco's synchronisation
+    (or, with ``grads``, per-step data parallelism's update) over the holders of the newest
+    state, then the state handed to the others."""
+    inputs = (params, opt_state, grads)
     t_start = time.perf_counter()
     stalled = 0.0  # seconds of attempts a lost process broke
     while True:
@@ -257,14 +309,16 @@ class ElasticDataParallel:
       self._rounds[fp] = count + 1
       self._inputs = inputs  # host copies instead, once a rebuild has made the arrays invalid
       try:
+        round_key = f"qcomm/elastic/{fp}/{count}"
         try:
-          result = self._round(live, f"qcomm/elastic/{fp}/{count}")
+          result = self._round(live, round_key)
         except _Changed:
           raise
         except Exception as error:  # noqa: BLE001  (a lost peer, or an error of ours)
           self._check_live(live)  # raises _Changed if a peer was lost
           raise error
-        self._check_live(live)
+        self._check_live(live)  # every process of the round has read the others' info
+        self._client.key_value_delete(f"{round_key}/info/{self._me}")
         out = self._commit(*result[:5])
         self._report(result[5], result[6], result[2], time.perf_counter() - t_start, stalled)
         return out
@@ -273,7 +327,7 @@ class ElasticDataParallel:
         gone = sorted(p for p in live if change.live.get(p) != live[p])
         new = sorted(p for p in change.live if p not in live or p in gone)
         _log(f"process {self._me}: the live processes changed (lost {gone}, new {new}); the "
-             f"synchronisation runs again over {sorted(change.live)}")
+             f"{self.ROUND} runs again over {sorted(change.live)}")
         self._live = change.live
         inputs = self._inputs
 
@@ -282,7 +336,7 @@ class ElasticDataParallel:
     processes = sorted(live)
     fp = _fingerprint(live)
     mine = {"step": -1 if self._fresh else self._outer_step, "backend": self._backend,
-            "history": self.replicas_per_sync}
+            "history": self._history}
     client.key_value_set(f"{key}/info/{self._me}", json.dumps(mine))
     self._check_live(live)  # every process of the round has written its info
     infos = {p: json.loads(client.blocking_key_value_get(f"{key}/info/{p}",
@@ -313,10 +367,10 @@ class ElasticDataParallel:
       _log(f"process {self._me}: CPU backend rebuilt for processes {processes} "
            f"({time.perf_counter() - t_rebuild:.2f} s)")
     receivers = [p for p in processes if p not in holders] if (full and holders) else []
-    params, state = self._inputs
-    history = list(infos[holders[0]]["history"]) + [len(holders)] if holders else []
+    params, state, grads = self._inputs
+    history = _appended(infos[holders[0]]["history"], len(holders)) if holders else []
     if self._me in holders:
-      params, state = self._outer(holders, params, state)
+      params, state = self._outer(holders, params, state, grads)
     if receivers:
       params, state = self._broadcast(processes, holders[0], receivers, params, state)
     admitted = not holders or self._me in holders or self._me in receivers
@@ -329,10 +383,11 @@ class ElasticDataParallel:
     self.stall_s += stalled
     if not (missing or admitted) or not history:
       return
-    record = {"outer_step": self._outer_step, "replicas": history[-1], "missing": missing,
+    replicas = history[-1][1]
+    record = {"outer_step": self._outer_step, "replicas": replicas, "missing": missing,
               "admitted": admitted, "seconds": round(seconds, 3), "stall_s": round(stalled, 3)}
     self.short_syncs.append(record)
-    text = (f"synchronisation {self._outer_step} averaged {history[-1]} of {self._n} replicas"
+    text = (f"{self.ROUND} {self._outer_step} averaged {replicas} of {self._n} replicas"
             + (f" (missing {missing})" if missing else "")
             + (f", admitted {admitted}" if admitted else "")
             + f"; it took {seconds:.2f} s, {stalled:.2f} s of it in attempts a lost process broke")
@@ -341,9 +396,9 @@ class ElasticDataParallel:
   def _commit(self, params, state, history, admitted, synchronised) -> tuple[Any, Any]:
     if admitted:
       if synchronised:
-        self.replicas_per_sync = history
+        self._history = history
       self._fresh = False
-      self._outer_step = int(state.outer_step)
+      self._outer_step = self._rounds_of(state)
       self._mini = int(state.mini_step)
       if synchronised and self._me == min(self._live):
         self._client.key_value_set(STARTED_KEY, "1", allow_overwrite=True)
@@ -353,13 +408,20 @@ class ElasticDataParallel:
   def _spec(self, state: Any) -> Any:
     return checked_spec(state, self.axis_name)
 
-  def _outer(self, holders: list[int], params: Any, state: Any) -> tuple[Any, Any]:
-    """diloco's synchronisation over the holders' devices."""
+  def _outer(self, holders: list[int], params: Any, state: Any,
+             grads: Any = None) -> tuple[Any, Any]:
+    """The round's program over the holders' devices: diloco's synchronisation (or the update
+    from this process's ``grads``, per-step data parallelism)."""
     mesh = self._mesh_of(holders)
     spec = self._spec(state)
     g_params = multihost_utils.host_local_array_to_global_array(params, mesh, P())
     g_state = multihost_utils.host_local_array_to_global_array(state, mesh, spec)
-    out = self._outer_fn(tuple(holders), _SpecKey(spec))(g_params, g_state)
+    args = (g_params, g_state)
+    if grads is not None:  # a leading row per process
+      name = self.mesh.axis_names[self._replica_axis]
+      args += (multihost_utils.host_local_array_to_global_array(
+          jax.tree_util.tree_map(lambda g: jnp.asarray(g)[None], grads), mesh, P(name)),)
+    out = self._outer_fn(tuple(holders), _SpecKey(spec))(*args)
     new_params = multihost_utils.global_array_to_host_local_array(out[0], mesh, P())
     new_state = multihost_utils.global_array_to_host_local_array(out[1], mesh, spec)
     return new_params, new_state
@@ -387,8 +449,8 @@ class ElasticDataParallel:
     out = self._broadcast_fn(tuple(processes), order.index(source))(*rows)
     got = multihost_utils.global_array_to_host_local_array(out, mesh, P(name))
     params, state = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], got)
-    if self._me in receivers and state.config.error_feedback:
-      state = state._replace(residual=jax.tree_util.tree_map(np.zeros_like, state.residual))
+    if self._me in receivers:  # what was the source's own: its residual, its window's gradients
+      state = _zero_fields(state, self.OWN_FIELDS)
     return (place(params, P(), self._local_mesh),
             place(state, self._spec(state), self._local_mesh))
 
@@ -404,3 +466,151 @@ class ElasticDataParallel:
 
     return jax.jit(jax.shard_map(pick, mesh=self._mesh_of(list(processes)),
                                  in_specs=(P(name), P(name)), out_specs=P(name)))
+
+
+@dataclasses.dataclass(eq=False)
+class ElasticSyncDataParallel(ElasticDataParallel):
+  """Elastic per-step data parallelism, made by ``qcomm.data_parallel(..., elastic=True)`` for a
+  ``tx`` whose qcomm transformation is :func:`qcomm.sync` (module docstring; every call is a
+  round).
+
+  Each process computes the gradient of its share of the batch on its own devices (the mean over
+  them: one row per process); then, among the processes alive, the holders of the newest state
+  run ``tx.update`` on those rows over their devices (the sync's allreduce averages the rows of
+  the replicas present, compressed by its codec) and hand the result to any restarted process.
+  A replica lost during the round costs that step its share of the batch: the mean is over the
+  others. ``replicas_per_sync`` holds the replicas averaged at each optimizer step. A restarted process
+  takes the parameters, the optimizer state (codec state and counters included) and the step
+  count from the lowest holder; its error-feedback residual starts at zero (it was the source's
+  own). With ``accum_steps`` k, the calls that only accumulate run on each process's devices, and
+  the round is the call that communicates: a replica lost inside a window loses its share of the
+  whole window, and a restarted one is admitted at a window's end.
+  """
+
+  ROUND = "step"
+  STATE_TYPE: Any = None
+  OWN_FIELDS = ("residual", "acc_grads")
+
+  def _rows(self, state: Any) -> tuple[str, np.ndarray]:
+    names = axis_names(self.axis_name)
+    name = names[0]
+    axis = self.mesh.axis_names.index(name)
+    return name, np.moveaxis(self.mesh.devices, axis, 0).reshape(self.mesh.devices.shape[axis], -1)
+
+  def _need_init(self, opt_state: Any) -> None:
+    if self._replica_axis is None or _sync_state(opt_state) is None:
+      raise ValueError("opt_state must come from this runner's init (dp.init(params))")
+
+  def _build_local(self) -> None:
+    self._grad_fn.cache_clear()
+    self._local_update_fn.cache_clear()
+
+  @functools.lru_cache(maxsize=None)
+  def _local_update_fn(self, spec: _SpecKey) -> Callable:
+    """``tx.update`` of this process's gradient on its own devices (an accumulating call)."""
+    tx, names = self.tx, axis_names(self.axis_name)
+
+    def update(params, state, grads):
+      from jax_qcomm.runners.data_parallel import apply_update  # (it imports this module)
+      grads = jax.tree_util.tree_map(lambda g: _compat.make_varying(g, frozenset(names)), grads)
+      return apply_update(tx, grads, state, params)
+
+    return jax.jit(jax.shard_map(update, mesh=self._local_mesh,
+                                 in_specs=(P(), spec.spec, P()), out_specs=(P(), spec.spec)))
+
+  def _local_init(self, params: Any) -> Any:
+    return self.local_runner(self.tx, self._local_mesh).init(params)
+
+  def init(self, params: Any) -> Any:
+    """This process's part of ``tx.init(params)``, on its own devices."""
+    layout.refuse_sharded(params, "elastic")
+    if self._replica_axis is None:
+      self._set_replica_axis(None)
+    state = self._local_init(params)
+    sync = _sync_state(state)
+    if sync is None or getattr(sync.config, "shard_state", False):
+      raise ValueError(
+          "elastic=True runs qcomm.diloco, or qcomm.sync with replicated state (one per process): "
+          "the state of shard_state=True / shard_params=True is split over the processes, and a "
+          "lost process would take its part with it")
+    self._sync_calls = 1
+    return state
+
+  def calls(self, opt_state: Any) -> int:
+    """Calls of ``step`` the group's state has seen (optimizer steps x accum_steps, plus the
+    calls of the current window)."""
+    sync = _sync_state(opt_state)
+    return int(sync.gradient_step) * sync.config.accum_steps + int(sync.mini_step)
+
+  def _rounds_of(self, opt_state: Any) -> int:
+    return int(_sync_state(opt_state).gradient_step)  # optimizer steps: one round each
+
+  def step(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
+           key: jax.Array | None = None) -> tuple[Any, Any, jax.Array, Any]:
+    """One step on this process's share of the batch, averaged over the processes alive. Returns
+    (params, opt_state, loss, aux): the loss and aux of this process's share."""
+    params, opt_state = self.join(params, opt_state)
+    mesh = self._local_mesh
+    names = axis_names(self.axis_name)
+    put = functools.partial(place, mesh=mesh)
+    batch_spec = P(names)
+    args = (put(params, P()), put(batch, batch_spec), put(extra, P()))
+    if key is not None:
+      args += (put(key, P()),)
+    grads, loss, aux = self._grad_fn(key is not None, len(extra))(*args)
+    sync = _sync_state(opt_state)
+    if int(sync.mini_step) + 1 < sync.config.accum_steps:
+      # A call that only accumulates: no collective, so no round; on this process's devices.
+      spec = self._spec(opt_state)
+      params, opt_state = self._local_update_fn(_SpecKey(spec))(
+          params, place(opt_state, spec, mesh), grads)
+      return params, opt_state, loss, aux
+    host = jax.device_get((loss, aux))
+    backend = self._backend
+    params, opt_state = self._synchronise(params, opt_state, grads)
+    if backend != self._backend:  # rebuilt: the loss and aux of before are gone
+      loss, aux = jax.tree_util.tree_map(jnp.asarray, host)
+    return params, opt_state, loss, aux
+
+  __call__ = step
+
+  @functools.lru_cache(maxsize=None)
+  def _grad_fn(self, with_key: bool, n_extra: int) -> Callable:
+    """The mean gradient, loss and aux of this process's share of the batch, over its devices."""
+    runner = self.local_runner(self.tx, self._local_mesh)
+    loss_fn, has_aux, names = runner.loss_fn, runner.has_aux, axis_names(self.axis_name)
+    axes = frozenset(names)
+
+    def grads_of(params, batch, extra, key=None):
+      kwargs = {}
+      if key is not None:
+        kwargs["key"] = jax.random.fold_in(key, lax.axis_index(names))
+      diff = jax.tree_util.tree_map(lambda p: _compat.make_varying(p, axes), params)
+      out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(diff, batch, *extra, **kwargs)
+      loss, aux = out if has_aux else (out, None)
+      return (jax.tree_util.tree_map(lambda g: lax.pmean(g, names), grads), lax.pmean(loss, names),
+              jax.tree_util.tree_map(lambda a: lax.pmean(a, names), aux))
+
+    in_specs = (P(), P(names), P()) + ((P(),) if with_key else ())
+    return jax.jit(jax.shard_map(grads_of, mesh=self._local_mesh, in_specs=in_specs,
+                                 out_specs=(P(), P(), P())))
+
+  @functools.lru_cache(maxsize=None)
+  def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
+    tx, names = self.tx, axis_names(self.axis_name)
+    name = self.mesh.axis_names[self._replica_axis]
+    inside = frozenset(n for n in names if n != name)
+
+    def update(params, state, rows):
+      grads = jax.tree_util.tree_map(lambda g: _compat.make_varying(g[0], inside), rows)
+      from jax_qcomm.runners.data_parallel import apply_update  # (it imports this module)
+      return apply_update(tx, grads, state, params)
+
+    return jax.jit(jax.shard_map(update, mesh=self._mesh_of(list(holders)),
+                                 in_specs=(P(), spec.spec, P(name)),
+                                 out_specs=(P(), spec.spec)))
+
+
+def _sync_state(opt_state: Any) -> Any:
+  """The qcomm.sync state in ``opt_state`` (None if there is none)."""
+  return next((s for s in find_states(opt_state) if hasattr(s, "gradient_step")), None)
