@@ -92,10 +92,12 @@ CELLS: dict[str, tuple[dict, dict]] = {
     **{f"fp32_h{h}_k{k}_avg": ({"bits": 32}, {"every": h, "replicas": k, **AVERAGING})
        for k, h in ((2, 30), (4, 10), (4, 30), (8, 10), (8, 30))},
     "fp32_h30_avg_seed1": ({"bits": 32, "seed": 1}, {"every": 30, **AVERAGING}),
-    # Which part of SparseLoCo matters (K = 2, H = 30): no decay, density 1/32, 1/16 and 1/4,
-    # 8-bit values, outer lr 0.8, and TopK(0.02) with the earlier default outer (Nesterov 1.0,
-    # 0.5).
+    # Which part of SparseLoCo matters (K = 2, H = 30): the decay (1.0, 0.8, 0.5, 0), density
+    # 1/32, 1/16 and 1/4, 8-bit values, outer lr 0.8, and TopK(0.02) with the earlier default
+    # outer (Nesterov 1.0, 0.5).
     "slc_h30_k2_nodecay": (SPARSELOCO, {"every": 30, **SPARSELOCO_OUTER, "outer_momentum": 1.0}),
+    **{f"slc_h30_k2_b{b}": (SPARSELOCO, {"every": 30, **SPARSELOCO_OUTER, "outer_momentum": b})
+       for b in (0.8, 0.5, 0.0)},
     **{f"slc_h30_k2_d{d}": ({**SPARSELOCO, "topk": 1 / d}, {"every": 30, **SPARSELOCO_OUTER})
        for d in (32, 16, 4)},
     "slc_h30_k2_8bit": ({**SPARSELOCO, "bits": 8}, {"every": 30, **SPARSELOCO_OUTER}),
@@ -199,6 +201,9 @@ SLC_BEGIN, SLC_END = "<!-- sparseloco-table -->", "<!-- /sparseloco-table -->"
 #: The ablation cells (K = 2, H = 30) and what each changes from SparseLoCo's defaults.
 ABLATIONS = {
     "slc_h30_k2_nodecay": "no decay (beta 1.0)",
+    "slc_h30_k2_b0.8": "beta 0.8",
+    "slc_h30_k2_b0.5": "beta 0.5",
+    "slc_h30_k2_b0.0": "beta 0 (what is not sent is dropped)",
     "slc_h30_k2_lr0.8": "outer lr 0.8",
     "slc_h30_k2_8bit": "8-bit values",
     "slc_h30_k2_d32": "density 1/32",

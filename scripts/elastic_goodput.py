@@ -1,16 +1,19 @@
-"""Goodput of elastic DiLoCo on the simulated cluster: useful inner steps per second with a node
-process killed every few minutes, against the same run with no failure.
+"""Goodput of elastic training on the simulated cluster: useful steps per second with node
+processes killed every few minutes, against the same run with no failure.
 
-    python scripts/elastic_goodput.py run --kind clean     # one run each; resumable by kind
-    python scripts/elastic_goodput.py run --kind kill --every-s 120
+    python scripts/elastic_goodput.py run --kind clean [--method ddp]  # resumable by run
+    python scripts/elastic_goodput.py run --kind kill --every-s 120 [--method ddp]
+    python scripts/elastic_goodput.py run --kind kill2 --every-s 120 [--method ddp]
     python scripts/elastic_goodput.py table
 
 Each run is ``python -m jax_qcomm.tools.cluster --elastic`` (3 nodes sharing the machine's cores,
-10 Mbit/s links) of ``training.lm_slow_link --method=diloco`` with 4-bit synchronisations every
-20 steps. The kill run sends SIGKILL to node 1, then 2, then 0, ... every ``--every-s`` seconds
-after the first evaluation; the launcher restarts each. Useful inner steps: for every
-synchronisation, the replicas averaged times the calls between synchronisations (the work that
-reached the anchor); per second of the run's wall time (start-up included in both runs).
+10 Mbit/s links) of ``training.lm_slow_link``: ``--method=diloco`` with 4-bit synchronisations
+every 20 steps (4000 steps), or ``--method=ddp``, a 4-bit ``qcomm.sync`` every step (1500 steps).
+``kill`` sends SIGKILL to node 1, then 2, then 0, ... every ``--every-s`` seconds after the first
+evaluation; ``kill2`` kills two nodes at once each time (1 and 2, then 2 and 0, ...); the launcher
+restarts each. Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the
+replicas averaged times the calls it covers (the work that reached the parameters); per second of
+the run's wall time (start-up included in every run).
 """
 
 from __future__ import annotations
@@ -27,16 +30,22 @@ import threading
 import time
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "notebooks", "data", "elastic_goodput")
-NODES, RATE, EVERY, STEPS = 3, "10mbit", 20, 4000
+NODES, RATE, EVERY = 3, "10mbit", 20
+STEPS = {"diloco": 4000, "ddp": 1500}
+KINDS = ("clean", "kill", "kill2")
 
 
-def _command(out_json: str) -> list[str]:
+def _command(out_json: str, method: str) -> list[str]:
   return [sys.executable, "-m", "jax_qcomm.tools.cluster", "--nodes", str(NODES), "--rate", RATE,
           "--local-devices", "1", "--elastic", "--max-restarts", "10", "--timeout", "1800",
           "--out", out_json, "--", "-m", "training.lm_slow_link", "--config=configs/lm_bytes.py",
-          "--method=diloco", "--config.bits=4", f"--config.num_devices={NODES}",
+          f"--method={method}", "--config.bits=4", f"--config.num_devices={NODES}",
           "--config.batch_size=24", "--config.num_val_windows=192",
-          f"--config.num_steps={STEPS}", f"--every={EVERY}", "--eval_every=500"]
+          f"--config.num_steps={STEPS[method]}", f"--every={EVERY}", "--eval_every=500"]
+
+
+def _name(method: str, kind: str) -> str:
+  return kind if method == "diloco" else f"{method}_{kind}"
 
 
 def _node_pid(rank: int) -> int | None:
@@ -58,20 +67,21 @@ def _node_pid(rank: int) -> int | None:
   return None
 
 
-def run(kind: str, every_s: float) -> None:
+def run(kind: str, every_s: float, method: str = "diloco") -> None:
   os.makedirs(OUT, exist_ok=True)
-  path = os.path.join(OUT, f"{kind}.json")
+  name = _name(method, kind)
+  path = os.path.join(OUT, f"{name}.json")
   if os.path.exists(path):
     print(f"{path} exists; skipping")
     return
-  result_json = os.path.join(OUT, f"{kind}.result.json")
-  log_path = os.path.join(OUT, f"{kind}.log")
+  result_json = os.path.join(OUT, f"{name}.result.json")
+  log_path = os.path.join(OUT, f"{name}.log")
   kills: list[dict] = []
   load_before = os.getloadavg()
   t0 = time.monotonic()
   with open(log_path, "w") as log:
-    proc = subprocess.Popen(_command(result_json), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(_command(result_json, method), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     evaluated = threading.Event()
 
     def pump():
@@ -82,28 +92,33 @@ def run(kind: str, every_s: float) -> None:
           evaluated.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    if kind == "kill":
+    if kind != "clean":
       evaluated.wait()
       rank = 1
       while proc.poll() is None:
         deadline = time.monotonic() + every_s
         while proc.poll() is None and time.monotonic() < deadline:
           time.sleep(0.5)
-        pid = _node_pid(rank) if proc.poll() is None else None
-        if pid is not None:
-          os.kill(pid, signal.SIGKILL)
-          kills.append({"rank": rank, "pid": pid, "t_s": time.monotonic() - t0})
-          rank = (rank + 1) % NODES
+        ranks = [rank, (rank + 1) % NODES] if kind == "kill2" else [rank]
+        pids = {r: _node_pid(r) for r in ranks} if proc.poll() is None else {}
+        for r, pid in pids.items():
+          if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            kills.append({"rank": r, "pid": pid, "t_s": time.monotonic() - t0})
+        rank = (rank + 1) % NODES
     proc.wait()
   wall = time.monotonic() - t0
   with open(result_json) as f:
     result = json.load(f)
   record = {
-      "kind": kind, "wall_s": wall, "exit": proc.returncode, "kills": kills,
-      "every_s": every_s if kind == "kill" else None,
-      "replicas_per_sync": result["replicas_per_sync"], "val_loss": result["val_loss"],
-      "calls_per_sync": EVERY * result["accum_steps"], "train_s": result["train_s"],
-      "command": " ".join(_command("OUT.json")), "load_before": load_before,
+      "kind": kind, "method": method, "wall_s": wall, "exit": proc.returncode, "kills": kills,
+      "every_s": every_s if kind != "clean" else None,
+      # the replicas averaged at each synchronisation (diloco) or optimizer step (ddp)
+      "replicas_per_sync": result["replicas_per_sync"] or result["replicas_per_step"],
+      "val_loss": result["val_loss"], "stall_s": result.get("stall_s"),
+      "calls_per_sync": (EVERY if method == "diloco" else 1) * result["accum_steps"],
+      "train_s": result["train_s"],
+      "command": " ".join(_command("OUT.json", method)), "load_before": load_before,
       "load_after": os.getloadavg(), "cpu": platform.processor() or _cpu(),
       "python": platform.python_version(), "date": datetime.date.today().isoformat(),
   }
@@ -121,23 +136,25 @@ def _cpu() -> str:
 
 
 def table() -> None:
-  rows = {}
-  for kind in ("clean", "kill"):
-    path = os.path.join(OUT, f"{kind}.json")
-    if os.path.exists(path):
+  print("| method | run | kills | exit | rounds with fewer replicas | useful steps / s | goodput "
+        "| survivors' stall s (process 0) | final val loss | wall s |")
+  print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+  for method in STEPS:
+    base = None
+    for kind in KINDS:
+      path = os.path.join(OUT, f"{_name(method, kind)}.json")
+      if not os.path.exists(path):
+        continue
       with open(path) as f:
-        rows[kind] = json.load(f)
-  base = None
-  print("| run | kills | exit | syncs with fewer replicas | useful inner steps / s | goodput | "
-        "final val loss | wall s |")
-  print("|---|--:|--:|--:|--:|--:|--:|--:|")
-  for kind, r in rows.items():
-    useful = sum(r["replicas_per_sync"]) * r["calls_per_sync"] / r["wall_s"]
-    base = useful if kind == "clean" else base
-    short = sum(1 for x in r["replicas_per_sync"] if x < NODES)
-    good = f"{useful / base:.1%}" if base else "-"
-    print(f"| {kind} | {len(r['kills'])} | {r['exit']} | {short} | {useful:.1f} | {good} | "
-          f"{r['val_loss']:.4f} | {r['wall_s']:.0f} |")
+        r = json.load(f)
+      useful = sum(r["replicas_per_sync"]) * r["calls_per_sync"] / r["wall_s"]
+      base = useful if kind == "clean" else base
+      short = sum(1 for x in r["replicas_per_sync"] if x < NODES)
+      good = f"{useful / base:.1%}" if base else "-"
+      stall = "-" if r.get("stall_s") is None else f"{r['stall_s']:.1f}"
+      print(f"| {method} | {kind} | {len(r['kills'])} | {r['exit']} | {short} of "
+            f"{len(r['replicas_per_sync'])} | {useful:.1f} | {good} | {stall} "
+            f"| {r['val_loss']:.4f} | {r['wall_s']:.0f} |")
 
 
 def main() -> None:
@@ -145,12 +162,13 @@ def main() -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="cmd", required=True)
   r = sub.add_parser("run")
-  r.add_argument("--kind", choices=("clean", "kill"), required=True)
+  r.add_argument("--kind", choices=KINDS, required=True)
   r.add_argument("--every-s", type=float, default=120.0)
+  r.add_argument("--method", choices=tuple(STEPS), default="diloco")
   sub.add_parser("table")
   args = parser.parse_args()
   if args.cmd == "run":
-    run(args.kind, args.every_s)
+    run(args.kind, args.every_s, args.method)
   else:
     table()
 

@@ -43,7 +43,11 @@ OUTERS = {
     "n1.0m0.5": (1.0, 0.5),
     "n0.3m0.9": (0.3, 0.9),
     "n0.7m0.9": (0.7, 0.9),
+    "slc0.95": (1.0, 0.0),
 }
+#: Outers that decay the error-feedback residual (``qcomm.diloco(residual_decay=)``): SparseLoCo's
+#: rule, plain SGD with the decayed residual in place of the momentum (the TopK task only).
+DECAYS = {"slc0.95": 0.95}
 CELLS = {f"k{k}_h{h}_{o}": (k, h, o) for k in KS for h in HS for o in OUTERS}
 
 
@@ -89,8 +93,12 @@ def run_mlp(k: int, h: int, outer: str, seed: int = 0, steps: int = 600,
   inner = qcomm.sync(optax.adamw(3e-3, weight_decay=1e-4), axis_name="gpu",
                      codec=qcomm.NoCompression())
   codec = qcomm.TopK(0.02, bits=2) if topk else qcomm.NoCompression()
+  decay = DECAYS.get(outer)
+  if decay is not None and not topk:
+    raise SystemExit(f"outer {outer} decays the error-feedback residual: --task mlp-topk only")
   tx = qcomm.diloco(inner, axis_name="node", every=h, codec=codec, error_feedback=topk,
-                    outer=optax.sgd(lr, momentum=m or None, nesterov=bool(m)))
+                    outer=optax.sgd(lr, momentum=m or None, nesterov=bool(m)),
+                    residual_decay=decay)
   dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name=("node", "gpu"))
   params = init(jax.random.key(seed))
   state = dp.init(params)
@@ -139,7 +147,7 @@ def table(task: str) -> str:
   """Per (K, H): every outer optimizer's loss as its gap to that cell's best, and the worst gap
   of each optimizer over the cells run."""
   rows = done(task)
-  outers = list(OUTERS)
+  outers = [o for o in OUTERS if any(r.get("outer") == o for r in rows.values())]
   lines = ["| K | H | " + " | ".join(f"{o} ({adjusted(o):g})" for o in outers) + " |",
            "|--:|--:|" + "--:|" * len(outers)]
   worst = {o: None for o in outers}

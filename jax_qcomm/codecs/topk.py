@@ -46,8 +46,8 @@ class TopK(Codec):
   ``ceil(log2(c))`` bits each (12 for a chunk of 4096), ``k * bits / 8`` bytes of codes (``bits``
   1: the sign; otherwise ``2**bits`` levels evenly from ``-scale`` to ``scale``), positions and
   codes each packed little-endian into bytes. At ``fraction=1/64, bits=2`` (SparseLoCo's
-  setting, :func:`qcomm.diloco` ``outer="sparseloco"``) that is 116 bytes per 4096 values, 18x
-  fewer than ``QSGD(4)``; at ``fraction=0.02`` (k = 88), 160 bytes.
+  setting, :func:`qcomm.diloco` ``outer="sparseloco"``) that is 116 bytes per 4096 values, 19.9x
+  fewer than ``QSGD(4)``; at ``fraction=0.02`` (k = 88), 158 bytes.
   A buffer (the leaves packed, each padded to a multiple of 8 values) is cut into chunks; the
   last one may be shorter and has its own ``k`` (at least 8 values), so a small leaf costs a few
   dozen bytes, not a whole chunk. A chunk holding a NaN or an infinity decodes to NaN everywhere

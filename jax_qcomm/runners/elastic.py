@@ -533,6 +533,12 @@ class ElasticSyncDataParallel(ElasticDataParallel):
           "elastic=True runs qcomm.diloco, or qcomm.sync with replicated state (one per process): "
           "the state of shard_state=True / shard_params=True is split over the processes, and a "
           "lost process would take its part with it")
+    name = self.mesh.axis_names[self._replica_axis]
+    if name not in axis_names(sync.config.axis_name):
+      raise ValueError(
+          f"elastic=True with qcomm.sync: the sync must average over the process axis {name!r} "
+          f"(the first of data_parallel's axis_name), got axis_name="
+          f"{sync.config.axis_name!r}")
     self._sync_calls = 1
     return state
 
