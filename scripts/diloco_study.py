@@ -93,14 +93,16 @@ CELLS: dict[str, tuple[dict, dict]] = {
        for k, h in ((2, 30), (4, 10), (4, 30), (8, 10), (8, 30))},
     "fp32_h30_avg_seed1": ({"bits": 32, "seed": 1}, {"every": 30, **AVERAGING}),
     # Which part of SparseLoCo matters (K = 2, H = 30): the decay (1.0, 0.8, 0.5, 0), density
-    # 1/32, 1/16 and 1/4, 8-bit values, outer lr 0.8, and TopK(0.02) with the earlier default
-    # outer (Nesterov 1.0, 0.5).
+    # 1/32, 1/16 and 1/4, 8-bit values, small and 1-D leaves exact, outer lr 0.8, and TopK(0.02)
+    # with the earlier default outer (Nesterov 1.0, 0.5).
     "slc_h30_k2_nodecay": (SPARSELOCO, {"every": 30, **SPARSELOCO_OUTER, "outer_momentum": 1.0}),
     **{f"slc_h30_k2_b{b}": (SPARSELOCO, {"every": 30, **SPARSELOCO_OUTER, "outer_momentum": b})
        for b in (0.8, 0.5, 0.0)},
     **{f"slc_h30_k2_d{d}": ({**SPARSELOCO, "topk": 1 / d}, {"every": 30, **SPARSELOCO_OUTER})
        for d in (32, 16, 4)},
     "slc_h30_k2_8bit": ({**SPARSELOCO, "bits": 8}, {"every": 30, **SPARSELOCO_OUTER}),
+    "slc_h30_k2_exact_small": ({**SPARSELOCO, "min_size": 1024, "compress_1d": False},
+                               {"every": 30, **SPARSELOCO_OUTER}),
     "slc_h30_k2_lr0.8": (SPARSELOCO, {"every": 30, **SPARSELOCO_OUTER, "outer_lr": 0.8}),
     "topk2_ef_h30_default": ({"bits": 2, "topk": 0.02, "error_feedback": True},
                              {"every": 30, "outer_lr": 1.0, "outer_momentum": 0.5}),
@@ -206,6 +208,7 @@ ABLATIONS = {
     "slc_h30_k2_b0.0": "beta 0 (what is not sent is dropped)",
     "slc_h30_k2_lr0.8": "outer lr 0.8",
     "slc_h30_k2_8bit": "8-bit values",
+    "slc_h30_k2_exact_small": "small and 1-D leaves exact",
     "slc_h30_k2_d32": "density 1/32",
     "slc_h30_k2_d16": "density 1/16",
     "slc_h30_k2_d4": "density 1/4",

@@ -210,9 +210,9 @@ def add_cluster_options(parser: argparse.ArgumentParser, nodes: int = 4) -> None
                       help="the launcher's malloc mode for the node processes (default: reuse; "
                            "glibc: no MALLOC_* variables, as under a launcher of the user's own)")
   parser.add_argument("--elastic", action="store_true",
-                      help="an elastic run: the coordination service as a process of its own in "
-                           "node 0's namespace, and a node process that dies restarted with its "
-                           "rank (launch --elastic)")
+                      help="an elastic run: a node process that dies is restarted with its rank "
+                           "(launch --elastic; the coordination service is a process of its own "
+                           "in node 0's namespace in every run)")
   parser.add_argument("--max-restarts", type=int, default=None,
                       help="--elastic: restarts per node process (default: the launcher's)")
 
@@ -594,13 +594,14 @@ class Session:
     # Ctrl-C (returns 130); run_in_cluster tears the cluster down in every case.
     cpus = ",".join(str(c) for c in self.cpus) if self.cpus else ""
     elastic = bool(getattr(args, "elastic", False))
-    service = None
-    if elastic:  # reachable from the nodes only inside a namespace: node 0's
-      service = subprocess.Popen(
-          [self.ip, "netns", "exec", cluster.tag + "n0", sys.executable, "-m",
-           "jax_qcomm.tools.coordinator", "-n", str(args.nodes), "--port", str(args.port)],
-          stdout=subprocess.PIPE, text=True)
-      service.stdout.readline()  # "coordination service for N workers on ..."
+    # The coordination service as a process of its own (launch's, in the recoverability mode, so
+    # that node 0's death is an ordinary loss), reachable from the nodes only inside a namespace:
+    # node 0's.
+    service = subprocess.Popen(
+        [self.ip, "netns", "exec", cluster.tag + "n0", sys.executable, "-m",
+         "jax_qcomm.tools.coordinator", "-n", str(args.nodes), "--port", str(args.port)],
+        stdout=subprocess.PIPE, text=True)
+    service.stdout.readline()  # "coordination service for N workers on ..."
     try:
       status = launch.launch(
           ["-c", _NODE_STUB, self.ip, cluster.tag, cpus, exe, *argv], args.nodes,
@@ -610,9 +611,8 @@ class Session:
           elastic=elastic, max_restarts=getattr(args, "max_restarts", None) if elastic else None,
           service=False)
     finally:
-      if service is not None:
-        service.terminate()
-        service.wait(timeout=30)
+      service.terminate()
+      service.wait(timeout=30)
     record.update(wall_s=time.monotonic() - start, exit_status=status,
                   load_average_after=list(os.getloadavg()))
     self.meta.setdefault("runs", []).append(record)
