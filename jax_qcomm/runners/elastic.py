@@ -171,6 +171,8 @@ class ElasticDataParallel:
 
   #: State fields a receiver does not take from the source but starts at zero.
   OWN_FIELDS = ("residual",)
+  #: What one round is called in the log lines.
+  ROUND = "synchronisation"
 
   @property
   def replicas_per_sync(self) -> list[int]:
@@ -178,9 +180,6 @@ class ElasticDataParallel:
     return [replicas for count, replicas in self._history for _ in range(count)]
 
   # -- meshes ---------------------------------------------------------------------------------------
-  #: What one round is called in the log lines and errors.
-  ROUND = "synchronisation"
-
   def _rows(self, state: Any) -> tuple[str, np.ndarray]:
     """The replica axis's name and the mesh's devices as rows, one per replica."""
     return replica_rows(state, self.mesh, "elastic=True")
