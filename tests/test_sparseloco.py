@@ -134,7 +134,7 @@ def test_sparseloco_is_one_argument_with_the_published_defaults():
   with pytest.raises(ValueError, match=r"residual_decay must be in \[0, 1\]"):
     qcomm.diloco(optax.adam(1e-3), axis_name=AX, every=10, outer="sparseloco",
                  residual_decay=1.5)
-  with pytest.raises(ValueError, match="residual_decay=0.9 .*needs error_feedback"):
+  with pytest.raises(ValueError, match="residual_decay=0.9 .*must come with error_feedback"):
     qcomm.diloco(optax.adam(1e-3), axis_name=AX, every=10, codec=qcomm.QSGD(4),
                  residual_decay=0.9)
 

@@ -39,7 +39,7 @@ from jax_qcomm.runners.overlap import OverlappedDataParallel
 from jax_qcomm.collectives.shard_layout import MODEL_AXES
 from jax_qcomm.collectives import sharded_params
 from jax_qcomm.transforms import layout, param_shards
-from jax_qcomm.transforms.specs import (_SpecKey, checked_spec, communicated, device_spec,
+from jax_qcomm.transforms.specs import (_SpecKey, apply_update, checked_spec, device_spec,
                                         local_params, place, replica_axes)
 
 AUX_REDUCTIONS = ("mean", "sum", "stack", "concat")
@@ -290,19 +290,6 @@ def _shard_errors(where: str):
         f"(QSGD, Summable, Cast, Wire16, NoCompression, TopK) and element-wise optimizers with "
         f"model-sharded parameters. jax said: "
         f"{text[:2000]}") from e
-
-
-def apply_update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
-                 params: Any) -> tuple[Any, Any]:
-  """``tx.update`` then ``optax.apply_updates``, the updates applied only on calls where every
-  qcomm transformation communicated (:func:`jax_qcomm.transforms.specs.communicated`), so that a
-  transformation chained after an accumulating sync acts once per optimizer step."""
-  updates, opt_state = tx.update(grads, opt_state, params)
-  new = optax.apply_updates(params, updates)
-  gate = communicated(opt_state)
-  if gate is not None:
-    new = jax.tree_util.tree_map(lambda n, p: jnp.where(gate, n, p), new, params)
-  return new, opt_state
 
 
 def local_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, names: tuple,

@@ -57,7 +57,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jax_qcomm import _compat
 from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, replica_rows
 from jax_qcomm.transforms import layout
-from jax_qcomm.transforms.specs import _SpecKey, checked_spec, find_states, is_state, place
+from jax_qcomm.transforms.specs import (_SpecKey, apply_update, checked_spec, find_states,
+                                        is_state, place)
 from jax_qcomm.transport.axes import axis_names
 
 #: Seconds to wait for a coordination-service key that every process of a round wrote before the
@@ -510,7 +511,6 @@ class ElasticSyncDataParallel(ElasticDataParallel):
     tx, names = self.tx, axis_names(self.axis_name)
 
     def update(params, state, grads):
-      from jax_qcomm.runners.data_parallel import apply_update  # (it imports this module)
       grads = jax.tree_util.tree_map(lambda g: _compat.make_varying(g, frozenset(names)), grads)
       return apply_update(tx, grads, state, params)
 
@@ -608,7 +608,6 @@ class ElasticSyncDataParallel(ElasticDataParallel):
 
     def update(params, state, rows):
       grads = jax.tree_util.tree_map(lambda g: _compat.make_varying(g[0], inside), rows)
-      from jax_qcomm.runners.data_parallel import apply_update  # (it imports this module)
       return apply_update(tx, grads, state, params)
 
     return jax.jit(jax.shard_map(update, mesh=self._mesh_of(list(holders)),

@@ -428,14 +428,16 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
       codes = [p.poll() for p in procs]
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
       if elastic and failed and 0 not in codes:
+        exhausted = []  # a process that dies meanwhile is seen at the next poll
         for rank, code in failed:
           if restarts[rank] < max_restarts:
             restarts[rank] += 1
             report(f"process {rank} lost ({describe_status(code)}); restarting it with rank "
                    f"{rank} (restart {restarts[rank]} of {max_restarts})")
             procs[rank] = spawn(rank)
-        codes = [p.poll() for p in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+          else:
+            exhausted.append((rank, code))
+        failed = exhausted
       if failed:
         # A process killed by a signal is lost: with the service hosted here, the survivors name
         # it and exit by themselves. One that exited with an error is stopped with the others.

@@ -286,8 +286,8 @@ def diloco(inner: optax.GradientTransformation, *, axis_name: AxisName, every: i
     if not 0 <= residual_decay <= 1:
       raise ValueError(f"residual_decay must be in [0, 1], got {residual_decay!r}")
     if residual_decay != 1 and not error_feedback:
-      raise ValueError(f"residual_decay={residual_decay!r} decays the error-feedback residual: "
-                       f"it needs error_feedback=True (or a codec that wants it)")
+      raise ValueError(f"residual_decay={residual_decay!r} decays the error-feedback residual, "
+                       f"so it must come with error_feedback=True (or a codec that wants it)")
   if isinstance(delay, bool) or delay not in DELAYS:
     raise ValueError(f"delay must be one of {DELAYS}, got {delay!r}")
   if delay and fragments > 1:

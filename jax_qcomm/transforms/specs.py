@@ -290,6 +290,19 @@ def communicated(opt_state: Any) -> jax.Array | None:
   return jnp.all(jnp.stack(flags))
 
 
+
+def apply_update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
+                 params: Any) -> tuple[Any, Any]:
+  """``tx.update`` then ``optax.apply_updates``, the updates applied only on calls where every
+  qcomm transformation communicated (:func:`jax_qcomm.transforms.specs.communicated`), so that a
+  transformation chained after an accumulating sync acts once per optimizer step."""
+  updates, opt_state = tx.update(grads, opt_state, params)
+  new = optax.apply_updates(params, updates)
+  gate = communicated(opt_state)
+  if gate is not None:
+    new = jax.tree_util.tree_map(lambda n, p: jnp.where(gate, n, p), new, params)
+  return new, opt_state
+
 def local_params(opt_state: Any, params: Any) -> Any:
   """The parameters this device takes its gradient at, inside the step: for a
   :func:`qcomm.diloco` state in ``opt_state``, this replica's own parameters (which move between
