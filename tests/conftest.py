@@ -52,8 +52,9 @@ def _cuda_available() -> bool:
 #: scripts/test.sh runs the suite on two pytest-xdist workers, a file at a time (--dist loadfile);
 #: handing out the longest files first lets the two finish together instead of one worker starting
 #: test_train.py when the other is nearly done. Only the order changes; every test still runs.
-HEAVY_FIRST = ("test_train.py", "test_lm.py", "test_multiprocess.py", "test_notebooks.py",
-               "test_docs.py", "test_integration.py")
+HEAVY_FIRST = ("test_train.py", "test_lm.py", "test_multiprocess.py", "test_elastic.py",
+               "test_notebooks.py", "test_elastic_sync.py", "test_faults.py", "test_docs.py",
+               "test_integration.py")
 
 
 def pytest_collection_modifyitems(config, items):
