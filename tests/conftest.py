@@ -48,12 +48,13 @@ def _cuda_available() -> bool:
     return False
 
 
-#: The files that take longest (minutes: trainer compiles, notebooks, process launches), run first.
+#: The files that take longest (minutes: trainer compiles, notebooks, process launches), run first;
+#: the elastic ones, which mostly wait on their processes, first of all, beside the compiles.
 #: scripts/test.sh runs the suite on two pytest-xdist workers, a file at a time (--dist loadfile);
 #: handing out the longest files first lets the two finish together instead of one worker starting
 #: test_train.py when the other is nearly done. Only the order changes; every test still runs.
-HEAVY_FIRST = ("test_train.py", "test_lm.py", "test_multiprocess.py", "test_elastic.py",
-               "test_notebooks.py", "test_elastic_sync.py", "test_faults.py", "test_docs.py",
+HEAVY_FIRST = ("test_elastic_sync.py", "test_train.py", "test_elastic.py", "test_lm.py",
+               "test_multiprocess.py", "test_notebooks.py", "test_faults.py", "test_docs.py",
                "test_integration.py")
 
 
