@@ -508,14 +508,8 @@ class ElasticSyncDataParallel(ElasticDataParallel):
   @functools.lru_cache(maxsize=None)
   def _local_update_fn(self, spec: _SpecKey) -> Callable:
     """``tx.update`` of this process's gradient on its own devices (an accumulating call)."""
-    tx, names = self.tx, axis_names(self.axis_name)
-
-    def update(params, state, grads):
-      grads = jax.tree_util.tree_map(lambda g: _compat.make_varying(g, frozenset(names)), grads)
-      return apply_update(tx, grads, state, params)
-
-    return jax.jit(jax.shard_map(update, mesh=self._local_mesh,
-                                 in_specs=(P(), spec.spec, P()), out_specs=(P(), spec.spec)))
+    return _update_program(self.tx, self._local_mesh, spec.spec, P(),
+                           frozenset(axis_names(self.axis_name)), rows=False)
 
   def _local_init(self, params: Any) -> Any:
     return self.local_runner(self.tx, self._local_mesh).init(params)
@@ -602,17 +596,24 @@ class ElasticSyncDataParallel(ElasticDataParallel):
 
   @functools.lru_cache(maxsize=None)
   def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
-    tx, names = self.tx, axis_names(self.axis_name)
     name = self.mesh.axis_names[self._replica_axis]
-    inside = frozenset(n for n in names if n != name)
+    inside = frozenset(n for n in axis_names(self.axis_name) if n != name)
+    return _update_program(self.tx, self._mesh_of(list(holders)), spec.spec, P(name), inside,
+                           rows=True)
 
-    def update(params, state, rows):
-      grads = jax.tree_util.tree_map(lambda g: _compat.make_varying(g[0], inside), rows)
-      return apply_update(tx, grads, state, params)
 
-    return jax.jit(jax.shard_map(update, mesh=self._mesh_of(list(holders)),
-                                 in_specs=(P(), spec.spec, P(name)),
-                                 out_specs=(P(), spec.spec)))
+def _update_program(tx: Any, mesh: Mesh, state_spec: Any, grads_spec: P, varying: frozenset,
+                    rows: bool) -> Callable:
+  """``tx.update`` and the update applied, as one program over ``mesh``: the gradient (with
+  ``rows``, a leading row per process, ``grads_spec`` splitting them) made varying over the axes
+  ``varying``, so that the sync's allreduce averages it."""
+  def update(params, state, grads):
+    grads = jax.tree_util.tree_map(
+        lambda g: _compat.make_varying(g[0] if rows else g, varying), grads)
+    return apply_update(tx, grads, state, params)
+
+  return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), state_spec, grads_spec),
+                               out_specs=(P(), state_spec)))
 
 
 def _sync_state(opt_state: Any) -> Any:
