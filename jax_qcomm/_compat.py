@@ -270,3 +270,46 @@ def reset_cpu_backend() -> None:
   arrays made before are invalid; the next use builds a new CPU client, with new gloo
   communicators."""
   jex_backend.clear_backends()
+
+
+def cache_compiled_programs_per_process(process_id: int) -> str | None:
+  """Keeps this process's compiled programs in jax's persistent compilation cache, so that they
+  outlive :func:`reset_cpu_backend` and a restart of the process; returns the directory (None if
+  the user turned jax's cache off, ``jax_enable_compilation_cache=False``).
+
+  The directory is ``<base>/process-<process_id>``: ``<base>`` is ``jax_compilation_cache_dir``
+  if the user set one, else ``$XDG_CACHE_HOME/jax_qcomm/compilation`` (``~/.cache`` without it).
+  Entries are cached whatever their compile time (``jax_persistent_cache_min_compile_time_secs``
+  0, unless the user changed it from jax's default). jax writes entries from process 0 only
+  (``jax._src.compiler._cache_write``, private): each process here writes its own directory.
+  """
+  import os  # noqa: PLC0415
+  import warnings  # noqa: PLC0415
+
+  from jax._src import compilation_cache, compiler  # noqa: PLC0415
+
+  if not jax.config.jax_enable_compilation_cache:
+    return None
+  base = jax.config.jax_compilation_cache_dir or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_qcomm",
+      "compilation")
+  if os.path.basename(base) == f"process-{process_id}":
+    base = os.path.dirname(base)  # initialised before in this process
+  directory = os.path.join(base, f"process-{int(process_id)}")
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  if jax.config.jax_persistent_cache_min_compile_time_secs == 1.0:  # jax's default
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+  def write(cache_key, compile_time_secs, module_name, backend, executable):
+    if compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
+      return
+    try:
+      compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                int(compile_time_secs))
+    except Exception as e:  # noqa: BLE001  (as jax's own writer: a failed write is a warning)
+      warnings.warn(f"jax_qcomm: writing the compilation cache entry of {module_name!r} to "
+                    f"{directory}: {type(e).__name__}: {e}")
+
+  compiler._cache_write = write
+  return directory

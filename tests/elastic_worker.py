@@ -62,7 +62,7 @@ if NNX:
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   ndp = qcomm.nnx_data_parallel(lambda m, b: loss_fn({"w": m.w[...], "b": m.b[...]}, b), mesh,
                                 axis_name="node", elastic=True)
-  ndp.join(model, opt)
+  ndp.join(model, opt, batch(0))
   dp = ndp.runner
   calls = lambda: ndp.calls(opt)  # noqa: E731
   current = lambda: (nnx.as_pure(nnx.state(model, nnx.Param)),  # noqa: E731
@@ -75,7 +75,7 @@ else:
   dp = qcomm.data_parallel(loss_fn, tx, mesh, axis_name="node", elastic=True)
   params = {"w": np.zeros((DIM,), np.float32), "b": np.zeros((), np.float32)}
   state = dp.init(params)
-  params, state = dp.join(params, state)
+  params, state = dp.join(params, state, batch(0))
   calls = lambda: dp.calls(state)  # noqa: E731
   current = lambda: (params, state)  # noqa: E731
 
@@ -86,7 +86,7 @@ log = open(os.path.join(out, f"rank{rank}.jsonl"), "a")
 
 
 def record(**kw):
-  log.write(json.dumps(dict(rank=rank, pid=os.getpid(), **kw)) + "\n")
+  log.write(json.dumps(dict(rank=rank, pid=os.getpid(), t=time.time(), **kw)) + "\n")
   log.flush()
 
 

@@ -140,7 +140,10 @@ def run(config, *, method: str, every: int, outer_lr: float | None = None,
     evaluate = lambda p: float(eval_local(p, val)) / val_bytes  # noqa: E731
     rows = config.batch_size // jax.process_count()
     batch_of = lambda w: w[jax.process_index() * rows:(jax.process_index() + 1) * rows]  # noqa: E731
-    params, state = dp.join(params, state)  # a restarted process: the group's anchor and state
+    # A restarted process compiles its step on a batch of the step's shape, then takes the
+    # group's anchor and state.
+    example = lm.train_windows(corpus.train, config.seed, 0, config.batch_size, config.seq_len)
+    params, state = dp.join(params, state, batch_of(example))
   else:
     eval_step = lm.make_eval_step(graphdef, mesh, (NODE, lm.AXIS))
     val = _batch(mesh, val)

@@ -42,6 +42,7 @@ import functools
 import hashlib
 import json
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -67,13 +68,32 @@ KEY_TIMEOUT_S = 60
 #: Coordination-service key under which the group records that it has trained (a process that
 #: finds no holder of the state after that raises instead of starting over).
 STARTED_KEY = "qcomm/elastic/started"
+#: Key directory where a restarted process announces, under its index, the incarnation that is
+#: ready to be admitted (its programs compiled).
+READY_DIR = "qcomm/elastic/ready/"
+#: Key directory where the group writes, under ``<index>/<incarnation>``, the live set that admits
+#: a ready process at the next round.
+ADMIT_DIR = "qcomm/elastic/admit/"
+#: Seconds a ready process waits to be admitted before it gives up with an error.
+ADMIT_TIMEOUT_S = 3600
 
 
-def before_backend(client: Any, process_id: int) -> None:
-  """Called when a process has joined an elastic run, before it builds a backend: a process 0
-  restarted into a group that has trained deletes the CPU topology its first incarnation
-  published (XLA's process 0 writes it once and cannot overwrite it; the others read it)."""
-  if process_id == 0 and _try_get(client, STARTED_KEY) is not None:
+def before_backend(client: Any, process_id: int, num_processes: int) -> None:
+  """Called when a process has joined an elastic run, before it builds a backend. In a group
+  that has trained, a restarted process
+
+  * answers, once and at once, the barrier of every process (``get_live_nodes``): the others
+    may be in one that still counts this index, which waits for every live incarnation of it,
+    and learn there that it restarted; a call made after they have left it out of their rounds
+    stays pending until the round that admits this process, and takes part in that one;
+  * if it is process 0, deletes the CPU topology its first incarnation published (XLA's process
+    0 writes it once and cannot overwrite it; the others read it).
+  """
+  if _try_get(client, STARTED_KEY) is None:
+    return
+  threading.Thread(target=client.get_live_nodes, args=(list(range(num_processes)),),
+                   name="qcomm-elastic-restarted", daemon=True).start()
+  if process_id == 0:
     client.key_value_delete(_compat.CPU_BACKEND_KEYS[-1])
 
 
@@ -167,6 +187,7 @@ class ElasticDataParallel:
     self._mini = 0
     self._sync_calls = None
     self._history: list[list[int]] = []  # [[rounds, replicas], ...]: run-length encoded
+    self._refused: set[tuple[int, int]] = set()  # (process, incarnation) gone: never admitted
     self.stall_s = 0.0
     self.short_syncs: list[dict] = []
 
@@ -244,18 +265,61 @@ class ElasticDataParallel:
     """The rounds ``opt_state`` has been through (what the holders of the newest state share)."""
     return int(opt_state.outer_step)
 
-  def join(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-    """Until this process holds the group's state: the next rounds (module docstring)."""
+  def join(self, params: Any, opt_state: Any, batch: Any = None, *extra: Any,
+           key: jax.Array | None = None) -> tuple[Any, Any]:
+    """Until this process holds the group's state (module docstring). In a group that has
+    trained, a restarted process first compiles its step on ``batch`` (any batch of the step's
+    shapes; ``extra`` and ``key`` as the step's), so that the others do not wait for that, then
+    announces that it is ready and waits to be admitted at a round."""
     self._need_init(opt_state)
+    if self._fresh and self._live is None and _try_get(self._client, STARTED_KEY) is not None:
+      if batch is not None:
+        t_prepare = time.perf_counter()
+        self._prepare(params, opt_state, batch, *extra, key=key)
+        _log(f"process {self._me}: compiled its step in {time.perf_counter() - t_prepare:.2f} s")
+      self._live = self._await_admission()
     while self._fresh:
       params, opt_state = self._synchronise(params, opt_state)
     return params, opt_state
+
+  def _prepare(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
+               key: jax.Array | None = None) -> None:
+    """Compiles (and runs once, discarding the result) the inner step."""
+    if getattr(self._inner, "donate", False):
+      params, opt_state = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
+    jax.block_until_ready(self._inner.step(params, opt_state, batch, *extra, key=key))
+
+  def _await_admission(self) -> dict[int, int]:
+    """Announces this incarnation as ready; returns the live set of the round that admits it."""
+    incarnation = self._get_live([self._me])[self._me]
+    self._client.key_value_set(f"{READY_DIR}{self._me}", str(incarnation), allow_overwrite=True)
+    t_wait = time.perf_counter()
+    try:
+      text = self._client.blocking_key_value_get(f"{ADMIT_DIR}{self._me}/{incarnation}",
+                                                 ADMIT_TIMEOUT_S * 1000)
+    except Exception as error:  # noqa: BLE001  (DEADLINE_EXCEEDED)
+      raise RuntimeError(
+          f"process {self._me} was not admitted within {ADMIT_TIMEOUT_S} s: the group admits a "
+          f"restarted process at a round once every process is alive again (XLA:CPU rebuilds "
+          f"its communicators with all of them)") from error
+    self._client.key_value_delete(f"{READY_DIR}{self._me}")
+    _log(f"process {self._me}: admitted after {time.perf_counter() - t_wait:.2f} s of waiting")
+    return {int(p): int(i) for p, i in json.loads(text).items()}
+
+  def _ready(self, live: dict[int, int]) -> dict[int, int]:
+    """The restarted processes that announced themselves ready (not in ``live``, not refused)."""
+    ready = {}
+    for name, value in self._client.key_value_dir_get(READY_DIR):
+      process, incarnation = int(name.rstrip("/").rsplit("/", 1)[-1]), int(value)
+      if process not in live and (process, incarnation) not in self._refused:
+        ready[process] = incarnation
+    return ready
 
   def step(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
            key: jax.Array | None = None) -> tuple[Any, Any, jax.Array, Any]:
     """One inner step; the round when a synchronisation is due. Returns (params, opt_state, loss,
     aux) as ``qcomm.data_parallel``'s step (loss and aux of this process's replica)."""
-    params, opt_state = self.join(params, opt_state)
+    params, opt_state = self.join(params, opt_state, batch, *extra, key=key)
     params, opt_state, loss, aux = self._inner.step(params, opt_state, batch, *extra, key=key)
     self._mini += 1
     if self._mini >= self._sync_calls:
@@ -275,8 +339,11 @@ class ElasticDataParallel:
       raise ValueError("opt_state must come from this runner's init (dp.init(params))")
 
   # -- the round ------------------------------------------------------------------------------------
-  def _get_live(self) -> dict[int, int]:
-    live = dict(self._client.get_live_nodes(list(range(self._n))))
+  def _get_live(self, processes=None) -> dict[int, int]:
+    """``{process: incarnation}`` of the live ones among ``processes`` (default: all), once
+    every live one of them has asked (a barrier among them)."""
+    processes = range(self._n) if processes is None else processes
+    live = {int(p): int(i) for p, i in dict(self._client.get_live_nodes(sorted(processes))).items()}
     if self._me not in live:
       raise RuntimeError(
           f"process {self._me} was declared lost by the coordination service (stopped or cut "
@@ -285,10 +352,11 @@ class ElasticDataParallel:
     return live
 
   def _check_live(self, live: dict[int, int]) -> None:
-    """A barrier of the live processes (``get_live_nodes``); :class:`_Changed` if the set or an
-    incarnation differs from ``live``. Every process of the round reaches the same calls in the
-    same order and gets the same answer, so all of them see a change at the same point."""
-    now = self._get_live()
+    """A barrier of the round's processes (``get_live_nodes`` over them: a restarted process
+    outside the round never holds it up); :class:`_Changed` if one is gone or restarted. Every
+    process of the round reaches the same calls in the same order and gets the same answer, so
+    all of them see a change at the same point."""
+    now = self._get_live(live)
     if now != live:
       raise _Changed(now)
 
@@ -321,14 +389,22 @@ class ElasticDataParallel:
         self._client.key_value_delete(f"{round_key}/info/{self._me}")
         out = self._commit(*result[:5])
         self._report(result[5], result[6], result[2], time.perf_counter() - t_start, stalled)
+        if result[7]:  # ready processes: the next round admits them
+          self._live = {**live, **result[7]}
+          text = json.dumps({str(p): i for p, i in self._live.items()})
+          for p, incarnation in result[7].items():  # every process writes it: one may die
+            self._client.key_value_set(f"{ADMIT_DIR}{p}/{incarnation}", text,
+                                       allow_overwrite=True)
         return out
       except _Changed as change:
         stalled += time.perf_counter() - t_attempt
-        gone = sorted(p for p in live if change.live.get(p) != live[p])
-        new = sorted(p for p in change.live if p not in live or p in gone)
-        _log(f"process {self._me}: the live processes changed (lost {gone}, new {new}); the "
-             f"{self.ROUND} runs again over {sorted(change.live)}")
-        self._live = change.live
+        # A restarted process (a new incarnation) leaves the round; it comes back when ready.
+        kept = {p: i for p, i in change.live.items() if live.get(p) == i}
+        gone = sorted(p for p in live if p not in kept)
+        self._refused.update((p, live[p]) for p in gone)
+        _log(f"process {self._me}: lost process{'es' if len(gone) > 1 else ''} {gone}; the "
+             f"{self.ROUND} runs again over {sorted(kept)}")
+        self._live = kept
         inputs = self._inputs
 
   def _round(self, live: dict[int, int], key: str) -> tuple:
@@ -337,6 +413,8 @@ class ElasticDataParallel:
     fp = _fingerprint(live)
     mine = {"step": -1 if self._fresh else self._outer_step, "backend": self._backend,
             "history": self._history}
+    if self._me == processes[0] and not self._fresh:  # the one reader of the ready processes
+      mine["ready"] = {str(p): i for p, i in self._ready(live).items()}
     client.key_value_set(f"{key}/info/{self._me}", json.dumps(mine))
     self._check_live(live)  # every process of the round has written its info
     infos = {p: json.loads(client.blocking_key_value_get(f"{key}/info/{p}",
@@ -375,7 +453,10 @@ class ElasticDataParallel:
       params, state = self._broadcast(processes, holders[0], receivers, params, state)
     admitted = not holders or self._me in holders or self._me in receivers
     missing = sorted(set(range(self._n)) - set(holders)) if holders else []
-    return params, state, history, admitted, bool(holders), missing, receivers
+    ready = {int(p): i for p, i in infos[processes[0]].get("ready", {}).items()}
+    # XLA:CPU rebuilds its communicators with every process: admit only when all are back.
+    admit = ready if ready and len(processes) + len(ready) == self._n else {}
+    return params, state, history, admitted, bool(holders), missing, receivers, admit
 
   def _report(self, missing: list[int], admitted: list[int], history: list[int], seconds: float,
               stalled: float) -> None:
@@ -548,21 +629,14 @@ class ElasticSyncDataParallel(ElasticDataParallel):
            key: jax.Array | None = None) -> tuple[Any, Any, jax.Array, Any]:
     """One step on this process's share of the batch, averaged over the processes alive. Returns
     (params, opt_state, loss, aux): the loss and aux of this process's share."""
-    params, opt_state = self.join(params, opt_state)
-    mesh = self._local_mesh
-    names = axis_names(self.axis_name)
-    put = functools.partial(place, mesh=mesh)
-    batch_spec = P(names)
-    args = (put(params, P()), put(batch, batch_spec), put(extra, P()))
-    if key is not None:
-      args += (put(key, P()),)
-    grads, loss, aux = self._grad_fn(key is not None, len(extra))(*args)
+    params, opt_state = self.join(params, opt_state, batch, *extra, key=key)
+    grads, loss, aux = self._grads(params, batch, extra, key)
     sync = _sync_state(opt_state)
     if int(sync.mini_step) + 1 < sync.config.accum_steps:
       # A call that only accumulates: no collective, so no round; on this process's devices.
       spec = self._spec(opt_state)
       params, opt_state = self._local_update_fn(_SpecKey(spec))(
-          params, place(opt_state, spec, mesh), grads)
+          params, place(opt_state, spec, self._local_mesh), grads)
       return params, opt_state, loss, aux
     host = jax.device_get((loss, aux))
     backend = self._backend
@@ -572,6 +646,23 @@ class ElasticSyncDataParallel(ElasticDataParallel):
     return params, opt_state, loss, aux
 
   __call__ = step
+
+  def _grads(self, params: Any, batch: Any, extra: tuple, key: jax.Array | None) -> tuple:
+    """(grads, loss, aux) of this process's share of the batch."""
+    put = functools.partial(place, mesh=self._local_mesh)
+    args = (put(params, P()), put(batch, P(axis_names(self.axis_name))), put(extra, P()))
+    if key is not None:
+      args += (put(key, P()),)
+    return self._grad_fn(key is not None, len(extra))(*args)
+
+  def _prepare(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
+               key: jax.Array | None = None) -> None:
+    """Compiles the gradient program (run once) and the accumulating update."""
+    grads = jax.block_until_ready(self._grads(params, batch, extra, key)[0])
+    if _sync_state(opt_state).config.accum_steps > 1:
+      spec = self._spec(opt_state)
+      self._local_update_fn(_SpecKey(spec)).lower(
+          params, place(opt_state, spec, self._local_mesh), grads).compile()
 
   @functools.lru_cache(maxsize=None)
   def _grad_fn(self, with_key: bool, n_extra: int) -> Callable:

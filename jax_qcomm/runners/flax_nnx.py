@@ -186,16 +186,20 @@ class NNXDataParallel:
       return runner, fresh
     return runner, place(opt_state, runner.state_spec(opt_state), self.mesh)
 
-  def join(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+  def join(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any = None, *extra: Any,
+           key: jax.Array | None = None) -> None:
     """``elastic=True``: until this process holds the group's state (a restarted process takes
     the parameters, the optimizer's state and its step count from a live peer), written into
-    ``model`` and ``optimizer``; a no-op once it does. ``step`` joins first in any case."""
+    ``model`` and ``optimizer``; a no-op once it does. ``step`` joins first in any case. With a
+    ``batch`` (and the step's ``extra`` and ``key``), a restarted process compiles its step
+    before it asks to be admitted, so that the others do not wait for that."""
     if not self.elastic:
       raise ValueError("join is for nnx_data_parallel(..., elastic=True)")
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
     params, opt_state = nnx.as_pure(params), nnx.as_pure(optimizer.opt_state)
     runner, opt_state = self._runner_of(graphdef, params, opt_state, optimizer)
-    params, opt_state = runner.join(params, opt_state)
+    example = () if batch is None else (batch, rest, *extra)
+    params, opt_state = runner.join(params, opt_state, *example, key=key)
     self._held["state"] = opt_state
     nnx.update(model, params)
     jax.tree_util.tree_map(lambda v, x: v.set_value(x), optimizer.opt_state, opt_state,

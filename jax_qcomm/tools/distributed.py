@@ -423,7 +423,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       ``launch --elastic`` hosts) instead of starting it in process 0: every process, 0 included,
       may then die and be restarted with the same index, by any supervisor, and rejoin
       (``qcomm.data_parallel(..., elastic=True)``). Needs the coordinator, the process count and
-      the index (no cluster detection) and the recoverability mode; no mTLS.
+      the index (no cluster detection) and the recoverability mode; no mTLS. Each process keeps
+      its compiled programs in jax's persistent compilation cache, in a directory of its own
+      (:func:`jax_qcomm._compat.cache_compiled_programs_per_process`), so that an admission's
+      backend rebuild and a restart read them back instead of compiling again;
+      ``jax_enable_compilation_cache=False`` turns that off.
     external_service: default False, else ``QCOMM_EXTERNAL_SERVICE`` (which ``launch`` sets in the
       recoverability mode, where it hosts the service). Join the coordination service as a
       client, as ``elastic`` does, without its restarts: process 0 then runs no service, so its
@@ -516,7 +520,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                       heartbeat_timeout=timeouts.heartbeat,
                                       shutdown_timeout=timeouts.shutdown)
       if elastic:
-        elastic_core.before_backend(client, int(process_id))
+        elastic_core.before_backend(client, int(process_id), int(num_processes))
+        # Compiled programs outlive the backend rebuild of an admission and a restart.
+        _compat.cache_compiled_programs_per_process(int(process_id))
     else:
       jax.distributed.initialize(coordinator_address=coordinator_address,
                                  num_processes=None if num_processes is None else int(num_processes),
