@@ -12,7 +12,9 @@ bits and 2 accumulation steps, and a "sync" line is written at every optimizer s
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -28,7 +30,11 @@ import optax  # noqa: E402
 import jax_qcomm as qcomm  # noqa: E402
 
 out, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-NNX, SYNC = sys.argv[4:] == ["nnx"], sys.argv[4:] == ["sync"]
+NNX, SYNC = sys.argv[4:5] == ["nnx"], sys.argv[4:5] == ["sync"]
+# WHERE@RANK (sync mode): that rank's first incarnation kills itself (SIGKILL) once, "admission":
+# as it enters the transfer of the group's state to a restarted process (the others wait in it);
+# "collective": just after it dispatched its 30th step's round (the others wait in the collective).
+DIE = dict(arg.split("@") for arg in sys.argv[5:])
 rank, n = jax.process_index(), jax.process_count()
 DIM, ROWS = 37, 12  # 37 does not split over 2 or 3 replicas
 w_true = np.random.default_rng(0).normal(size=(DIM,)).astype(np.float32)
@@ -83,6 +89,37 @@ else:
     global params, state
     params, state, _, _ = dp.step(params, state, b)
 log = open(os.path.join(out, f"rank{rank}.jsonl"), "a")
+
+
+def _first_time(what: str) -> bool:
+  marker = os.path.join(out, f"died_{what}")
+  if os.path.exists(marker):
+    return False
+  open(marker, "w").close()
+  return True
+
+
+def _die(what, method, after_calls=1, delay=None):
+  """Wraps dp's ``method`` to SIGKILL this process at its ``after_calls``-th call (once per run):
+  before calling it, or ``delay`` seconds after calling it (from a thread)."""
+  original, count = getattr(dp, method), [0]
+
+  def wrapped(*args, **kwargs):
+    count[0] += 1
+    if count[0] == after_calls and _first_time(what):
+      print(f"rank {rank} kills itself in {method} ({what})", flush=True)
+      if delay is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+      threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return original(*args, **kwargs)
+
+  setattr(dp, method, wrapped)
+
+
+if SYNC and rank == int(DIE.get("admission", -1)):
+  _die("admission", "_broadcast")
+if SYNC and rank == int(DIE.get("collective", -1)):
+  _die("collective", "_outer", after_calls=30, delay=0.001)
 
 
 def record(**kw):

@@ -21,10 +21,11 @@ WORKER = os.path.join(os.path.dirname(__file__), "elastic_worker.py")
 STEPS, PAUSE = 200, 0.1
 
 
-def _launch(out, steps=STEPS, mode=None, pause=PAUSE):
+def _launch(out, steps=STEPS, mode=None, pause=PAUSE, *deaths):
+  """The launcher with 3 elastic workers; ``deaths``: the worker's WHERE@RANK arguments."""
   cmd = [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "3", "--elastic",
          "--heartbeat-timeout", "5", "--collective-timeout", "10", "--timeout", "400",
-         WORKER, str(out), str(steps), str(pause)] + ([mode] if mode else [])
+         WORKER, str(out), str(steps), str(pause)] + ([mode] if mode else []) + list(deaths)
   return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -388,7 +388,8 @@ class ElasticDataParallel:
         self._check_live(live)  # every process of the round has read the others' info
         self._client.key_value_delete(f"{round_key}/info/{self._me}")
         out = self._commit(*result[:5])
-        self._report(result[5], result[6], result[2], time.perf_counter() - t_start, stalled)
+        if not self._fresh:  # a process not yet admitted has no step of its own to report
+          self._report(result[5], result[6], result[2], time.perf_counter() - t_start, stalled)
         if result[7]:  # ready processes: the next round admits them
           self._live = {**live, **result[7]}
           text = json.dumps({str(p): i for p, i in self._live.items()})
@@ -413,7 +414,7 @@ class ElasticDataParallel:
     fp = _fingerprint(live)
     mine = {"step": -1 if self._fresh else self._outer_step, "backend": self._backend,
             "history": self._history}
-    if self._me == processes[0] and not self._fresh:  # the one reader of the ready processes
+    if self._me == processes[0]:  # the one reader of the ready processes
       mine["ready"] = {str(p): i for p, i in self._ready(live).items()}
     client.key_value_set(f"{key}/info/{self._me}", json.dumps(mine))
     self._check_live(live)  # every process of the round has written its info
