@@ -640,6 +640,39 @@ def test_private_names_for_gloo_on_an_interface_are_where_compat_expects():
   assert _compat.gloo_private_api_problems() == []
 
 
+_CACHE_PROBE = """
+import os, sys
+import jax, jax.numpy as jnp
+from jax._src import distributed
+from jax_qcomm import _compat
+if sys.argv[1] == "off":
+  jax.config.update("jax_enable_compilation_cache", False)
+path = _compat.cache_compiled_programs_per_process(2)
+distributed.global_state.process_id = 2  # as in a worker: jax itself writes from process 0 only
+jax.jit(lambda x: jnp.tanh(x) * 2 + 1)(jnp.ones(5)).block_until_ready()
+print(path, jax.config.jax_persistent_cache_min_compile_time_secs)
+print(sorted(os.listdir(path)) if path else None)
+"""
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_every_process_writes_its_compiled_programs_to_a_cache_directory_of_its_own(tmp_path, mode):
+  """The elastic mode's persistent compilation cache (jax_qcomm._compat): process 2 writes its
+  programs under <jax_compilation_cache_dir>/process-2, whatever their compile time; with jax's
+  cache turned off, nothing is set."""
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path))
+  proc = subprocess.run([sys.executable, "-c", _CACHE_PROBE, mode], capture_output=True,
+                        text=True, timeout=120, env=env)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  first, second = proc.stdout.splitlines()
+  if mode == "off":
+    assert first == "None 1.0" and second == "None", proc.stdout
+    assert not (tmp_path / "process-2").exists()
+  else:
+    assert first == f"{tmp_path / 'process-2'} 0.0", proc.stdout
+    assert any(name.startswith("jit_") for name in eval(second)), proc.stdout
+
+
 _REUSE_PROBE = """
 import ctypes, resource, sys
 from jax_qcomm.tools import malloc

@@ -380,6 +380,7 @@ class ElasticDataParallel:
         round_key = f"qcomm/elastic/{fp}/{count}"
         try:
           result = self._round(live, round_key)
+          jax.block_until_ready(result[:2])  # a collective that a lost process breaks fails here
         except _Changed:
           raise
         except Exception as error:  # noqa: BLE001  (a lost peer, or an error of ours)
