@@ -188,6 +188,7 @@ class ElasticDataParallel:
     self._sync_calls = None
     self._history: list[list[int]] = []  # [[rounds, replicas], ...]: run-length encoded
     self._refused: set[tuple[int, int]] = set()  # (process, incarnation) gone: never admitted
+    self._ahead: threading.Thread | None = None  # compiles the rounds after one loss
     self.stall_s = 0.0
     self.short_syncs: list[dict] = []
 
@@ -434,6 +435,8 @@ class ElasticDataParallel:
         self._backend = fp
     elif full and any(i["backend"] != fp for i in infos.values()):
       t_rebuild = time.perf_counter()
+      if self._ahead is not None:
+        self._ahead.join()  # no compilation on the backend being dropped
       self._inputs = jax.device_get(self._inputs)
       _compat.reset_cpu_backend()
       self._check_live(live)
@@ -495,6 +498,18 @@ class ElasticDataParallel:
              grads: Any = None) -> tuple[Any, Any]:
     """The round's program over the holders' devices: diloco's synchronisation (or the update
     from this process's ``grads``, per-step data parallelism)."""
+    mesh, spec, args = self._outer_args(holders, params, state, grads)
+    out = self._outer_fn(tuple(holders), _SpecKey(spec))(*args)
+    new_params = multihost_utils.global_array_to_host_local_array(out[0], mesh, P())
+    new_state = multihost_utils.global_array_to_host_local_array(out[1], mesh, spec)
+    if len(holders) == self._n and self._ahead is None:
+      self._ahead = threading.Thread(target=self._compile_ahead, args=(params, state, grads),
+                                     name="qcomm-elastic-compile-ahead", daemon=True)
+      self._ahead.start()
+    return new_params, new_state
+
+  def _outer_args(self, holders: list[int], params: Any, state: Any, grads: Any) -> tuple:
+    """(mesh, state spec, the round program's global arguments) over the holders' devices."""
     mesh = self._mesh_of(holders)
     spec = self._spec(state)
     g_params = multihost_utils.host_local_array_to_global_array(params, mesh, P())
@@ -504,10 +519,19 @@ class ElasticDataParallel:
       name = self.mesh.axis_names[self._replica_axis]
       args += (multihost_utils.host_local_array_to_global_array(
           jax.tree_util.tree_map(lambda g: jnp.asarray(g)[None], grads), mesh, P(name)),)
-    out = self._outer_fn(tuple(holders), _SpecKey(spec))(*args)
-    new_params = multihost_utils.global_array_to_host_local_array(out[0], mesh, P())
-    new_state = multihost_utils.global_array_to_host_local_array(out[1], mesh, spec)
-    return new_params, new_state
+    return mesh, spec, args
+
+  def _compile_ahead(self, params: Any, state: Any, grads: Any) -> None:
+    """Compiles, in a thread, this process's round program for each set of holders that one
+    lost process leaves; the persistent compilation cache keeps them for when that happens."""
+    for lost in range(self._n):
+      holders = [p for p in range(self._n) if p != lost]
+      if self._me not in holders:
+        continue
+      _, spec, args = self._outer_args(holders, params, state, grads)
+      abstract = jax.tree_util.tree_map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
+      self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*abstract).compile()
 
   @functools.lru_cache(maxsize=None)
   def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
@@ -522,14 +546,15 @@ class ElasticDataParallel:
 
   def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
                  state: Any) -> tuple[Any, Any]:
-    """The receivers take the source's params and state (their residual: zeros)."""
+    """The receivers take the source's params and state (their residual: zeros), sent from the
+    source to each receiver only (``lax.ppermute``): the others send nothing."""
     mesh = self._mesh_of(processes)
     name = self.mesh.axis_names[self._replica_axis]
     order = sorted(processes, key=self._row_of.__getitem__)
     tree = jax.tree_util.tree_map(lambda x: np.asarray(x)[None], (params, state))
-    flag = np.asarray([self._me in receivers])
-    rows = multihost_utils.host_local_array_to_global_array((tree, flag), mesh, P(name))
-    out = self._broadcast_fn(tuple(processes), order.index(source))(*rows)
+    rows = multihost_utils.host_local_array_to_global_array(tree, mesh, P(name))
+    out = self._broadcast_fn(tuple(processes), order.index(source),
+                             tuple(order.index(r) for r in receivers))(rows)
     got = multihost_utils.global_array_to_host_local_array(out, mesh, P(name))
     params, state = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], got)
     if self._me in receivers:  # what was the source's own: its residual, its window's gradients
@@ -538,17 +563,20 @@ class ElasticDataParallel:
             place(state, self._spec(state), self._local_mesh))
 
   @functools.lru_cache(maxsize=None)
-  def _broadcast_fn(self, processes: tuple, source_row: int) -> Callable:
+  def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
     name = self.mesh.axis_names[self._replica_axis]
 
-    def pick(tree, flag):
+    def pick(tree):
+      row = lax.axis_index(name)
+
       def one(x):
-        src = lax.all_gather(x, name, tiled=True)[source_row:source_row + 1]
-        return jnp.where(flag.reshape((1,) + (1,) * (x.ndim - 1)), src, x)
+        for r in receiver_rows:  # a permutation has one pair per source: one per receiver
+          x = jnp.where(row == r, lax.ppermute(x, name, perm=[(source_row, r)]), x)
+        return x
       return jax.tree_util.tree_map(one, tree)
 
-    return jax.jit(jax.shard_map(pick, mesh=self._mesh_of(list(processes)),
-                                 in_specs=(P(name), P(name)), out_specs=P(name)))
+    return jax.jit(jax.shard_map(pick, mesh=self._mesh_of(list(processes)), in_specs=P(name),
+                                 out_specs=P(name)))
 
 
 @dataclasses.dataclass(eq=False)
