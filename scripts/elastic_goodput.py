@@ -13,7 +13,10 @@ every 20 steps (4000 steps), or ``--method=ddp``, a 4-bit ``qcomm.sync`` every s
 evaluation; ``kill2`` kills two nodes at once each time (1 and 2, then 2 and 0, ...); the launcher
 restarts each. Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the
 replicas averaged times the calls it covers (the work that reached the parameters); per second of
-the run's wall time (start-up included in every run).
+the run's wall time (start-up included in every run). Every run starts with an empty compilation
+cache of its own (``JAX_COMPILATION_CACHE_DIR``, a new directory, removed afterwards): the elastic
+processes keep their programs there (docs/distributed.md), and a cache filled by an earlier run
+would make a later one start faster.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -79,9 +84,11 @@ def run(kind: str, every_s: float, method: str = "diloco") -> None:
   kills: list[dict] = []
   load_before = os.getloadavg()
   t0 = time.monotonic()
+  cache = tempfile.mkdtemp(prefix="qcomm-goodput-cache-")
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache)
   with open(log_path, "w") as log:
     proc = subprocess.Popen(_command(result_json, method), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     evaluated = threading.Event()
 
     def pump():
@@ -108,6 +115,7 @@ def run(kind: str, every_s: float, method: str = "diloco") -> None:
         rank = (rank + 1) % NODES
     proc.wait()
   wall = time.monotonic() - t0
+  shutil.rmtree(cache, ignore_errors=True)
   with open(result_json) as f:
     result = json.load(f)
   record = {
@@ -116,6 +124,8 @@ def run(kind: str, every_s: float, method: str = "diloco") -> None:
       # the replicas averaged at each synchronisation (diloco) or optimizer step (ddp)
       "replicas_per_sync": result["replicas_per_sync"] or result["replicas_per_step"],
       "val_loss": result["val_loss"], "stall_s": result.get("stall_s"),
+      # process 0's rounds that ran short or admitted a process, with their seconds
+      "short_syncs": result.get("short_syncs"), "compilation_cache": "empty at the start",
       "calls_per_sync": (EVERY if method == "diloco" else 1) * result["accum_steps"],
       "train_s": result["train_s"],
       "command": " ".join(_command("OUT.json", method)), "load_before": load_before,

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
 from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, replica_rows
@@ -158,7 +158,8 @@ class ElasticDataParallel:
     without it) and in CPU backend rebuilds, so far.
   short_syncs: one record per synchronisation of this process that averaged fewer replicas than
     the group has, or admitted a restarted one: ``{"outer_step", "replicas", "missing",
-    "admitted", "seconds", "stall_s"}`` (also logged, one line each).
+    "admitted", "seconds", "stall_s"}`` and, for an admission, ``"transfer_s"`` (the seconds of
+    the state's transfer); also logged, one line each.
   """
   tx: optax.GradientTransformation
   mesh: Mesh
@@ -189,6 +190,7 @@ class ElasticDataParallel:
     self._history: list[list[int]] = []  # [[rounds, replicas], ...]: run-length encoded
     self._refused: set[tuple[int, int]] = set()  # (process, incarnation) gone: never admitted
     self._ahead: threading.Thread | None = None  # compiles the rounds after one loss
+    self._transfer_s = 0.0  # the last transfer of the state to restarted processes
     self.stall_s = 0.0
     self.short_syncs: list[dict] = []
 
@@ -455,7 +457,9 @@ class ElasticDataParallel:
     if self._me in holders:
       params, state = self._outer(holders, params, state, grads)
     if receivers:
+      t_transfer = time.perf_counter()
       params, state = self._broadcast(processes, holders[0], receivers, params, state)
+      self._transfer_s = time.perf_counter() - t_transfer
     admitted = not holders or self._me in holders or self._me in receivers
     missing = sorted(set(range(self._n)) - set(holders)) if holders else []
     ready = {int(p): i for p, i in infos[processes[0]].get("ready", {}).items()}
@@ -472,11 +476,14 @@ class ElasticDataParallel:
     replicas = history[-1][1]
     record = {"outer_step": self._outer_step, "replicas": replicas, "missing": missing,
               "admitted": admitted, "seconds": round(seconds, 3), "stall_s": round(stalled, 3)}
+    if admitted:
+      record["transfer_s"] = round(self._transfer_s, 3)
     self.short_syncs.append(record)
     text = (f"{self.ROUND} {self._outer_step} averaged {replicas} of {self._n} replicas"
             + (f" (missing {missing})" if missing else "")
             + (f", admitted {admitted}" if admitted else "")
-            + f"; it took {seconds:.2f} s, {stalled:.2f} s of it in attempts a lost process broke")
+            + f"; it took {seconds:.2f} s, {stalled:.2f} s of it in attempts a lost process broke"
+            + (f", {self._transfer_s:.2f} s in the state's transfer" if admitted else ""))
     _log(f"process {self._me}: {text}")
 
   def _commit(self, params, state, history, admitted, synchronised) -> tuple[Any, Any]:
@@ -522,16 +529,24 @@ class ElasticDataParallel:
     return mesh, spec, args
 
   def _compile_ahead(self, params: Any, state: Any, grads: Any) -> None:
-    """Compiles, in a thread, this process's round program for each set of holders that one
-    lost process leaves; the persistent compilation cache keeps them for when that happens."""
-    for lost in range(self._n):
-      holders = [p for p in range(self._n) if p != lost]
-      if self._me not in holders:
-        continue
-      _, spec, args = self._outer_args(holders, params, state, grads)
-      abstract = jax.tree_util.tree_map(
-          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
-      self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*abstract).compile()
+    """Compiles, in a thread, this process's programs for one lost process: the round over each
+    set of holders it leaves, and the transfer of the state to it when it is back (from the
+    lowest of the others); the persistent compilation cache keeps them for when that happens."""
+    everyone = list(range(self._n))
+    order = sorted(everyone, key=self._row_of.__getitem__)
+    rows = NamedSharding(self._mesh_of(everyone), P(self.mesh.axis_names[self._replica_axis]))
+    abstract_rows = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((self._n,) + tuple(np.shape(x)), x.dtype, sharding=rows),
+        (params, state))
+    for lost in everyone:
+      holders = [p for p in everyone if p != lost]
+      if self._me in holders:
+        _, spec, args = self._outer_args(holders, params, state, grads)
+        abstract = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
+        self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*abstract).compile()
+      self._broadcast_fn(tuple(everyone), order.index(holders[0]),
+                         (order.index(lost),)).lower(abstract_rows).compile()
 
   @functools.lru_cache(maxsize=None)
   def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
