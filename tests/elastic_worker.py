@@ -2,11 +2,12 @@
 per process, a JSON line per synchronisation in ``<out>/rank<r>.jsonl``.
 
     python -m jax_qcomm.tools.launch -n 3 --elastic tests/elastic_worker.py OUT STEPS SLEEP \
-        [nnx | sync]
+        [nnx | sync [collective@RANK] [admission@RANK]]
 
 With ``nnx`` the same model is an ``nnx.Module`` stepped by ``qcomm.nnx_data_parallel(...,
 elastic=True)``; with ``sync`` the optimizer is per-step data parallelism, ``qcomm.sync`` with 4
-bits and 2 accumulation steps, and a "sync" line is written at every optimizer step.
+bits and 2 accumulation steps, and a "sync" line is written at every optimizer step; the
+``WHERE@RANK`` arguments make that rank die once at that point (below).
 """
 
 import hashlib
