@@ -418,7 +418,9 @@ class ElasticDataParallel:
     fp = _fingerprint(live)
     mine = {"step": -1 if self._fresh else self._outer_step, "backend": self._backend,
             "history": self._history}
-    if self._me == processes[0]:  # the one reader of the ready processes
+    # The one reader of the ready processes; a round of every process has none to read (a ready
+    # process is outside the round), which spares the step a request to the service.
+    if self._me == processes[0] and len(processes) < self._n:
       mine["ready"] = {str(p): i for p, i in self._ready(live).items()}
     client.key_value_set(f"{key}/info/{self._me}", json.dumps(mine))
     self._check_live(live)  # every process of the round has written its info
