@@ -2,15 +2,15 @@
 processes killed every few minutes, against the same run with no failure.
 
     python scripts/elastic_goodput.py run --kind clean [--method ddp]  # resumable by run
-    python scripts/elastic_goodput.py run --kind kill --every-s 120 [--method ddp]
-    python scripts/elastic_goodput.py run --kind kill2 --every-s 120 [--method ddp]
+    python scripts/elastic_goodput.py run --kind kill --every-s 120 --first-s 30 [--method ddp]
+    python scripts/elastic_goodput.py run --kind kill2 --every-s 120 --first-s 30 [--method ddp]
     python scripts/elastic_goodput.py table
 
 Each run is ``python -m jax_qcomm.tools.cluster --elastic`` (3 nodes sharing the machine's cores,
 10 Mbit/s links) of ``training.lm_slow_link``: ``--method=diloco`` with 4-bit synchronisations
 every 20 steps (4000 steps), or ``--method=ddp``, a 4-bit ``qcomm.sync`` every step (1500 steps).
-``kill`` sends SIGKILL to node 1, then 2, then 0, ... every ``--every-s`` seconds after the first
-evaluation; ``kill2`` kills two nodes at once each time (1 and 2, then 2 and 0, ...); the launcher
+``kill`` sends SIGKILL to node 1, then 2, then 0, ...: ``--first-s`` seconds (default: ``--every-s``)
+after the first evaluation, then every ``--every-s`` seconds; ``kill2`` kills two nodes at once each time (1 and 2, then 2 and 0, ...); the launcher
 restarts each. Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the
 replicas averaged times the calls it covers (the work that reached the parameters); per second of
 the run's wall time (start-up included in every run). Every run starts with an empty compilation
@@ -38,6 +38,9 @@ OUT = os.path.join(os.path.dirname(__file__), "..", "notebooks", "data", "elasti
 NODES, RATE, EVERY = 3, "10mbit", 20
 STEPS = {"diloco": 4000, "ddp": 1500}
 KINDS = ("clean", "kill", "kill2")
+# A collective a lost process leaves some survivors inside (waiting on a survivor that has left
+# it) ends at the collective timeout: 20 s instead of the default 60, still far above a step.
+ENV = {"QCOMM_COLLECTIVE_TIMEOUT": "20"}
 
 
 def _command(out_json: str, method: str) -> list[str]:
@@ -54,7 +57,9 @@ def _name(method: str, kind: str) -> str:
 
 
 def _node_pid(rank: int) -> int | None:
-  """The live node process of ``rank`` (its environment holds QCOMM_PROCESS_ID)."""
+  """The live node process of ``rank`` (its environment holds QCOMM_PROCESS_ID): of those, the
+  oldest; a younger one is the launcher's spare, waiting to replace it."""
+  found = []
   for pid in os.listdir("/proc"):
     if not pid.isdigit():
       continue
@@ -65,14 +70,16 @@ def _node_pid(rank: int) -> int | None:
         continue
       with open(f"/proc/{pid}/environ", "rb") as f:
         env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+      if env.get(b"QCOMM_PROCESS_ID") != str(rank).encode() or b"-c" in cmd[:3]:
+        continue
+      with open(f"/proc/{pid}/stat") as f:  # field 22: the start time, after the ")" of comm
+        found.append((int(f.read().rsplit(")", 1)[1].split()[19]), int(pid)))
     except OSError:
       continue
-    if env.get(b"QCOMM_PROCESS_ID") == str(rank).encode() and b"-c" not in cmd[:3]:
-      return int(pid)
-  return None
+  return min(found)[1] if found else None
 
 
-def run(kind: str, every_s: float, method: str = "diloco") -> None:
+def run(kind: str, every_s: float, method: str = "diloco", first_s: float | None = None) -> None:
   os.makedirs(OUT, exist_ok=True)
   name = _name(method, kind)
   path = os.path.join(OUT, f"{name}.json")
@@ -85,7 +92,7 @@ def run(kind: str, every_s: float, method: str = "diloco") -> None:
   load_before = os.getloadavg()
   t0 = time.monotonic()
   cache = tempfile.mkdtemp(prefix="qcomm-goodput-cache-")
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache)
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, **ENV)
   with open(log_path, "w") as log:
     proc = subprocess.Popen(_command(result_json, method), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -103,7 +110,7 @@ def run(kind: str, every_s: float, method: str = "diloco") -> None:
       evaluated.wait()
       rank = 1
       while proc.poll() is None:
-        deadline = time.monotonic() + every_s
+        deadline = time.monotonic() + (every_s if kills or first_s is None else first_s)
         while proc.poll() is None and time.monotonic() < deadline:
           time.sleep(0.5)
         ranks = [rank, (rank + 1) % NODES] if kind == "kill2" else [rank]
@@ -121,6 +128,7 @@ def run(kind: str, every_s: float, method: str = "diloco") -> None:
   record = {
       "kind": kind, "method": method, "wall_s": wall, "exit": proc.returncode, "kills": kills,
       "every_s": every_s if kind != "clean" else None,
+      "first_s": (every_s if first_s is None else first_s) if kind != "clean" else None,
       # the replicas averaged at each synchronisation (diloco) or optimizer step (ddp)
       "replicas_per_sync": result["replicas_per_sync"] or result["replicas_per_step"],
       "val_loss": result["val_loss"], "stall_s": result.get("stall_s"),
@@ -128,7 +136,8 @@ def run(kind: str, every_s: float, method: str = "diloco") -> None:
       "short_syncs": result.get("short_syncs"), "compilation_cache": "empty at the start",
       "calls_per_sync": (EVERY if method == "diloco" else 1) * result["accum_steps"],
       "train_s": result["train_s"],
-      "command": " ".join(_command("OUT.json", method)), "load_before": load_before,
+      "command": " ".join([f"{k}={v}" for k, v in ENV.items()] + _command("OUT.json", method)),
+      "load_before": load_before,
       "load_after": os.getloadavg(), "cpu": platform.processor() or _cpu(),
       "python": platform.python_version(), "date": datetime.date.today().isoformat(),
   }
@@ -174,11 +183,13 @@ def main() -> None:
   r = sub.add_parser("run")
   r.add_argument("--kind", choices=KINDS, required=True)
   r.add_argument("--every-s", type=float, default=120.0)
+  r.add_argument("--first-s", type=float, default=None,
+                 help="seconds from the first evaluation to the first kill (default: --every-s)")
   r.add_argument("--method", choices=tuple(STEPS), default="diloco")
   sub.add_parser("table")
   args = parser.parse_args()
   if args.cmd == "run":
-    run(args.kind, args.every_s, args.method)
+    run(args.kind, args.every_s, args.method, args.first_s)
   else:
     table()
 

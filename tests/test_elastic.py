@@ -210,3 +210,66 @@ def test_launch_elastic_arguments():
     launch.launch(["x.py"], 2, elastic=True, max_restarts=-1)
   with pytest.raises(ValueError, match="recoverable"):
     launch.launch(["x.py"], 2, elastic=True, recoverable=False)
+
+
+def test_the_state_transfer_packs_every_leaf_into_one_buffer_and_back():
+  import numpy as np
+
+  from jax_qcomm.runners import elastic
+
+  leaves = [np.arange(7, dtype=np.float32) / 3, np.array([True, False, True]),
+            np.int8(-5) * np.ones((), np.int8), np.arange(5, dtype=np.uint16).reshape(5, 1),
+            np.array([np.nan, -np.inf], np.float32), np.zeros((0, 3), np.float32)]
+  words = elastic._pack(leaves)
+  assert words.dtype == np.uint32 and words.shape == (elastic._packed_words(leaves),)
+  assert words.size * 4 - sum(x.nbytes for x in leaves) in range(4)
+  like = [np.zeros_like(x) for x in leaves]
+  for got, want in zip(elastic._unpack(words, like), leaves, strict=True):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bits, NaN included
+
+
+_SPARE_SCRIPT = """
+import os, sys, time
+from jax_qcomm.tools import distributed
+distributed.initialize()
+rank = int(os.environ["QCOMM_PROCESS_ID"])
+print(f"joined rank={rank} pid={os.getpid()} spare={os.environ.get('QCOMM_SPARE')}", flush=True)
+if rank == 1 and not os.path.exists(sys.argv[1]):
+  open(sys.argv[1], "w").close()
+  time.sleep(1.0)
+  os.kill(os.getpid(), 9)
+time.sleep(4.0)
+"""
+
+
+def test_a_lost_process_is_replaced_by_its_spare_and_the_spares_left_exit(tmp_path):
+  script = tmp_path / "spare.py"
+  script.write_text(_SPARE_SCRIPT)
+  run = subprocess.run(
+      [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "3", "--elastic", "--spare-delay",
+       "0", "--heartbeat-timeout", "5", "--timeout", "120", str(script), str(tmp_path / "died")],
+      capture_output=True, text=True, timeout=180)
+  text = run.stdout + run.stderr
+  assert run.returncode == 0, text[-4000:]
+  assert "process 1 lost (was killed by SIGKILL (signal 9)); restarting it with rank 1 " \
+         "(restart 1 of 3, a spare started ahead)" in text, text[-4000:]
+  joined = re.findall(r"joined rank=(\d) pid=(\d+) spare=(\S+)", text)
+  assert sorted(r for r, _, _ in joined) == ["0", "1", "1", "2"], text[-4000:]
+  assert {s for _, _, s in joined} == {"None"}  # an activated spare leaves QCOMM_SPARE behind
+  assert len({p for r, p, _ in joined if r == "1"}) == 2
+  assert "final status" not in text  # the spares still waiting read EOF and exit with 0
+
+
+def test_spare_delay_needs_elastic_and_seconds():
+  from jax_qcomm.tools import launch
+
+  with pytest.raises(ValueError, match="spare_delay needs elastic=True"):
+    launch.launch(["-c", "pass"], 1, spare_delay=1.0)
+  with pytest.raises(ValueError, match="spare_delay must be a number of seconds >= 0"):
+    launch.launch(["-c", "pass"], 1, elastic=True, spare_delay=-1)
+  for argv, message in ((["-n", "1", "--spare-delay", "1", "x.py"], "--spare-delay needs --elastic"),
+                        (["-n", "1", "--elastic", "--spare-delay", "-2", "x.py"], "must be >= 0")):
+    run = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", *argv],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and message in run.stderr

@@ -28,19 +28,24 @@ synchronisation is a round among the processes alive, agreed through the coordin
    After every round the anchors of all live replicas are bit-identical.
 3. XLA:CPU caches its gloo communicators by device set, and a restarted process cannot enter a set
    it was in before (docs/distributed.md). So a process that needs the state is admitted only when
-   every process is alive again: then all of them rebuild their CPU backend
-   (:func:`jax_qcomm._compat.reset_cpu_backend`, the stale communicators' keys deleted between two
-   barriers) before the round. Until then the survivors go on without it.
+   every process is alive again: then the holders run the round over the communicators they have
+   used, and all of them rebuild their CPU backend (:func:`jax_qcomm._compat.reset_cpu_backend`,
+   the stale communicators' keys deleted between two barriers) before the state goes to the new
+   ones; meanwhile a thread loads the next round's programs on the new backend. Until then the
+   survivors go on without it.
 
 Arrays made before a rebuild are invalid afterwards: use the params and state a call returns.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -76,6 +81,8 @@ READY_DIR = "qcomm/elastic/ready/"
 ADMIT_DIR = "qcomm/elastic/admit/"
 #: Seconds a ready process waits to be admitted before it gives up with an error.
 ADMIT_TIMEOUT_S = 3600
+#: At most this many sets of lost processes have their programs compiled ahead (:func:`_loss_sets`).
+COMPILE_AHEAD_SETS = 16
 
 
 def before_backend(client: Any, process_id: int, num_processes: int) -> None:
@@ -97,6 +104,36 @@ def before_backend(client: Any, process_id: int, num_processes: int) -> None:
     client.key_value_delete(_compat.CPU_BACKEND_KEYS[-1])
 
 
+#: The threads compiling ahead, with the event that stops each: joined at exit, since a daemon
+#: thread still inside XLA's compiler when the interpreter exits aborts the process.
+_COMPILING_AHEAD: dict[threading.Thread, threading.Event] = {}
+
+
+@atexit.register
+def _stop_compiling_ahead() -> None:
+  for thread, stop in list(_COMPILING_AHEAD.items()):
+    stop.set()
+    thread.join()
+
+
+def _abstract(tree: Any) -> Any:
+  """``tree``'s arrays as ``jax.ShapeDtypeStruct`` values with their shardings (for ``lower``)."""
+  return jax.tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def _shapes(tree: Any) -> Any:
+  """``tree``'s arrays as ``jax.ShapeDtypeStruct`` values, without shardings."""
+  return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def _loss_sets(n: int) -> list[tuple[int, ...]]:
+  """The sets of lost processes (of ``n``) whose programs each process compiles ahead: every set
+  of one, then every set of two, at most :data:`COMPILE_AHEAD_SETS` in all; never all ``n``."""
+  return [lost for k in (1, 2) if k < n
+          for lost in itertools.combinations(range(n), k)][:COMPILE_AHEAD_SETS]
+
+
 def _try_get(client: Any, key: str) -> str | None:
   """The value of ``key`` in the coordination service, None if it is not set."""
   try:
@@ -105,14 +142,15 @@ def _try_get(client: Any, key: str) -> str | None:
     return None
 
 
-def _zero_fields(state: Any, fields: tuple[str, ...]) -> Any:
-  """``state`` with the named fields of every qcomm state in it set to zeros."""
-  def zero(node):
+def _own_leaves(tree: Any, fields: tuple[str, ...]) -> list[bool]:
+  """For each leaf of ``tree``: whether it lies in one of the named fields of a qcomm state."""
+  def mark(node):
+    flags = jax.tree_util.tree_map(lambda _: False, node)
     if not is_state(node):
-      return node
-    return node._replace(**{f: jax.tree_util.tree_map(np.zeros_like, getattr(node, f))
-                            for f in fields if hasattr(node, f)})
-  return jax.tree_util.tree_map(zero, state, is_leaf=is_state)
+      return flags
+    return flags._replace(**{f: jax.tree_util.tree_map(lambda _: True, getattr(node, f))
+                             for f in fields if hasattr(node, f)})
+  return jax.tree_util.tree_leaves(jax.tree_util.tree_map(mark, tree, is_leaf=is_state))
 
 
 def _appended(history: list[list[int]], replicas: int) -> list[list[int]]:
@@ -189,7 +227,11 @@ class ElasticDataParallel:
     self._sync_calls = None
     self._history: list[list[int]] = []  # [[rounds, replicas], ...]: run-length encoded
     self._refused: set[tuple[int, int]] = set()  # (process, incarnation) gone: never admitted
-    self._ahead: threading.Thread | None = None  # compiles the rounds after one loss
+    self._ahead: threading.Thread | None = None  # compiles the rounds after a loss
+    self._ahead_stop = threading.Event()  # asks it to stop after the program it compiles
+    # A restarted process does not: its first life's programs are in its cache directory, and
+    # while it compiled, every step of the others would wait for it.
+    self._compiles_ahead = True
     self._transfer_s = 0.0  # the last transfer of the state to restarted processes
     self.stall_s = 0.0
     self.short_syncs: list[dict] = []
@@ -276,6 +318,7 @@ class ElasticDataParallel:
     announces that it is ready and waits to be admitted at a round."""
     self._need_init(opt_state)
     if self._fresh and self._live is None and _try_get(self._client, STARTED_KEY) is not None:
+      self._compiles_ahead = False
       if batch is not None:
         t_prepare = time.perf_counter()
         self._prepare(params, opt_state, batch, *extra, key=key)
@@ -437,11 +480,17 @@ class ElasticDataParallel:
       # A group starting: every backend was built with all processes present.
       if self._backend is None and full:
         self._backend = fp
-    elif full and any(i["backend"] != fp for i in infos.values()):
+    rebuild = bool(holders) and full and any(i["backend"] != fp for i in infos.values())
+    receivers = [p for p in processes if p not in holders] if (full and holders) else []
+    params, state, grads = self._inputs
+    history = _appended(infos[holders[0]]["history"], len(holders)) if holders else []
+    if self._me in holders:  # before a rebuild: over the communicators the holders have used
+      params, state = self._outer(holders, params, state, grads)
+    if rebuild:
       t_rebuild = time.perf_counter()
-      if self._ahead is not None:
-        self._ahead.join()  # no compilation on the backend being dropped
-      self._inputs = jax.device_get(self._inputs)
+      self._stop_ahead()  # no compilation on the backend being dropped
+      # Host copies: the rebuild invalidates every array (the inputs serve a round run again).
+      self._inputs, params, state = jax.device_get((self._inputs, params, state))
       _compat.reset_cpu_backend()
       self._check_live(live)
       if self._me == processes[0]:
@@ -450,18 +499,23 @@ class ElasticDataParallel:
       self._check_live(live)
       self._backend = fp
       self._rebuild()
+      if not receivers:  # no transfer places them on the new backend
+        params = place(params, P(), self._local_mesh)
+        state = place(state, self._spec(state), self._local_mesh)
       self.stall_s += time.perf_counter() - t_rebuild
       _log(f"process {self._me}: CPU backend rebuilt for processes {processes} "
            f"({time.perf_counter() - t_rebuild:.2f} s)")
-    receivers = [p for p in processes if p not in holders] if (full and holders) else []
-    params, state, grads = self._inputs
-    history = _appended(infos[holders[0]]["history"], len(holders)) if holders else []
-    if self._me in holders:
-      params, state = self._outer(holders, params, state, grads)
+    loading = None
+    if rebuild and receivers:  # the next round's programs load while the state travels
+      loading = threading.Thread(target=self._load_programs, args=(params, state),
+                                 name="qcomm-elastic-load", daemon=True)
+      loading.start()
     if receivers:
       t_transfer = time.perf_counter()
       params, state = self._broadcast(processes, holders[0], receivers, params, state)
       self._transfer_s = time.perf_counter() - t_transfer
+    if loading is not None:
+      loading.join()
     admitted = not holders or self._me in holders or self._me in receivers
     missing = sorted(set(range(self._n)) - set(holders)) if holders else []
     ready = {int(p): i for p, i in infos[processes[0]].get("ready", {}).items()}
@@ -511,10 +565,11 @@ class ElasticDataParallel:
     out = self._outer_fn(tuple(holders), _SpecKey(spec))(*args)
     new_params = multihost_utils.global_array_to_host_local_array(out[0], mesh, P())
     new_state = multihost_utils.global_array_to_host_local_array(out[1], mesh, spec)
-    if len(holders) == self._n and self._ahead is None:
+    if len(holders) == self._n and self._ahead is None and self._compiles_ahead:
       self._ahead = threading.Thread(target=self._compile_ahead, args=(params, state, grads),
                                      name="qcomm-elastic-compile-ahead", daemon=True)
       self._ahead.start()
+      _COMPILING_AHEAD[self._ahead] = self._ahead_stop
     return new_params, new_state
 
   def _outer_args(self, holders: list[int], params: Any, state: Any, grads: Any) -> tuple:
@@ -530,25 +585,59 @@ class ElasticDataParallel:
           jax.tree_util.tree_map(lambda g: jnp.asarray(g)[None], grads), mesh, P(name)),)
     return mesh, spec, args
 
+  def _load_programs(self, params: Any, state: Any) -> None:
+    """Loads, on the backend just rebuilt, the programs of the next round over every process
+    (from the persistent cache, else compiled), so that it does not wait for them."""
+    try:
+      everyone = list(range(self._n))
+      _, spec, args = self._outer_args(everyone, params, state, self._grads_like())
+      self._outer_fn(tuple(everyone), _SpecKey(spec)).lower(*_abstract(args)).compile()
+      self._load_local_programs()
+    except Exception as error:  # noqa: BLE001  (the round compiles them itself)
+      _log(f"process {self._me}: could not load the next round's programs ahead: {error!r}")
+
+  def _grads_like(self) -> Any:
+    """Host arrays of the round's ``grads`` argument's shapes (None: the round takes none)."""
+    return None
+
+  def _load_local_programs(self) -> None:
+    """Loads the programs a step runs on this process's devices before its round."""
+
+  def _stop_ahead(self) -> None:
+    """Stops the thread that compiles ahead (after the program it compiles); the next round of
+    every process starts it again (the programs it compiled are in the cache). One that has
+    finished stays: its programs outlive the rebuild in the cache."""
+    if self._ahead is not None and self._ahead.is_alive():
+      self._ahead_stop.set()
+      self._ahead.join()
+      _COMPILING_AHEAD.pop(self._ahead, None)
+      self._ahead, self._ahead_stop = None, threading.Event()
+
   def _compile_ahead(self, params: Any, state: Any, grads: Any) -> None:
-    """Compiles, in a thread, this process's programs for one lost process: the round over each
-    set of holders it leaves, and the transfer of the state to it when it is back (from the
-    lowest of the others); the persistent compilation cache keeps them for when that happens."""
+    """Compiles, in a thread at the lowest CPU priority, this process's programs for the losses
+    of :func:`_loss_sets`: the round over the holders each leaves, and the transfer of the state
+    to the lost ones when they are back (from the lowest of the others); the persistent
+    compilation cache keeps them for when that happens."""
+    try:  # on Linux the nice value is per thread: the steps keep their priority
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+      pass
     everyone = list(range(self._n))
     order = sorted(everyone, key=self._row_of.__getitem__)
     rows = NamedSharding(self._mesh_of(everyone), P(self.mesh.axis_names[self._replica_axis]))
-    abstract_rows = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((self._n,) + tuple(np.shape(x)), x.dtype, sharding=rows),
-        (params, state))
-    for lost in everyone:
-      holders = [p for p in everyone if p != lost]
+    own = _own_leaves((params, state), self.OWN_FIELDS)
+    words = _packed_words([x for x, o in zip(jax.tree_util.tree_leaves((params, state)), own,
+                                             strict=True) if not o])
+    abstract_rows = jax.ShapeDtypeStruct((self._n, words), np.uint32, sharding=rows)
+    for lost in _loss_sets(self._n):
+      if self._ahead_stop.is_set():
+        return
+      holders = [p for p in everyone if p not in lost]
       if self._me in holders:
         _, spec, args = self._outer_args(holders, params, state, grads)
-        abstract = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
-        self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*abstract).compile()
+        self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*_abstract(args)).compile()
       self._broadcast_fn(tuple(everyone), order.index(holders[0]),
-                         (order.index(lost),)).lower(abstract_rows).compile()
+                         tuple(order.index(r) for r in lost)).lower(abstract_rows).compile()
 
   @functools.lru_cache(maxsize=None)
   def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
@@ -563,19 +652,27 @@ class ElasticDataParallel:
 
   def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
                  state: Any) -> tuple[Any, Any]:
-    """The receivers take the source's params and state (their residual: zeros), sent from the
-    source to each receiver only (``lax.ppermute``): the others send nothing."""
+    """The receivers take the source's params and state, sent from the source to each receiver
+    only (``lax.ppermute``): the others send nothing. The leaves travel packed into one buffer
+    (:func:`_pack`), without the fields that were the source's own (``OWN_FIELDS``: its
+    error-feedback residual, its window's gradients), which a receiver starts at zero."""
     mesh = self._mesh_of(processes)
     name = self.mesh.axis_names[self._replica_axis]
     order = sorted(processes, key=self._row_of.__getitem__)
-    tree = jax.tree_util.tree_map(lambda x: np.asarray(x)[None], (params, state))
-    rows = multihost_utils.host_local_array_to_global_array(tree, mesh, P(name))
+    leaves, treedef = jax.tree_util.tree_flatten((params, state))
+    leaves = [np.asarray(x) for x in leaves]
+    own = _own_leaves((params, state), self.OWN_FIELDS)
+    sent = [x for x, o in zip(leaves, own, strict=True) if not o]
+    rows = multihost_utils.host_local_array_to_global_array(_pack(sent)[None], mesh, P(name))
     out = self._broadcast_fn(tuple(processes), order.index(source),
                              tuple(order.index(r) for r in receivers))(rows)
-    got = multihost_utils.global_array_to_host_local_array(out, mesh, P(name))
-    params, state = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], got)
-    if self._me in receivers:  # what was the source's own: its residual, its window's gradients
-      state = _zero_fields(state, self.OWN_FIELDS)
+    jax.block_until_ready(out)
+    if self._me in receivers:
+      got = np.asarray(multihost_utils.global_array_to_host_local_array(out, mesh, P(name)))[0]
+      received = iter(_unpack(got, sent))
+      leaves = [np.zeros_like(x) if o else next(received)
+                for x, o in zip(leaves, own, strict=True)]
+    params, state = jax.tree_util.tree_unflatten(treedef, leaves)
     return (place(params, P(), self._local_mesh),
             place(state, self._spec(state), self._local_mesh))
 
@@ -583,17 +680,35 @@ class ElasticDataParallel:
   def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
     name = self.mesh.axis_names[self._replica_axis]
 
-    def pick(tree):
+    def pick(x):
       row = lax.axis_index(name)
-
-      def one(x):
-        for r in receiver_rows:  # a permutation has one pair per source: one per receiver
-          x = jnp.where(row == r, lax.ppermute(x, name, perm=[(source_row, r)]), x)
-        return x
-      return jax.tree_util.tree_map(one, tree)
+      for r in receiver_rows:  # a permutation has one pair per source: one per receiver
+        x = jnp.where(row == r, lax.ppermute(x, name, perm=[(source_row, r)]), x)
+      return x
 
     return jax.jit(jax.shard_map(pick, mesh=self._mesh_of(list(processes)), in_specs=P(name),
                                  out_specs=P(name)))
+
+
+def _pack(leaves: list[np.ndarray]) -> np.ndarray:
+  """The bytes of ``leaves`` end to end, zero-padded to whole 32-bit words: ``uint32[words]``."""
+  data = np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]
+                        + [np.zeros(_packed_words(leaves) * 4 - sum(x.nbytes for x in leaves),
+                                    np.uint8)])
+  return data.view(np.uint32)
+
+
+def _packed_words(leaves: list[Any]) -> int:
+  return -(-sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in leaves) // 4)
+
+
+def _unpack(words: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+  """The inverse of :func:`_pack`: leaves of ``like``'s shapes and dtypes, from ``words``."""
+  data, out, at = np.ascontiguousarray(words).view(np.uint8), [], 0
+  for x in like:
+    out.append(data[at:at + x.nbytes].view(x.dtype).reshape(x.shape).copy())
+    at += x.nbytes
+  return out
 
 
 @dataclasses.dataclass(eq=False)
@@ -618,6 +733,9 @@ class ElasticSyncDataParallel(ElasticDataParallel):
   ROUND = "step"
   STATE_TYPE: Any = None
   OWN_FIELDS = ("residual", "acc_grads")
+  # The last gradient call: (with a key, number of extra arguments, its arguments' and its
+  # gradients' shapes), for the programs loaded after a rebuild.
+  _grads_call = None
 
   def _rows(self, state: Any) -> tuple[str, np.ndarray]:
     names = axis_names(self.axis_name)
@@ -700,7 +818,26 @@ class ElasticSyncDataParallel(ElasticDataParallel):
     args = (put(params, P()), put(batch, P(axis_names(self.axis_name))), put(extra, P()))
     if key is not None:
       args += (put(key, P()),)
-    return self._grad_fn(key is not None, len(extra))(*args)
+    out = self._grad_fn(key is not None, len(extra))(*args)
+    if self._grads_call is None:
+      self._grads_call = (key is not None, len(extra), _shapes(args), _shapes(out[0]))
+    return out
+
+  def _grads_like(self) -> Any:
+    if self._grads_call is None:
+      return None
+    return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), self._grads_call[3])
+
+  def _load_local_programs(self) -> None:
+    if self._grads_call is None:
+      return
+    with_key, n_extra, shapes, _ = self._grads_call
+    specs = (P(), P(axis_names(self.axis_name)), P()) + ((P(),) if with_key else ())
+    args = tuple(jax.tree_util.tree_map(
+        lambda s, spec=spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                  sharding=NamedSharding(self._local_mesh, spec)),
+        group) for group, spec in zip(shapes, specs, strict=True))
+    self._grad_fn(with_key, n_extra).lower(*args).compile()
 
   def _prepare(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
                key: jax.Array | None = None) -> None:

@@ -83,6 +83,9 @@ ENV_RECOVERABLE = "QCOMM_RECOVERABLE"
 ENV_MALLOC = "QCOMM_MALLOC"
 ENV_ELASTIC = "QCOMM_ELASTIC"
 ENV_EXTERNAL_SERVICE = "QCOMM_EXTERNAL_SERVICE"
+#: Set by ``launch --elastic`` for a spare process: :func:`initialize` waits for a line on
+#: standard input (the launcher's word that the spare replaces a lost process) before it joins.
+ENV_SPARE = "QCOMM_SPARE"
 
 #: XLA's timeout of one CPU collective across processes (gloo): default 30 minutes.
 XLA_CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
@@ -103,7 +106,7 @@ __all__ = ["initialize", "is_elastic", "global_mesh", "global_devices", "under_l
            "Timeouts", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
            "ENV_LOCAL_DEVICES", "ENV_GLOO_INTERFACE", "ENV_HEARTBEAT_TIMEOUT",
            "ENV_COLLECTIVE_TIMEOUT", "ENV_SHUTDOWN_TIMEOUT", "ENV_INITIALIZATION_TIMEOUT",
-           "ENV_RECOVERABLE", "ENV_ELASTIC", "ENV_EXTERNAL_SERVICE", "CLUSTER_DETECTION_METHODS"]
+           "ENV_RECOVERABLE", "ENV_ELASTIC", "ENV_EXTERNAL_SERVICE", "ENV_SPARE", "CLUSTER_DETECTION_METHODS"]
 
 
 _ELASTIC = False
@@ -351,6 +354,16 @@ def _install_fail_fast(process_id: int, num_processes: int, timeouts: Timeouts,
 
 # ---- initialize ---------------------------------------------------------------------------------
 
+def _wait_as_spare() -> None:
+  """A spare started by ``launch --elastic`` (``QCOMM_SPARE=1``): everything the program did
+  before :func:`initialize` (imports, setup) is done; wait here until the launcher writes a line
+  (this process now replaces a lost one of its index), or exit quietly if it closes the pipe (the
+  run ended without needing this spare)."""
+  if not sys.stdin.readline():
+    sys.exit(0)
+  os.environ.pop(ENV_SPARE, None)
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, local_device_count: int | None = None,
                interface: str | None = None, *, hostname: str | None = None,
@@ -505,6 +518,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   else:
     detection = cluster_detection_method  # None: jax tries every environment it knows
 
+  if os.environ.get(ENV_SPARE) == "1":
+    _wait_as_spare()
   if malloc == "reuse":
     # Before jax.distributed starts its threads: a thread that allocates before the arena limit
     # is set gets an arena of its own, and XLA's threads would later share it.

@@ -6,7 +6,7 @@ Usage::
                                [--interface eth0] [--timeout S] [--env K=V ...]
                                [--heartbeat-timeout S] [--collective-timeout S]
                                [--no-recoverable] [--malloc reuse|glibc]
-                               [--elastic [--max-restarts R]]
+                               [--elastic [--max-restarts R] [--spare-delay S]]
                                (script.py [args...] | -m module [args...])
 
 Starts ``n`` copies of ``sys.executable script.py args`` (or ``-m module args``), each with the
@@ -49,6 +49,14 @@ error status has the others stopped at once). ``--elastic`` sets ``QCOMM_ELASTIC
 A process that dies (any signal, any exit status but 0) is restarted with its rank, up to
 ``--max-restarts`` times each (default 3), while the others keep running; each loss and restart is
 reported. Once a process has exited with 0 (the run is ending), a loss is no longer restarted.
+The restart is made from a spare: ``--spare-delay`` seconds (default :data:`SPARE_DELAY_S`) after
+each process starts, the launcher starts another of its rank with ``QCOMM_SPARE=1``, which runs the program up to
+:func:`jax_qcomm.tools.distributed.initialize` (its imports and whatever precedes that call) and
+waits there for a line on its standard input. When the process dies, the launcher writes that line,
+and the spare joins at once instead of a new process starting from nothing; the survivors learn of
+the loss when it joins (the coordination service then sees the new incarnation). A process lost
+before its spare started is restarted afresh. At the end the spares read the end of their pipe and
+exit with status 0.
 Without ``--elastic``: SIGINT (Ctrl-C) and SIGTERM sent to the launcher are forwarded to every
 process, which are killed if still alive ``--kill-grace`` seconds later; the launcher then exits
 with 130 or 143. ``--timeout`` (exit status 124) stops them all the same way. Each process runs in
@@ -74,10 +82,14 @@ from jax_qcomm.tools import distributed, malloc
 # one of these options, or at -m / --).
 _VALUE_OPTIONS = {"-n", "--num-processes", "--local-devices", "--port", "--host", "--interface",
                   "--timeout", "--env", "--kill-grace", "--heartbeat-timeout",
-                  "--collective-timeout", "--malloc", "--max-restarts"}
+                  "--collective-timeout", "--malloc", "--max-restarts", "--spare-delay"}
 _FLAG_OPTIONS = {"-h", "--help", "--recoverable", "--no-recoverable", "--elastic"}
 #: Restarts per process under --elastic unless --max-restarts says otherwise.
 DEFAULT_MAX_RESTARTS = 3
+#: Seconds after a process of an ``--elastic`` run starts (or a spare takes its place) before the
+#: launcher starts the next spare of its index, so that the spare's imports do not compete with
+#: the start of the run or with a restarted process's compilation.
+SPARE_DELAY_S = 15.0
 TIMEOUT_EXIT = 124
 #: glibc malloc settings under which large buffers reuse heap pages instead of fresh mmaps: one
 #: arena, no mmap below 4 GiB, no trimming of the heap below 16 GiB (``--malloc reuse``).
@@ -136,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "that dies, with its rank, while the others go on (QCOMM_ELASTIC=1)")
   parser.add_argument("--max-restarts", type=int, default=None,
                       help=f"--elastic: restarts per process (default: {DEFAULT_MAX_RESTARTS})")
+  parser.add_argument("--spare-delay", type=float, default=None,
+                      help=f"--elastic: seconds after a process starts before its spare starts "
+                           f"(default: {SPARE_DELAY_S:g})")
   return parser
 
 
@@ -235,6 +250,26 @@ def _signal_groups(procs: Sequence[subprocess.Popen], signum: int) -> None:
           pass
 
 
+def _activate(spare: subprocess.Popen | None) -> subprocess.Popen | None:
+  """``spare`` told to take over (a line on its standard input); None if there is none alive."""
+  if spare is None or spare.poll() is not None:
+    return None
+  try:
+    spare.stdin.write(b"\n")
+    spare.stdin.flush()
+  except OSError:  # it died meanwhile
+    return None
+  return spare
+
+
+def _close(stream: IO | None) -> None:
+  try:
+    if stream is not None:
+      stream.close()
+  except OSError:
+    pass
+
+
 def _kill_all(procs: Sequence[subprocess.Popen], grace: float,
               signum: int = signal.SIGTERM) -> None:
   """``signum`` to every live process group, then SIGKILL to those still alive after ``grace``."""
@@ -316,14 +351,17 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
            stderr: IO[str] | None = None, launch_command: str | None = None,
            heartbeat_timeout: int | None = None, collective_timeout: int | None = None,
            recoverable: bool = True, malloc: str = "reuse", elastic: bool = False,
-           max_restarts: int | None = None, service: bool = True) -> int:
+           max_restarts: int | None = None, service: bool = True,
+           spare_delay: float | None = None) -> int:
   """Runs ``sys.executable *command`` in ``num_processes`` processes; returns the exit status.
 
   ``malloc``: ``"reuse"`` sets :data:`MALLOC_REUSE_ENV` for the processes (each variable unless
   the environment or ``env`` sets it); ``"glibc"`` leaves glibc's defaults (module docstring).
 
   ``elastic``: host the coordination service here and restart a process that dies, up to
-  ``max_restarts`` times each (module docstring); with ``service=False`` the service runs
+  ``max_restarts`` times each, from a spare started ``spare_delay`` seconds (default
+  :data:`SPARE_DELAY_S`) after the process it would replace (module docstring); with
+  ``service=False`` the service runs
   elsewhere already (``python -m jax_qcomm.tools.coordinator`` at ``host:port``).
 
   0 if all succeeded; else the failed process's status (the others are stopped); 124 on timeout;
@@ -348,6 +386,13 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
       raise ValueError("max_restarts needs elastic=True (only an elastic run restarts processes)")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
       raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
+  if spare_delay is not None:
+    if not elastic:
+      raise ValueError("spare_delay needs elastic=True (only an elastic run restarts processes)")
+    if isinstance(spare_delay, bool) or not isinstance(spare_delay, (int, float)) \
+        or not spare_delay >= 0:
+      raise ValueError(f"spare_delay must be a number of seconds >= 0, got {spare_delay!r}")
+  spare_delay = SPARE_DELAY_S if spare_delay is None else float(spare_delay)
   if elastic and not recoverable:
     raise ValueError("elastic=True needs recoverable=True (a lost process must not end the others)")
   max_restarts = DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts
@@ -404,10 +449,18 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
   survivor_wait = (distributed.Timeouts.from_env(heartbeat=heartbeat_timeout).heartbeat
                    + distributed.ASK_LIVE_WAIT_AFTER_TIMEOUT + kill_grace)
 
-  def spawn(rank: int) -> subprocess.Popen:
+  # elastic: per rank, a spare process started ahead, waiting in initialize() (ENV_SPARE) until
+  # it replaces a lost process of that rank; and when the next spare is due to start.
+  spares: dict[int, subprocess.Popen] = {}
+  spare_due = {rank: time.monotonic() + spare_delay for rank in range(num_processes)}
+
+  def spawn(rank: int, spare: bool = False) -> subprocess.Popen:
     proc_env = dict(base_env)
     proc_env[distributed.ENV_PROCESS_ID] = str(rank)
-    p = subprocess.Popen([sys.executable, *command], env=proc_env, stdin=subprocess.DEVNULL,
+    if spare:
+      proc_env[distributed.ENV_SPARE] = "1"
+    p = subprocess.Popen([sys.executable, *command], env=proc_env,
+                         stdin=subprocess.PIPE if spare else subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     prefix = f"[{rank:>{width}}] "
     for stream, out in ((p.stdout, stdout), (p.stderr, stderr)):
@@ -432,9 +485,12 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
         for rank, code in failed:
           if restarts[rank] < max_restarts:
             restarts[rank] += 1
+            spare = _activate(spares.pop(rank, None))
             report(f"process {rank} lost ({describe_status(code)}); restarting it with rank "
-                   f"{rank} (restart {restarts[rank]} of {max_restarts})")
-            procs[rank] = spawn(rank)
+                   f"{rank} (restart {restarts[rank]} of {max_restarts}"
+                   + (", a spare started ahead" if spare else "") + ")")
+            procs[rank] = spare or spawn(rank)
+            spare_due[rank] = time.monotonic() + spare_delay
           else:
             exhausted.append((rank, code))
         failed = exhausted
@@ -448,6 +504,11 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
         break
       if all(c == 0 for c in codes):
         break
+      if elastic:
+        for rank, due in list(spare_due.items()):
+          if time.monotonic() >= due and restarts[rank] < max_restarts:
+            del spare_due[rank]
+            spares[rank] = spawn(rank, spare=True)
       if deadline is not None and time.monotonic() > deadline:
         status = TIMEOUT_EXIT
         report(f"timeout after {timeout:g} s; stopping all processes")
@@ -459,7 +520,9 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
     report(f"received {_signal_name(stop_signal)}; forwarding it to all processes")
   finally:
     live = {i for i, p in enumerate(procs) if p.poll() is None}
-    _kill_all(procs, kill_grace, stop_signal)
+    for p in spares.values():  # a spare that reads the end of its pipe exits with status 0
+      _close(p.stdin)
+    _kill_all([*procs, *spares.values()], kill_grace, stop_signal)
     for t in pumps:
       t.join(timeout=5)
     if status != 0 and procs:
@@ -493,6 +556,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error("--max-restarts needs --elastic")
   if args.max_restarts is not None and args.max_restarts < 0:
     parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+  if args.spare_delay is not None and not args.elastic:
+    parser.error("--spare-delay needs --elastic")
+  if args.spare_delay is not None and not args.spare_delay >= 0:
+    parser.error(f"--spare-delay must be >= 0 (seconds), got {args.spare_delay}")
   if args.elastic and not args.recoverable:
     parser.error("--elastic needs the recoverability mode (drop --no-recoverable)")
   env = {}
@@ -507,7 +574,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 launch_command=shlex.join(["python", "-m", "jax_qcomm.tools.launch", *argv]),
                 heartbeat_timeout=args.heartbeat_timeout,
                 collective_timeout=args.collective_timeout, recoverable=args.recoverable,
-                malloc=args.malloc, elastic=args.elastic, max_restarts=args.max_restarts)
+                malloc=args.malloc, elastic=args.elastic, max_restarts=args.max_restarts,
+                spare_delay=args.spare_delay)
 
 
 if __name__ == "__main__":
