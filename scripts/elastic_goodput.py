@@ -4,14 +4,15 @@ processes killed every few minutes, against the same run with no failure.
     python scripts/elastic_goodput.py run --kind clean [--method ddp]  # resumable by run
     python scripts/elastic_goodput.py run --kind kill --every-s 120 --first-s 30 [--method ddp]
     python scripts/elastic_goodput.py run --kind kill2 --every-s 120 --first-s 30 [--method ddp]
-    python scripts/elastic_goodput.py table
+    python scripts/elastic_goodput.py run ... --repeat 2     # NAME_2.json: one more of a run
+    python scripts/elastic_goodput.py table                  # medians over the repeats
 
 Each run is ``python -m jax_qcomm.tools.cluster --elastic`` (3 nodes sharing the machine's cores,
 10 Mbit/s links) of ``training.lm_slow_link``: ``--method=diloco`` with 4-bit synchronisations
 every 20 steps (4000 steps), or ``--method=ddp``, a 4-bit ``qcomm.sync`` every step (1500 steps).
-``kill`` sends SIGKILL to node 1, then 2, then 0, ...: ``--first-s`` seconds (default: ``--every-s``)
-after the first evaluation, then every ``--every-s`` seconds; ``kill2`` kills two nodes at once each time (1 and 2, then 2 and 0, ...); the launcher
-restarts each. Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the
+``kill`` sends SIGKILL to node 1, then 2, then 0, ...: ``--first-s`` seconds (default:
+``--every-s``) after the first evaluation, then every ``--every-s`` seconds; ``kill2`` kills two
+nodes at once each time (1 and 2, then 2 and 0, ...); the launcher restarts each (from its spare). Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the
 replicas averaged times the calls it covers (the work that reached the parameters); per second of
 the run's wall time (start-up included in every run). Every run starts with an empty compilation
 cache of its own (``JAX_COMPILATION_CACHE_DIR``, a new directory, removed afterwards): the elastic
@@ -28,6 +29,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,9 +81,10 @@ def _node_pid(rank: int) -> int | None:
   return min(found)[1] if found else None
 
 
-def run(kind: str, every_s: float, method: str = "diloco", first_s: float | None = None) -> None:
+def run(kind: str, every_s: float, method: str = "diloco", first_s: float | None = None,
+        repeat: int = 1) -> None:
   os.makedirs(OUT, exist_ok=True)
-  name = _name(method, kind)
+  name = _name(method, kind) + ("" if repeat == 1 else f"_{repeat}")
   path = os.path.join(OUT, f"{name}.json")
   if os.path.exists(path):
     print(f"{path} exists; skipping")
@@ -154,26 +157,54 @@ def _cpu() -> str:
   return "unknown"
 
 
+def _runs(method: str, kind: str) -> list[dict]:
+  """Every repeat of one run that exists (``NAME.json``, ``NAME_2.json``, ...)."""
+  runs, k = [], 1
+  while True:
+    path = os.path.join(OUT, f"{_name(method, kind)}{'' if k == 1 else f'_{k}'}.json")
+    if not os.path.exists(path):
+      return runs
+    with open(path) as f:
+      runs.append(json.load(f))
+    k += 1
+
+
+def _extra_s_per_loss(r: dict) -> float | None:
+  """Process 0's seconds beyond a normal round in the rounds that ran short or admitted, per kill
+  event: the rounds a loss broke, the admitting ones (a normal round: the median of the short
+  rounds that neither broke nor admitted)."""
+  rounds = r.get("short_syncs") or []
+  plain = [x["seconds"] for x in rounds if not x["stall_s"] and not x["admitted"]]
+  events = len(r["kills"]) // (2 if r["kind"] == "kill2" else 1)
+  if not events or not plain:
+    return None
+  typical = statistics.median(plain)
+  return sum(max(0.0, x["seconds"] - typical) for x in rounds) / events
+
+
 def table() -> None:
-  print("| method | run | kills | exit | rounds with fewer replicas | useful steps / s | goodput "
-        "| survivors' stall s (process 0) | final val loss | wall s |")
+  print("| method | run | runs | kill events | rounds with fewer replicas | useful steps / s "
+        "(median) | goodput | survivors' extra s per loss (process 0) | final val loss | wall s |")
   print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
   for method in STEPS:
     base = None
     for kind in KINDS:
-      path = os.path.join(OUT, f"{_name(method, kind)}.json")
-      if not os.path.exists(path):
+      runs = _runs(method, kind)
+      if not runs:
         continue
-      with open(path) as f:
-        r = json.load(f)
-      useful = sum(r["replicas_per_sync"]) * r["calls_per_sync"] / r["wall_s"]
-      base = useful if kind == "clean" else base
-      short = sum(1 for x in r["replicas_per_sync"] if x < NODES)
-      good = f"{useful / base:.1%}" if base else "-"
-      stall = "-" if r.get("stall_s") is None else f"{r['stall_s']:.1f}"
-      print(f"| {method} | {kind} | {len(r['kills'])} | {r['exit']} | {short} of "
-            f"{len(r['replicas_per_sync'])} | {useful:.1f} | {good} | {stall} "
-            f"| {r['val_loss']:.4f} | {r['wall_s']:.0f} |")
+      useful = [sum(r["replicas_per_sync"]) * r["calls_per_sync"] / r["wall_s"] for r in runs]
+      median = statistics.median(useful)
+      base = median if kind == "clean" else base
+      good = f"{median / base:.1%}" if base else "-"
+      events = sum(len(r["kills"]) // (2 if kind == "kill2" else 1) for r in runs)
+      short = sum(1 for r in runs for x in r["replicas_per_sync"] if x < NODES)
+      total = sum(len(r["replicas_per_sync"]) for r in runs)
+      extra = [e for e in map(_extra_s_per_loss, runs) if e is not None]
+      extra = "-" if not extra else f"{statistics.median(extra):.2f}"
+      print(f"| {method} | {kind} | {len(runs)} | {events} | {short} of {total} | "
+            f"{median:.1f} ({min(useful):.1f}-{max(useful):.1f}) | {good} | {extra} | "
+            + ", ".join(f"{r['val_loss']:.4f}" for r in runs) + " | "
+            + ", ".join(f"{r['wall_s']:.0f}" for r in runs) + " |")
 
 
 def main() -> None:
@@ -186,10 +217,15 @@ def main() -> None:
   r.add_argument("--first-s", type=float, default=None,
                  help="seconds from the first evaluation to the first kill (default: --every-s)")
   r.add_argument("--method", choices=tuple(STEPS), default="diloco")
+  r.add_argument("--repeat", type=int, default=1,
+                 help="the repeat's number: 2, 3, ... write NAME_2.json, ... (the table takes "
+                      "the median)")
   sub.add_parser("table")
   args = parser.parse_args()
   if args.cmd == "run":
-    run(args.kind, args.every_s, args.method, args.first_s)
+    if args.repeat < 1:
+      parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    run(args.kind, args.every_s, args.method, args.first_s, args.repeat)
   else:
     table()
 

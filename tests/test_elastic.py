@@ -268,8 +268,9 @@ def test_spare_delay_needs_elastic_and_seconds():
     launch.launch(["-c", "pass"], 1, spare_delay=1.0)
   with pytest.raises(ValueError, match="spare_delay must be a number of seconds >= 0"):
     launch.launch(["-c", "pass"], 1, elastic=True, spare_delay=-1)
-  for argv, message in ((["-n", "1", "--spare-delay", "1", "x.py"], "--spare-delay needs --elastic"),
-                        (["-n", "1", "--elastic", "--spare-delay", "-2", "x.py"], "must be >= 0")):
+  for argv, message in (
+      (["-n", "1", "--spare-delay", "1", "x.py"], "--spare-delay needs --elastic"),
+      (["-n", "1", "--elastic", "--spare-delay", "-2", "x.py"], "must be >= 0")):
     run = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", *argv],
                          capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr

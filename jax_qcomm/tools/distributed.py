@@ -388,7 +388,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   ``QCOMM_GLOO_INTERFACE``, ``QCOMM_*_TIMEOUT``, ``QCOMM_RECOVERABLE``). When the coordinator, the
   process count or the index is still missing, jax's cluster detection supplies it: under
   SLURM (``srun``), Open MPI (``mpirun``), Kubernetes, or with ``cluster_detection_method="mpi4py"``
-  any MPI; given values are kept. With all three given, detection is off.
+  any MPI; given values are kept. With all three given, detection is off. A spare process of
+  ``launch --elastic`` (``QCOMM_SPARE=1``) first waits here for a line on its standard input,
+  the launcher's word that it replaces a lost process, and exits with status 0 at the input's
+  end.
 
   Args:
     coordinator_address: ``host:port`` of the coordination service, which process 0 runs.

@@ -50,13 +50,13 @@ A process that dies (any signal, any exit status but 0) is restarted with its ra
 ``--max-restarts`` times each (default 3), while the others keep running; each loss and restart is
 reported. Once a process has exited with 0 (the run is ending), a loss is no longer restarted.
 The restart is made from a spare: ``--spare-delay`` seconds (default :data:`SPARE_DELAY_S`) after
-each process starts, the launcher starts another of its rank with ``QCOMM_SPARE=1``, which runs the program up to
-:func:`jax_qcomm.tools.distributed.initialize` (its imports and whatever precedes that call) and
-waits there for a line on its standard input. When the process dies, the launcher writes that line,
-and the spare joins at once instead of a new process starting from nothing; the survivors learn of
-the loss when it joins (the coordination service then sees the new incarnation). A process lost
-before its spare started is restarted afresh. At the end the spares read the end of their pipe and
-exit with status 0.
+each process starts, the launcher starts another of its rank with ``QCOMM_SPARE=1``, which runs
+the program up to :func:`jax_qcomm.tools.distributed.initialize` (its imports and whatever
+precedes that call) and waits there for a line on its standard input. When the process dies, the
+launcher writes that line, and the spare joins at once instead of a new process starting from
+nothing; the survivors learn of the loss when it joins (the coordination service then sees the
+new incarnation). A process lost before its spare started is restarted afresh. At the end the
+spares read the end of their pipe and exit with status 0.
 Without ``--elastic``: SIGINT (Ctrl-C) and SIGTERM sent to the launcher are forwarded to every
 process, which are killed if still alive ``--kill-grace`` seconds later; the launcher then exits
 with 130 or 143. ``--timeout`` (exit status 124) stops them all the same way. Each process runs in
@@ -361,8 +361,8 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
   ``elastic``: host the coordination service here and restart a process that dies, up to
   ``max_restarts`` times each, from a spare started ``spare_delay`` seconds (default
   :data:`SPARE_DELAY_S`) after the process it would replace (module docstring); with
-  ``service=False`` the service runs
-  elsewhere already (``python -m jax_qcomm.tools.coordinator`` at ``host:port``).
+  ``service=False`` the service runs elsewhere already (``python -m jax_qcomm.tools.coordinator``
+  at ``host:port``).
 
   0 if all succeeded; else the failed process's status (the others are stopped); 124 on timeout;
   130 on SIGINT (Ctrl-C), 143 on SIGTERM (both forwarded to the processes).
@@ -506,7 +506,9 @@ def launch(command: Sequence[str], num_processes: int, *, local_devices: int | N
         break
       if elastic:
         for rank, due in list(spare_due.items()):
-          if time.monotonic() >= due and restarts[rank] < max_restarts:
+          # none for a rank out of restarts, or whose process has finished (the run is ending)
+          if (time.monotonic() >= due and restarts[rank] < max_restarts
+              and procs[rank].poll() is None):
             del spare_due[rank]
             spares[rank] = spawn(rank, spare=True)
       if deadline is not None and time.monotonic() > deadline:
