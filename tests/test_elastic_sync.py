@@ -1,5 +1,5 @@
 """Elastic per-step data parallelism across processes (``data_parallel(..., elastic=True)`` with a
-``qcomm.sync``; jax_qcomm/runners/elastic.py, launch --elastic): workers killed (SIGKILL, one or
+``qcomm.sync``; jax_qcomm/runners/elastic_sync.py, launch --elastic): workers killed (SIGKILL, one or
 two at once, rank 0 repeatedly) or stopped past the heartbeat timeout, restarted by the launcher
 with their rank and admitted with the group's state; parameters bit-identical at every optimizer
 step. tests/elastic_worker.py in its ``sync`` mode (a noisy linear regression, 4 bits, 2

@@ -34,7 +34,8 @@ from jax_qcomm.collectives import ops as collectives, packing
 from jax_qcomm._checks import (check_array_leaves, check_axis_name, check_bool, check_choice,
                                check_key)
 from jax_qcomm.transport.axes import axis_names
-from jax_qcomm.runners.elastic import ElasticDataParallel, ElasticSyncDataParallel
+from jax_qcomm.runners.elastic import ElasticDataParallel
+from jax_qcomm.runners.elastic_sync import ElasticSyncDataParallel
 from jax_qcomm.runners.overlap import OverlappedDataParallel
 from jax_qcomm.collectives.shard_layout import MODEL_AXES
 from jax_qcomm.collectives import sharded_params
@@ -466,7 +467,7 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       averaged over the processes alive at that step, a replica lost during it costs that
       step its share of the batch, and a restarted process receives the parameters, the state
       and the step count from a live peer
-      (:class:`jax_qcomm.runners.elastic.ElasticSyncDataParallel`).
+      (:class:`jax_qcomm.runners.elastic_sync.ElasticSyncDataParallel`).
     param_spec: optional, a pytree of ``PartitionSpec`` with the structure of ``params``: how each
       parameter is sharded over the mesh axes that are not data axes (the "model axes": tensor
       parallel ``P(None, "model")``, FSDP inside a node ``P("model", None)``, or a mix). Default:
