@@ -229,6 +229,54 @@ def test_the_state_transfer_packs_every_leaf_into_one_buffer_and_back():
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bits, NaN included
 
 
+
+@pytest.mark.parametrize("chain,pieces", [((2, 5), 1), ((2, 5, 0), 8), ((7, 1, 3, 6), 8),
+                                          ((0, 4, 2), 3)])
+def test_the_state_goes_down_a_chain_of_receivers_in_pieces(chain, pieces):
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from jax_qcomm.runners import elastic
+
+  rows = 8
+  mesh = Mesh(np.array(jax.devices()[:rows]), ("node",))
+  words = 37  # not a multiple of the pieces
+  data = np.arange(rows * words, dtype=np.uint32).reshape(rows, words) * 2654435761
+  program = elastic._relay(mesh, "node", chain, pieces)
+  out = np.asarray(program(jax.device_put(data, NamedSharding(mesh, P("node")))))
+  want = data.copy()
+  want[list(chain[1:])] = data[chain[0]]
+  np.testing.assert_array_equal(out, want)
+  # Each link carries the words once: ticks = pieces + receivers - 1 collective-permutes, each
+  # of one piece.
+  hlo = program.lower(jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                           sharding=NamedSharding(mesh, P("node")))).as_text()
+  permutes = [line for line in hlo.splitlines() if "collective_permute" in line and "=" in line]
+  assert len(permutes) == pieces + len(chain) - 2, hlo
+  size = -(-words // pieces)
+  assert all(f"tensor<{size}xui32>" in line for line in permutes), permutes
+
+
+def test_a_receiver_makes_the_leaves_that_do_not_travel():
+  import numpy as np
+
+  from jax_qcomm.runners import elastic
+
+  source = [np.arange(3, dtype=np.float32), np.ones((2, 2), np.int32),    # the parameters
+            np.arange(3, dtype=np.float32)[None], np.full((3,), 7.0, np.float32),
+            np.full((1, 2, 2), 1, np.int32)]
+  plan = [None, None, 0, elastic.ZEROS, 1]
+  sent = elastic._sent(source, plan)
+  assert len(sent) == 2
+  mine = [np.zeros_like(x) - 1 for x in source]  # the receiver's own, before
+  got = elastic._received(elastic._unpack(elastic._pack(sent), sent), mine, plan)
+  want = [source[0], source[1], source[0][None], np.zeros(3, np.float32), source[1][None]]
+  for g, w in zip(got, want, strict=True):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_array_equal(g, w)
+
+
 _SPARE_SCRIPT = """
 import os, sys, time
 from jax_qcomm.tools import distributed

@@ -81,6 +81,11 @@ ADMIT_DIR = "qcomm/elastic/admit/"
 ADMIT_TIMEOUT_S = 3600
 #: At most this many sets of lost processes have their programs compiled ahead (:func:`_loss_sets`).
 COMPILE_AHEAD_SETS = 16
+#: Pieces the state is cut into when it travels to more than one receiver: it goes down a chain
+#: of them, each passing on the piece it has while it takes the next (``_broadcast_fn``).
+PIPELINE_PIECES = 8
+#: In a transfer plan (``ElasticDataParallel._plan``): a leaf the receiver starts at zero.
+ZEROS = "zeros"
 
 
 def before_backend(client: Any, process_id: int, num_processes: int) -> None:
@@ -140,7 +145,7 @@ def _try_get(client: Any, key: str) -> str | None:
     return None
 
 
-def _own_leaves(tree: Any, fields: tuple[str, ...]) -> list[bool]:
+def _field_leaves(tree: Any, fields: tuple[str, ...]) -> list[bool]:
   """For each leaf of ``tree``: whether it lies in one of the named fields of a qcomm state."""
   def mark(node):
     flags = jax.tree_util.tree_map(lambda _: False, node)
@@ -238,6 +243,31 @@ class ElasticDataParallel:
   OWN_FIELDS = ("residual",)
   #: What one round is called in the log lines.
   ROUND = "synchronisation"
+
+  def _param_fields(self, state: Any) -> tuple[str, ...]:
+    """The state's fields that hold the parameters themselves right after a round (a receiver
+    copies them from the parameters it receives): diloco's replica parameters, unless it has
+    fragments or a delayed outer step (:func:`qcomm.local_params`)."""
+    cfg = getattr(state, "config", None)
+    if isinstance(state, DiLoCoState) and cfg.fragments == 1 and not cfg.delay:
+      return ("params",)
+    return ()
+
+  def _plan(self, params: Any, state: Any) -> list[int | str | None]:
+    """How a receiver of ``(params, state)`` makes each of its leaves (flattened): None, the leaf
+    travels; :data:`ZEROS`, it starts at zero (``OWN_FIELDS``: the source's own); ``j``, a copy
+    of leaf ``j`` of ``params`` (which travels) in the leaf's shape (:meth:`_param_fields`)."""
+    tree = (params, state)
+    own = _field_leaves(tree, self.OWN_FIELDS)
+    copies = _field_leaves(tree, self._param_fields(state))
+    n, copied, plan = len(jax.tree_util.tree_leaves(params)), 0, []
+    for is_own, is_copy in zip(own, copies, strict=True):
+      if is_copy:
+        plan.append(copied % n)
+        copied += 1
+      else:
+        plan.append(ZEROS if is_own else None)
+    return plan
 
   @property
   def replicas_per_sync(self) -> list[int]:
@@ -623,9 +653,8 @@ class ElasticDataParallel:
     everyone = list(range(self._n))
     order = sorted(everyone, key=self._row_of.__getitem__)
     rows = NamedSharding(self._mesh_of(everyone), P(self.mesh.axis_names[self._replica_axis]))
-    own = _own_leaves((params, state), self.OWN_FIELDS)
-    words = _packed_words([x for x, o in zip(jax.tree_util.tree_leaves((params, state)), own,
-                                             strict=True) if not o])
+    words = _packed_words(_sent(jax.tree_util.tree_leaves((params, state)),
+                                self._plan(params, state)))
     abstract_rows = jax.ShapeDtypeStruct((self._n, words), np.uint32, sharding=rows)
     for lost in _loss_sets(self._n):
       if self._ahead_stop.is_set():
@@ -650,54 +679,96 @@ class ElasticDataParallel:
 
   def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
                  state: Any) -> tuple[Any, Any]:
-    """The receivers take the source's params and state, sent from the source to each receiver
-    only (``lax.ppermute``): the others send nothing. The leaves travel packed into one buffer
-    (:func:`_pack`), without the fields that were the source's own (``OWN_FIELDS``: its
-    error-feedback residual, its window's gradients), which a receiver starts at zero."""
+    """The receivers take the source's params and state (``lax.ppermute`` from the source down
+    the chain of receivers, :meth:`_broadcast_fn`): the others send nothing. The leaves travel
+    packed into one buffer (:func:`_pack`), without those a receiver makes itself
+    (:meth:`_plan`: the source's own fields start at zero, copies of the parameters)."""
     mesh = self._mesh_of(processes)
     name = self.mesh.axis_names[self._replica_axis]
     order = sorted(processes, key=self._row_of.__getitem__)
     leaves, treedef = jax.tree_util.tree_flatten((params, state))
     leaves = [np.asarray(x) for x in leaves]
-    own = _own_leaves((params, state), self.OWN_FIELDS)
-    sent = [x for x, o in zip(leaves, own, strict=True) if not o]
+    plan = self._plan(params, state)
+    sent = _sent(leaves, plan)
     rows = multihost_utils.host_local_array_to_global_array(_pack(sent)[None], mesh, P(name))
     out = self._broadcast_fn(tuple(processes), order.index(source),
                              tuple(order.index(r) for r in receivers))(rows)
     jax.block_until_ready(out)
     if self._me in receivers:
       got = np.asarray(multihost_utils.global_array_to_host_local_array(out, mesh, P(name)))[0]
-      received = iter(_unpack(got, sent))
-      leaves = [np.zeros_like(x) if o else next(received)
-                for x, o in zip(leaves, own, strict=True)]
+      leaves = _received(_unpack(got, sent), leaves, plan)
     params, state = jax.tree_util.tree_unflatten(treedef, leaves)
     return (place(params, P(), self._local_mesh),
             place(state, self._spec(state), self._local_mesh))
 
   @functools.lru_cache(maxsize=None)
   def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
-    name = self.mesh.axis_names[self._replica_axis]
+    pieces = 1 if len(receiver_rows) == 1 else PIPELINE_PIECES
+    return _relay(self._mesh_of(list(processes)), self.mesh.axis_names[self._replica_axis],
+                  (source_row, *receiver_rows), pieces)
 
-    def pick(x):
-      row = lax.axis_index(name)
-      for r in receiver_rows:  # a permutation has one pair per source: one per receiver
-        x = jnp.where(row == r, lax.ppermute(x, name, perm=[(source_row, r)]), x)
-      return x
 
-    return jax.jit(jax.shard_map(pick, mesh=self._mesh_of(list(processes)), in_specs=P(name),
-                                 out_specs=P(name)))
+def _relay(mesh: Mesh, name: str, chain: tuple[int, ...], pieces: int) -> Callable:
+  """A program over ``mesh`` of ``uint32[rows, words]`` (a row per index along ``name``): the
+  rows of ``chain[1:]`` take row ``chain[0]``'s words, the others keep theirs. The words go down
+  the chain, in ``pieces`` pieces: at tick ``t`` link ``k`` (``chain[k]`` to ``chain[k + 1]``)
+  carries piece ``t - k``, so every link carries the words once and ``r`` receivers wait
+  ``(pieces + r - 1) / pieces`` times one transfer (sent from the first row to each in turn,
+  ``r`` times); one receiver takes them whole (``pieces=1``)."""
+  position = np.full(mesh.shape[name], -1, np.int32)  # of each row in the chain
+  position[list(chain)] = np.arange(len(chain))
+
+  def relay(x):
+    words = x.shape[-1]
+    size = -(-words // pieces)
+    buf = jnp.pad(x.reshape(-1), (0, size * pieces - words)).reshape(pieces, size)
+    at = jnp.asarray(position)[lax.axis_index(name)]
+    for tick in range(pieces + len(chain) - 2):
+      links = [(chain[k], chain[k + 1]) for k in range(len(chain) - 1) if 0 <= tick - k < pieces]
+      got = lax.ppermute(buf[jnp.clip(tick - at, 0, pieces - 1)], name, perm=links)
+      piece = tick - (at - 1)  # the piece this row takes, if it is a receiver with a link now
+      takes = (at >= 1) & (piece >= 0) & (piece < pieces)
+      buf = jnp.where(takes, buf.at[jnp.clip(piece, 0, pieces - 1)].set(got), buf)
+    return buf.reshape(-1)[:words].reshape(x.shape)
+
+  return jax.jit(jax.shard_map(relay, mesh=mesh, in_specs=P(name), out_specs=P(name)))
+
+
+def _sent(leaves: list[Any], plan: list[int | str | None]) -> list[Any]:
+  """The leaves that travel in a transfer of plan ``plan`` (``ElasticDataParallel._plan``)."""
+  return [x for x, how in zip(leaves, plan, strict=True) if how is None]
+
+
+def _received(got: list[np.ndarray], leaves: list[np.ndarray],
+              plan: list[int | str | None]) -> list[np.ndarray]:
+  """A receiver's leaves: those of ``got`` (the leaves that travelled, in order), the others made
+  as ``plan`` says (in ``leaves``' shapes and dtypes)."""
+  got, out = iter(got), []
+  for x, how in zip(leaves, plan, strict=True):
+    if how is None:
+      out.append(next(got))
+    elif how == ZEROS:
+      out.append(np.zeros_like(x))
+    else:  # a copy of the parameters' leaf, which came first
+      out.append(np.broadcast_to(out[how], x.shape).astype(x.dtype))
+  return out
+
+
+def _nbytes(x: Any) -> int:
+  return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
 
 
 def _pack(leaves: list[np.ndarray]) -> np.ndarray:
   """The bytes of ``leaves`` end to end, zero-padded to whole 32-bit words: ``uint32[words]``."""
+  pad = _packed_words(leaves) * 4 - sum(map(_nbytes, leaves))
   data = np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]
-                        + [np.zeros(_packed_words(leaves) * 4 - sum(x.nbytes for x in leaves),
-                                    np.uint8)])
+                        + [np.zeros(pad, np.uint8)])
   return data.view(np.uint32)
 
 
 def _packed_words(leaves: list[Any]) -> int:
-  return -(-sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in leaves) // 4)
+  """The 32-bit words :func:`_pack` makes of ``leaves`` (arrays or shapes)."""
+  return -(-sum(map(_nbytes, leaves)) // 4)
 
 
 def _unpack(words: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
