@@ -541,6 +541,7 @@ class ElasticDataParallel:
     if receivers:
       t_transfer = time.perf_counter()
       params, state = self._broadcast(processes, holders[0], receivers, params, state)
+      self._check_live(live)  # every receiver has it (the source's part ends sooner)
       self._transfer_s = time.perf_counter() - t_transfer
     if loading is not None:
       loading.join()
