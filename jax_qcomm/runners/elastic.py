@@ -24,7 +24,8 @@ synchronisation is a round among the processes alive, agreed through the coordin
    state run diloco's outer step over their own devices (a mesh of the holders only), so the mean
    is over the replicas present; the others (a restarted process, or one that fell behind) receive
    the result: the anchor, the outer optimizer's state, the counters and the rounding key, and the
-   inner optimizer's state of the lowest holder (their error-feedback residual starts at zero).
+   inner optimizer's state of the lowest holder (their error-feedback residual starts at zero,
+   and their replica parameters are the anchor). It travels down a chain of the receivers.
    After every round the anchors of all live replicas are bit-identical.
 3. XLA:CPU caches its gloo communicators by device set, and a restarted process cannot enter a set
    it was in before (docs/distributed.md). So a process that needs the state is admitted only when
