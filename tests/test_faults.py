@@ -441,14 +441,14 @@ def test_mutual_tls_admits_the_runs_certificates_and_refuses_others(tmp_path):
   _throwaway_ca(tmp_path / "run", "run")
   _throwaway_ca(tmp_path / "other", "other")
 
-  def envs():
+  def envs(timeout_s=15):
     port = free_port()
     out = []
     for rank in range(2):
       env = dict(_env())
       env.update({distributed.ENV_COORDINATOR: f"localhost:{port}",
                   distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: str(rank),
-                  distributed.ENV_INITIALIZATION_TIMEOUT: "15"})
+                  distributed.ENV_INITIALIZATION_TIMEOUT: str(timeout_s)})
       out.append(env)
     return out
 
@@ -458,7 +458,7 @@ def test_mutual_tls_admits_the_runs_certificates_and_refuses_others(tmp_path):
     assert f"process {rank} of 2" in text, text[-2000:]
 
   for intruder in (["--mtls-dir", str(tmp_path / "other")], []):
-    env0, env1 = envs()
+    env0, env1 = envs(timeout_s=8)  # both fail: the wait is the timeout
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--steps", "3", "--mtls-dir",
                                str(tmp_path / "run")], cwd=ROOT, env=env0, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True),
