@@ -12,8 +12,9 @@ Each run is ``python -m jax_qcomm.tools.cluster --elastic`` (3 nodes sharing the
 every 20 steps (4000 steps), or ``--method=ddp``, a 4-bit ``qcomm.sync`` every step (1500 steps).
 ``kill`` sends SIGKILL to node 1, then 2, then 0, ...: ``--first-s`` seconds (default:
 ``--every-s``) after the first evaluation, then every ``--every-s`` seconds; ``kill2`` kills two
-nodes at once each time (1 and 2, then 2 and 0, ...); the launcher restarts each (from its spare). Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the
-replicas averaged times the calls it covers (the work that reached the parameters); per second of
+nodes at once each time (1 and 2, then 2 and 0, ...); the launcher restarts each (from its
+spare). Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the replicas
+averaged times the calls it covers (the work that reached the parameters); per second of
 the run's wall time (start-up included in every run). Every run starts with an empty compilation
 cache of its own (``JAX_COMPILATION_CACHE_DIR``, a new directory, removed afterwards): the elastic
 processes keep their programs there (docs/distributed.md), and a cache filled by an earlier run
@@ -54,8 +55,10 @@ def _command(out_json: str, method: str) -> list[str]:
           f"--config.num_steps={STEPS[method]}", f"--every={EVERY}", "--eval_every=500"]
 
 
-def _name(method: str, kind: str) -> str:
-  return kind if method == "diloco" else f"{method}_{kind}"
+def _name(method: str, kind: str, repeat: int = 1) -> str:
+  """A run's file name: ``kill``, ``ddp_kill``, ``ddp_kill_2`` (its second repeat), ..."""
+  return ((kind if method == "diloco" else f"{method}_{kind}")
+          + ("" if repeat == 1 else f"_{repeat}"))
 
 
 def _node_pid(rank: int) -> int | None:
@@ -84,7 +87,7 @@ def _node_pid(rank: int) -> int | None:
 def run(kind: str, every_s: float, method: str = "diloco", first_s: float | None = None,
         repeat: int = 1) -> None:
   os.makedirs(OUT, exist_ok=True)
-  name = _name(method, kind) + ("" if repeat == 1 else f"_{repeat}")
+  name = _name(method, kind, repeat)
   path = os.path.join(OUT, f"{name}.json")
   if os.path.exists(path):
     print(f"{path} exists; skipping")
@@ -161,12 +164,17 @@ def _runs(method: str, kind: str) -> list[dict]:
   """Every repeat of one run that exists (``NAME.json``, ``NAME_2.json``, ...)."""
   runs, k = [], 1
   while True:
-    path = os.path.join(OUT, f"{_name(method, kind)}{'' if k == 1 else f'_{k}'}.json")
+    path = os.path.join(OUT, f"{_name(method, kind, k)}.json")
     if not os.path.exists(path):
       return runs
     with open(path) as f:
       runs.append(json.load(f))
     k += 1
+
+
+def _events(r: dict) -> int:
+  """A run's kill events (a ``kill2`` event kills two processes)."""
+  return len(r["kills"]) // (2 if r["kind"] == "kill2" else 1)
 
 
 def _extra_s_per_loss(r: dict) -> float | None:
@@ -175,7 +183,7 @@ def _extra_s_per_loss(r: dict) -> float | None:
   rounds that neither broke nor admitted)."""
   rounds = r.get("short_syncs") or []
   plain = [x["seconds"] for x in rounds if not x["stall_s"] and not x["admitted"]]
-  events = len(r["kills"]) // (2 if r["kind"] == "kill2" else 1)
+  events = _events(r)
   if not events or not plain:
     return None
   typical = statistics.median(plain)
@@ -196,7 +204,7 @@ def table() -> None:
       median = statistics.median(useful)
       base = median if kind == "clean" else base
       good = f"{median / base:.1%}" if base else "-"
-      events = sum(len(r["kills"]) // (2 if kind == "kill2" else 1) for r in runs)
+      events = sum(map(_events, runs))
       short = sum(1 for r in runs for x in r["replicas_per_sync"] if x < NODES)
       total = sum(len(r["replicas_per_sync"]) for r in runs)
       extra = [e for e in map(_extra_s_per_loss, runs) if e is not None]

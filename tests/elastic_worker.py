@@ -135,12 +135,11 @@ while (done := calls()) < steps:
   if int(state.mini_step) == 0:  # a synchronisation
     flat = np.concatenate([np.asarray(params["w"]).ravel(), np.asarray(params["b"]).ravel()])
     rounds = state.gradient_step if SYNC else state.outer_step
+    digest = hashlib.sha256(flat.tobytes())
     if not SYNC:  # the replicated fields, and the replica's parameters (the anchor, just synced)
-      flat = np.concatenate([flat] + [np.asarray(x).ravel().view(np.uint8).astype(np.float32)
-                                      for x in jax.tree_util.tree_leaves(
-                                          (state.params, state.outer_opt_state, state.key))])
-    record(event="sync", outer_step=int(rounds), calls=calls(),
-           anchor=hashlib.sha256(flat.tobytes()).hexdigest()[:16],
+      for x in jax.tree_util.tree_leaves((state.params, state.outer_opt_state, state.key)):
+        digest.update(np.asarray(x).tobytes())
+    record(event="sync", outer_step=int(rounds), calls=calls(), anchor=digest.hexdigest()[:16],
            replicas=dp.replicas_per_sync[-1] if dp.replicas_per_sync else None)
   time.sleep(pause)
 params, state = current()

@@ -229,7 +229,6 @@ def test_the_state_transfer_packs_every_leaf_into_one_buffer_and_back():
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bits, NaN included
 
 
-
 @pytest.mark.parametrize("chain,pieces", [((2, 5), 1), ((2, 5, 0), 8), ((7, 1, 3, 6), 8),
                                           ((0, 4, 2), 3)])
 def test_the_state_goes_down_a_chain_of_receivers_in_pieces(chain, pieces):

@@ -126,11 +126,6 @@ def _abstract(tree: Any) -> Any:
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
-def _shapes(tree: Any) -> Any:
-  """``tree``'s arrays as ``jax.ShapeDtypeStruct`` values, without shardings."""
-  return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
-
-
 def _loss_sets(n: int) -> list[tuple[int, ...]]:
   """The sets of lost processes (of ``n``) whose programs each process compiles ahead: every set
   of one, then every set of two, at most :data:`COMPILE_AHEAD_SETS` in all; never all ``n``."""

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
-from jax_qcomm.runners.elastic import ElasticDataParallel, _shapes
+from jax_qcomm.runners.elastic import ElasticDataParallel
 from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import _SpecKey, apply_update, find_states, place
 from jax_qcomm.transport.axes import axis_names
@@ -204,6 +204,11 @@ def _update_program(tx: Any, mesh: Mesh, state_spec: Any, grads_spec: P, varying
 
   return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), state_spec, grads_spec),
                                out_specs=(P(), state_spec)))
+
+
+def _shapes(tree: Any) -> Any:
+  """``tree``'s arrays as ``jax.ShapeDtypeStruct`` values, without shardings."""
+  return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
 
 
 def _sync_state(opt_state: Any) -> Any:
