@@ -26,7 +26,18 @@ def _launch(out, steps=STEPS, mode=None, pause=PAUSE, *deaths):
   cmd = [sys.executable, "-m", "jax_qcomm.tools.launch", "-n", "3", "--elastic",
          "--heartbeat-timeout", "5", "--collective-timeout", "10", "--timeout", "400",
          WORKER, str(out), str(steps), str(pause)] + ([mode] if mode else []) + list(deaths)
-  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  # The launcher's output goes to a file: a pipe nobody reads until the end fills up with the
+  # log lines of a long run and blocks the launcher (and the workers writing through it).
+  log_path = os.path.join(out, "launcher.log")
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+  proc.log_path = log_path
+  return proc
+
+
+def _output(proc) -> str:
+  with open(proc.log_path) as f:
+    return f.read()
 
 
 def _records(out, rank):
@@ -42,9 +53,9 @@ def _wait(predicate, proc, what, limit=240):
   while not predicate():
     if proc.poll() is not None:
       raise AssertionError(f"the run ended (status {proc.returncode}) before {what}:\n"
-                           f"{proc.stdout.read()[-4000:]}")
+                           f"{_output(proc)[-4000:]}")
     if time.monotonic() - t0 > limit:
-      raise AssertionError(f"timed out waiting for {what}")
+      raise AssertionError(f"timed out waiting for {what}:\n{_output(proc)[-4000:]}")
     time.sleep(0.1)
 
 
@@ -57,7 +68,8 @@ def _syncs(out, rank, pid=None):
 
 
 def _finish(proc):
-  text, _ = proc.communicate(timeout=400)
+  proc.wait(timeout=400)
+  text = _output(proc)
   assert proc.returncode == 0, text[-6000:]
   return text
 
