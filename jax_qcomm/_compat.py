@@ -173,17 +173,6 @@ def distributed_state() -> tuple[Any, int | None, int | None]:
   return state.client, getattr(state, "process_id", None), getattr(state, "num_processes", None)
 
 
-def coordinator_address() -> str | None:
-  """``host:port`` of the coordination service this process joined (None: not initialised)."""
-  import importlib
-
-  try:
-    state = importlib.import_module("jax._src.distributed").global_state
-  except (ImportError, AttributeError):
-    return None
-  return getattr(state, "coordinator_address", None)
-
-
 def distributed_state_problems() -> list[str]:
   """What is missing in the private ``jax.distributed`` state :func:`distributed_state` reads and
   the client method it relies on (empty if all are as expected)."""
@@ -194,8 +183,7 @@ def distributed_state_problems() -> list[str]:
   except (ImportError, AttributeError) as e:
     return [f"jax._src.distributed.global_state is gone ({e})"]
   problems = [f"jax._src.distributed.global_state has no {name!r}"
-              for name in ("client", "process_id", "num_processes", "coordinator_address")
-              if not hasattr(state, name)]
+              for name in ("client", "process_id", "num_processes") if not hasattr(state, name)]
   try:
     client_type = importlib.import_module("jaxlib._jax").DistributedRuntimeClient
   except (ImportError, AttributeError) as e:

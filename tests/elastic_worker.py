@@ -118,7 +118,7 @@ def _die(what, method, after_calls=1, delay=None):
 
 
 if SYNC and rank == int(DIE.get("admission", -1)):
-  _die("admission", "_load_programs")  # right after its backend rebuild, as the state travels
+  _die("admission", "_broadcast")
 if SYNC and rank == int(DIE.get("collective", -1)):
   _die("collective", "_outer", after_calls=30, delay=0.001)
 

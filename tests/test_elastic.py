@@ -232,12 +232,41 @@ def test_the_state_transfer_packs_every_leaf_into_one_buffer_and_back():
   leaves = [np.arange(7, dtype=np.float32) / 3, np.array([True, False, True]),
             np.int8(-5) * np.ones((), np.int8), np.arange(5, dtype=np.uint16).reshape(5, 1),
             np.array([np.nan, -np.inf], np.float32), np.zeros((0, 3), np.float32)]
-  data = elastic._pack(leaves)
-  assert isinstance(data, bytes) and len(data) == sum(x.nbytes for x in leaves)
+  words = elastic._pack(leaves)
+  assert words.dtype == np.uint32 and words.shape == (elastic._packed_words(leaves),)
+  assert words.size * 4 - sum(x.nbytes for x in leaves) in range(4)
   like = [np.zeros_like(x) for x in leaves]
-  for got, want in zip(elastic._unpack(data, like), leaves, strict=True):
+  for got, want in zip(elastic._unpack(words, like), leaves, strict=True):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bits, NaN included
+
+
+@pytest.mark.parametrize("chain,pieces", [((2, 5), 1), ((2, 5, 0), 8), ((7, 1, 3, 6), 8),
+                                          ((0, 4, 2), 3)])
+def test_the_state_goes_down_a_chain_of_receivers_in_pieces(chain, pieces):
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from jax_qcomm.runners import elastic
+
+  rows = 8
+  mesh = Mesh(np.array(jax.devices()[:rows]), ("node",))
+  words = 37  # not a multiple of the pieces
+  data = np.arange(rows * words, dtype=np.uint32).reshape(rows, words) * 2654435761
+  program = elastic._relay(mesh, "node", chain, pieces)
+  out = np.asarray(program(jax.device_put(data, NamedSharding(mesh, P("node")))))
+  want = data.copy()
+  want[list(chain[1:])] = data[chain[0]]
+  np.testing.assert_array_equal(out, want)
+  # Each link carries the words once: ticks = pieces + receivers - 1 collective-permutes, each
+  # of one piece.
+  hlo = program.lower(jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                           sharding=NamedSharding(mesh, P("node")))).as_text()
+  permutes = [line for line in hlo.splitlines() if "collective_permute" in line and "=" in line]
+  assert len(permutes) == pieces + len(chain) - 2, hlo
+  size = -(-words // pieces)
+  assert all(f"tensor<{size}xui32>" in line for line in permutes), permutes
 
 
 def test_a_receiver_makes_the_leaves_that_do_not_travel():

@@ -31,8 +31,8 @@ def test_per_step_sync_survives_losses_mid_collective_in_an_admission_of_rank_ze
     tmp_path, sync_uninterrupted):
   """Per-step data parallelism (qcomm.sync, 4 bits, 2 accumulation steps) under launch
   --elastic: rank 0 dies while the others wait in its step's collective, and rank 2 dies in the
-  round that admits it (after its backend rebuild, as the state travels); rank 1 is killed;
-  rank 0 again; ranks 1 and 2 at once; rank 2 stopped past the heartbeat timeout. Every loss is
+  round that admits it (as the transfer of the state begins); rank 1 is killed; rank 0 again;
+  ranks 1 and 2 at once; rank 2 stopped past the heartbeat timeout. Every loss is
   restarted and admitted, the run ends with exit 0, the parameters are bit-identical at every
   optimizer step, each short step is logged, and the final loss is within 2% of the
   uninterrupted run's."""
@@ -54,7 +54,7 @@ def test_per_step_sync_survives_losses_mid_collective_in_an_admission_of_rank_ze
   _wait(lambda: _pids(out, 2)[-1] != pid, proc, "rank 2 to rejoin")
   text = _finish(proc)
   assert text.count("restarting it with rank") == 7, text[-4000:]
-  assert "rank 0 kills itself in _outer" in text and "rank 2 kills itself in _load_programs" in text
+  assert "rank 0 kills itself in _outer" in text and "rank 2 kills itself in _broadcast" in text
   done = _check_run(out)
   replicas = done["replicas_per_sync"]
   assert len(replicas) == SYNC_CALLS // 2 and min(replicas) == 1 and replicas[-1] == 3

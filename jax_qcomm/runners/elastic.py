@@ -25,15 +25,14 @@ synchronisation is a round among the processes alive, agreed through the coordin
    is over the replicas present; the others (a restarted process, or one that fell behind) receive
    the result: the anchor, the outer optimizer's state, the counters and the rounding key, and the
    inner optimizer's state of the lowest holder (their error-feedback residual starts at zero,
-   and their replica parameters are the anchor). It travels over TCP streams down a chain of
-   the receivers (:mod:`jax_qcomm.runners.transfer`), while the backends are rebuilt (3.).
+   and their replica parameters are the anchor). It travels down a chain of the receivers.
    After every round the anchors of all live replicas are bit-identical.
 3. XLA:CPU caches its gloo communicators by device set, and a restarted process cannot enter a set
    it was in before (docs/distributed.md). So a process that needs the state is admitted only when
    every process is alive again: then the holders run the round over the communicators they have
    used, and all of them rebuild their CPU backend (:func:`jax_qcomm._compat.reset_cpu_backend`,
-   the stale communicators' keys deleted between two barriers), while the state travels;
-   meanwhile a thread loads the next round's programs on the new backend. Until then the
+   the stale communicators' keys deleted between two barriers) before the state goes to the new
+   ones; meanwhile a thread loads the next round's programs on the new backend. Until then the
    survivors go on without it.
 
 Arrays made before a rebuild are invalid afterwards: use the params and state a call returns.
@@ -42,7 +41,6 @@ Arrays made before a rebuild are invalid afterwards: use the params and state a 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -59,11 +57,11 @@ import optax
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
-from jax_qcomm.runners.transfer import Endpoint
 from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, replica_rows
 from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import _SpecKey, checked_spec, is_state, place
@@ -84,6 +82,9 @@ ADMIT_DIR = "qcomm/elastic/admit/"
 ADMIT_TIMEOUT_S = 3600
 #: At most this many sets of lost processes have their programs compiled ahead (:func:`_loss_sets`).
 COMPILE_AHEAD_SETS = 16
+#: Pieces the state is cut into when it travels to more than one receiver: it goes down a chain
+#: of them, each passing on the piece it has while it takes the next (``_broadcast_fn``).
+PIPELINE_PIECES = 8
 #: In a transfer plan (``ElasticDataParallel._plan``): a leaf the receiver starts at zero.
 ZEROS = "zeros"
 
@@ -213,9 +214,6 @@ class ElasticDataParallel:
           "elastic=True), or start the processes with `python -m jax_qcomm.tools.launch -n N "
           "--elastic`")
     self._client, self._me, self._n = client, int(process_id), int(num_processes)
-    # Where this process takes the state when it is admitted (and from where it may pass it on).
-    self._endpoint = Endpoint(client, self._me, self._get_live([self._me])[self._me],
-                              _compat.coordinator_address())
     # Devices by id (2048 * process + k): ids survive a backend rebuild, device objects do not.
     self._ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(self.mesh.devices)
     self._replica_axis = None
@@ -305,6 +303,7 @@ class ElasticDataParallel:
     self._local_mesh = self._mesh_of([self._me])
     self._build_local()
     self._outer_fn.cache_clear()
+    self._broadcast_fn.cache_clear()
 
   def _build_local(self) -> None:
     """The runner of the inner steps on this process's devices (diloco's ``"inner"`` phase)."""
@@ -511,16 +510,11 @@ class ElasticDataParallel:
     history = _appended(infos[holders[0]]["history"], len(holders)) if holders else []
     if self._me in holders:  # before a rebuild: over the communicators the holders have used
       params, state = self._outer(holders, params, state, grads)
-    if rebuild or receivers:
-      # Host copies: the rebuild invalidates every array (the inputs serve a round run again).
-      self._inputs, params, state = jax.device_get((self._inputs, params, state))
-    transfer = None
-    if receivers:  # the state travels while the backends are rebuilt
-      t_transfer = time.perf_counter()
-      transfer = self._transfer(key, live, holders[0], receivers, params, state)
     if rebuild:
       t_rebuild = time.perf_counter()
       self._stop_ahead()  # no compilation on the backend being dropped
+      # Host copies: the rebuild invalidates every array (the inputs serve a round run again).
+      self._inputs, params, state = jax.device_get((self._inputs, params, state))
       _compat.reset_cpu_backend()
       self._check_live(live)
       if self._me == processes[0]:
@@ -529,6 +523,9 @@ class ElasticDataParallel:
       self._check_live(live)
       self._backend = fp
       self._rebuild()
+      if not receivers:  # no transfer places them on the new backend
+        params = place(params, P(), self._local_mesh)
+        state = place(state, self._spec(state), self._local_mesh)
       self.stall_s += time.perf_counter() - t_rebuild
       _log(f"process {self._me}: CPU backend rebuilt for processes {processes} "
            f"({time.perf_counter() - t_rebuild:.2f} s)")
@@ -537,15 +534,11 @@ class ElasticDataParallel:
       loading = threading.Thread(target=self._load_programs, args=(params, state),
                                  name="qcomm-elastic-load", daemon=True)
       loading.start()
-    if transfer is not None:
-      params, state = transfer.result()
-      self._check_live(live)  # every receiver has it
-      if self._me == holders[0]:
-        client.key_value_delete(Endpoint.digest_key(key))
+    if receivers:
+      t_transfer = time.perf_counter()
+      params, state = self._broadcast(processes, holders[0], receivers, params, state)
+      self._check_live(live)  # every receiver has it (the source's part ends sooner)
       self._transfer_s = time.perf_counter() - t_transfer
-    if rebuild or receivers:  # on this process's devices (of the new backend)
-      params = place(params, P(), self._local_mesh)
-      state = place(state, self._spec(state), self._local_mesh)
     if loading is not None:
       loading.join()
     admitted = not holders or self._me in holders or self._me in receivers
@@ -647,19 +640,28 @@ class ElasticDataParallel:
 
   def _compile_ahead(self, params: Any, state: Any, grads: Any) -> None:
     """Compiles, in a thread at the lowest CPU priority, this process's programs for the losses
-    of :func:`_loss_sets`: the round over the holders each leaves; the persistent compilation
-    cache keeps them for when that happens."""
+    of :func:`_loss_sets`: the round over the holders each leaves, and the transfer of the state
+    to the lost ones when they are back (from the lowest of the others); the persistent
+    compilation cache keeps them for when that happens."""
     try:  # on Linux the nice value is per thread: the steps keep their priority
       os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
       pass
+    everyone = list(range(self._n))
+    order = sorted(everyone, key=self._row_of.__getitem__)
+    rows = NamedSharding(self._mesh_of(everyone), P(self.mesh.axis_names[self._replica_axis]))
+    words = _packed_words(_sent(jax.tree_util.tree_leaves((params, state)),
+                                self._plan(params, state)))
+    abstract_rows = jax.ShapeDtypeStruct((self._n, words), np.uint32, sharding=rows)
     for lost in _loss_sets(self._n):
       if self._ahead_stop.is_set():
         return
-      holders = [p for p in range(self._n) if p not in lost]
+      holders = [p for p in everyone if p not in lost]
       if self._me in holders:
         _, spec, args = self._outer_args(holders, params, state, grads)
         self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*_abstract(args)).compile()
+      self._broadcast_fn(tuple(everyone), order.index(holders[0]),
+                         tuple(order.index(r) for r in lost)).lower(abstract_rows).compile()
 
   @functools.lru_cache(maxsize=None)
   def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
@@ -672,39 +674,61 @@ class ElasticDataParallel:
     return jax.jit(jax.shard_map(outer, mesh=self._mesh_of(list(holders)),
                                  in_specs=(P(), spec.spec), out_specs=(P(), spec.spec)))
 
-  def _transfer(self, key: str, live: dict[int, int], source: int, receivers: list[int],
-                params: Any, state: Any) -> concurrent.futures.Future:
-    """Starts the transfer of the source's host ``(params, state)`` down the chain of
-    ``receivers`` (:mod:`jax_qcomm.runners.transfer`); the future gives every process its
-    ``(params, state)`` as host arrays. The leaves travel packed into one buffer
-    (:func:`_pack`), without those a receiver makes itself (:meth:`_plan`: the source's own
-    fields start at zero, copies of the parameters); the others send nothing."""
+  def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
+                 state: Any) -> tuple[Any, Any]:
+    """The receivers take the source's params and state (``lax.ppermute`` from the source down
+    the chain of receivers, :meth:`_broadcast_fn`): the others send nothing. The leaves travel
+    packed into one buffer (:func:`_pack`), without those a receiver makes itself
+    (:meth:`_plan`: the source's own fields start at zero, copies of the parameters)."""
+    mesh = self._mesh_of(processes)
+    name = self.mesh.axis_names[self._replica_axis]
+    order = sorted(processes, key=self._row_of.__getitem__)
     leaves, treedef = jax.tree_util.tree_flatten((params, state))
     leaves = [np.asarray(x) for x in leaves]
     plan = self._plan(params, state)
     sent = _sent(leaves, plan)
-    chain = [source, *receivers]
-    at = chain.index(self._me) if self._me in chain else None
+    rows = multihost_utils.host_local_array_to_global_array(_pack(sent)[None], mesh, P(name))
+    out = self._broadcast_fn(tuple(processes), order.index(source),
+                             tuple(order.index(r) for r in receivers))(rows)
+    jax.block_until_ready(out)
+    if self._me in receivers:
+      got = np.asarray(multihost_utils.global_array_to_host_local_array(out, mesh, P(name)))[0]
+      leaves = _received(_unpack(got, sent), leaves, plan)
+    params, state = jax.tree_util.tree_unflatten(treedef, leaves)
+    return (place(params, P(), self._local_mesh),
+            place(state, self._spec(state), self._local_mesh))
 
-    def run():
-      if at == 0:
-        self._endpoint.send(key, _pack(sent), to=(chain[1], live[chain[1]]))
-      elif at is not None:
-        then = (chain[at + 1], live[chain[at + 1]]) if at + 1 < len(chain) else None
-        got = self._endpoint.receive(key, sum(x.nbytes for x in sent), then=then)
-        return jax.tree_util.tree_unflatten(treedef, _received(_unpack(got, sent), leaves, plan))
-      return params, state
+  @functools.lru_cache(maxsize=None)
+  def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
+    pieces = 1 if len(receiver_rows) == 1 else PIPELINE_PIECES
+    return _relay(self._mesh_of(list(processes)), self.mesh.axis_names[self._replica_axis],
+                  (source_row, *receiver_rows), pieces)
 
-    future: concurrent.futures.Future = concurrent.futures.Future()
 
-    def work():
-      try:
-        future.set_result(run())
-      except BaseException as error:  # noqa: BLE001  (raised where the round waits for it)
-        future.set_exception(error)
+def _relay(mesh: Mesh, name: str, chain: tuple[int, ...], pieces: int) -> Callable:
+  """A program over ``mesh`` of ``uint32[rows, words]`` (a row per index along ``name``): the
+  rows of ``chain[1:]`` take row ``chain[0]``'s words, the others keep theirs. The words go down
+  the chain, in ``pieces`` pieces: at tick ``t`` link ``k`` (``chain[k]`` to ``chain[k + 1]``)
+  carries piece ``t - k``, so every link carries the words once and ``r`` receivers wait
+  ``(pieces + r - 1) / pieces`` times one transfer (sent from the first row to each in turn,
+  ``r`` times); one receiver takes them whole (``pieces=1``)."""
+  position = np.full(mesh.shape[name], -1, np.int32)  # of each row in the chain
+  position[list(chain)] = np.arange(len(chain))
 
-    threading.Thread(target=work, name="qcomm-elastic-transfer", daemon=True).start()
-    return future
+  def relay(x):
+    words = x.shape[-1]
+    size = -(-words // pieces)
+    buf = jnp.pad(x.reshape(-1), (0, size * pieces - words)).reshape(pieces, size)
+    at = jnp.asarray(position)[lax.axis_index(name)]
+    for tick in range(pieces + len(chain) - 2):
+      links = [(chain[k], chain[k + 1]) for k in range(len(chain) - 1) if 0 <= tick - k < pieces]
+      got = lax.ppermute(buf[jnp.clip(tick - at, 0, pieces - 1)], name, perm=links)
+      piece = tick - (at - 1)  # the piece this row takes, if it is a receiver with a link now
+      takes = (at >= 1) & (piece >= 0) & (piece < pieces)
+      buf = jnp.where(takes, buf.at[jnp.clip(piece, 0, pieces - 1)].set(got), buf)
+    return buf.reshape(-1)[:words].reshape(x.shape)
+
+  return jax.jit(jax.shard_map(relay, mesh=mesh, in_specs=P(name), out_specs=P(name)))
 
 
 def _sent(leaves: list[Any], plan: list[int | str | None]) -> list[Any]:
@@ -727,14 +751,26 @@ def _received(got: list[np.ndarray], leaves: list[np.ndarray],
   return out
 
 
-def _pack(leaves: list[np.ndarray]) -> bytes:
-  """The bytes of ``leaves`` end to end (C order)."""
-  return b"".join(np.ascontiguousarray(x).tobytes() for x in leaves)
+def _nbytes(x: Any) -> int:
+  return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
 
 
-def _unpack(data: bytes, like: list[np.ndarray]) -> list[np.ndarray]:
-  """The inverse of :func:`_pack`: leaves of ``like``'s shapes and dtypes, from ``data``."""
-  data, out, at = np.frombuffer(data, np.uint8), [], 0
+def _pack(leaves: list[np.ndarray]) -> np.ndarray:
+  """The bytes of ``leaves`` end to end, zero-padded to whole 32-bit words: ``uint32[words]``."""
+  pad = _packed_words(leaves) * 4 - sum(map(_nbytes, leaves))
+  data = np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]
+                        + [np.zeros(pad, np.uint8)])
+  return data.view(np.uint32)
+
+
+def _packed_words(leaves: list[Any]) -> int:
+  """The 32-bit words :func:`_pack` makes of ``leaves`` (arrays or shapes)."""
+  return -(-sum(map(_nbytes, leaves)) // 4)
+
+
+def _unpack(words: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+  """The inverse of :func:`_pack`: leaves of ``like``'s shapes and dtypes, from ``words``."""
+  data, out, at = np.ascontiguousarray(words).view(np.uint8), [], 0
   for x in like:
     out.append(data[at:at + x.nbytes].view(x.dtype).reshape(x.shape).copy())
     at += x.nbytes
