@@ -224,6 +224,76 @@ def test_launch_elastic_arguments():
     launch.launch(["x.py"], 2, elastic=True, recoverable=False)
 
 
+def test_a_replayed_program_traces_its_python_once_and_computes_the_same_bits():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax import lax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from jax_qcomm.runners import elastic
+
+  mesh = Mesh(np.array(jax.devices()[:3]), ("node",))
+  tx = optax.adam(1e-2)
+  traced = []
+
+  def update(params, state, grads):
+    traced.append(1)  # Python that runs only while tracing
+    grads = jax.tree_util.tree_map(lambda g: lax.pmean(g[0], "node"), grads)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def program():
+    return jax.jit(jax.shard_map(update, mesh=mesh.abstract_mesh, in_specs=(P(), P(), P("node")),
+                                 out_specs=(P(), P())))
+
+  params = {"w": jnp.linspace(-1, 1, 7, dtype=jnp.float32), "b": jnp.float32(0.5)}
+  state = tx.init(params)
+  grads = jax.tree_util.tree_map(
+      lambda p: jax.device_put(np.random.default_rng(0).normal(size=(3, *p.shape)).astype(
+          np.float32), NamedSharding(mesh, P("node"))), params)
+  want = jax.device_get(program()(params, state, grads))
+  traces = {}
+  first = elastic.Replayed(program(), traces, "update")
+  compiled = first.lower(params, state, grads).compile()  # what the loading thread does
+  again = elastic.Replayed(program(), traces, "update")   # as after a backend rebuild
+  assert len(traced) == 2  # the direct program's trace and the first replay's: not again's
+  for got in (first(params, state, grads), again(params, state, grads),
+              compiled(*jax.tree_util.tree_leaves((params, state, grads)))):
+    got = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(want),
+                                       jax.tree_util.tree_leaves(jax.device_get(got)))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+      np.testing.assert_array_equal(np.atleast_1d(g).view(np.uint8), np.atleast_1d(w).view(np.uint8))
+  # Other shapes are traced anew, not replayed wrongly.
+  wide = jax.tree_util.tree_map(lambda x: jnp.concatenate([x, x], -1) if x.ndim else x, params)
+  other = elastic.Replayed(program(), traces, "update")
+  wide_grads = jax.tree_util.tree_map(
+      lambda p: jax.device_put(np.ones((3, *p.shape), np.float32), NamedSharding(mesh, P("node"))),
+      wide)
+  assert other(wide, tx.init(wide), wide_grads)[0]["w"].shape == (14,)
+  assert len(traced) == 3
+
+
+def test_global_shapes_are_what_the_host_local_arrays_become():
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  from jax_qcomm.runners import elastic
+
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "data"))
+  tree = {"a": np.zeros((2, 8), np.float32), "b": np.zeros((), np.int32),
+          "c": np.zeros((4, 3), np.uint8)}
+  specs = {"a": P(None, ("node", "data")), "b": P(), "c": P("data")}
+  for spec in (specs, P()):
+    want = multihost_utils.host_local_array_to_global_array(tree, mesh, spec)
+    got = elastic.global_shapes(tree, mesh, spec)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+      assert (g.shape, g.dtype, g.sharding) == (w.shape, w.dtype, w.sharding)
+
+
 def test_the_state_transfer_packs_every_leaf_into_one_buffer_and_back():
   import numpy as np
 

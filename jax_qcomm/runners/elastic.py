@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import multihost_utils
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
@@ -120,10 +121,22 @@ def _stop_compiling_ahead() -> None:
     thread.join()
 
 
-def _abstract(tree: Any) -> Any:
-  """``tree``'s arrays as ``jax.ShapeDtypeStruct`` values with their shardings (for ``lower``)."""
-  return jax.tree_util.tree_map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+def global_shapes(tree: Any, mesh: Mesh, spec: Any) -> Any:
+  """What ``multihost_utils.host_local_array_to_global_array(tree, mesh, spec)`` makes, as
+  ``jax.ShapeDtypeStruct`` values: each dimension split over mesh axes is this process's times
+  the processes along them. ``spec``: one ``PartitionSpec``, or a tree of them over ``tree``."""
+  local = mesh.local_mesh.shape
+
+  def one(x, s):
+    shape = list(np.shape(x))
+    for d, axes in enumerate(s):
+      for a in (() if axes is None else axes if isinstance(axes, tuple) else (axes,)):
+        shape[d] *= mesh.shape[a] // local[a]
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=NamedSharding(mesh, s))
+
+  if isinstance(spec, P):
+    return jax.tree_util.tree_map(lambda x: one(x, spec), tree)
+  return jax.tree_util.tree_map(one, tree, spec)
 
 
 def _loss_sets(n: int) -> list[tuple[int, ...]]:
@@ -232,6 +245,7 @@ class ElasticDataParallel:
     # while it compiled, every step of the others would wait for it.
     self._compiles_ahead = True
     self._transfer_s = 0.0  # the last transfer of the state to restarted processes
+    self._traces: dict = {}  # the programs' jaxprs (Replayed): they outlive backend rebuilds
     self.stall_s = 0.0
     self.short_syncs: list[dict] = []
 
@@ -597,17 +611,20 @@ class ElasticDataParallel:
       _COMPILING_AHEAD[self._ahead] = self._ahead_stop
     return new_params, new_state
 
-  def _outer_args(self, holders: list[int], params: Any, state: Any, grads: Any) -> tuple:
-    """(mesh, state spec, the round program's global arguments) over the holders' devices."""
+  def _outer_args(self, holders: list[int], params: Any, state: Any, grads: Any,
+                  abstract: bool = False) -> tuple:
+    """(mesh, state spec, the round program's global arguments) over the holders' devices;
+    ``abstract``: as ``jax.ShapeDtypeStruct`` values (no transfer; ``grads`` may be shapes)."""
     mesh = self._mesh_of(holders)
     spec = self._spec(state)
-    g_params = multihost_utils.host_local_array_to_global_array(params, mesh, P())
-    g_state = multihost_utils.host_local_array_to_global_array(state, mesh, spec)
-    args = (g_params, g_state)
+    put = global_shapes if abstract else multihost_utils.host_local_array_to_global_array
+    args = (put(params, mesh, P()), put(state, mesh, spec))
     if grads is not None:  # a leading row per process
       name = self.mesh.axis_names[self._replica_axis]
-      args += (multihost_utils.host_local_array_to_global_array(
-          jax.tree_util.tree_map(lambda g: jnp.asarray(g)[None], grads), mesh, P(name)),)
+      rows = jax.tree_util.tree_map(
+          lambda g: jax.ShapeDtypeStruct((1, *np.shape(g)), g.dtype) if abstract
+          else jnp.asarray(g)[None], grads)
+      args += (put(rows, mesh, P(name)),)
     return mesh, spec, args
 
   def _load_programs(self, params: Any, state: Any) -> None:
@@ -615,17 +632,17 @@ class ElasticDataParallel:
     (from the persistent cache, else compiled), so that it does not wait for them."""
     try:
       everyone = list(range(self._n))
-      _, spec, args = self._outer_args(everyone, params, state, self._grads_like())
-      self._outer_fn(tuple(everyone), _SpecKey(spec)).lower(*_abstract(args)).compile()
-      self._load_local_programs()
+      _, spec, args = self._outer_args(everyone, params, state, self._grads_like(), True)
+      self._outer_fn(tuple(everyone), _SpecKey(spec)).lower(*args).compile()
+      self._load_local_programs(params, state)
     except Exception as error:  # noqa: BLE001  (the round compiles them itself)
       _log(f"process {self._me}: could not load the next round's programs ahead: {error!r}")
 
   def _grads_like(self) -> Any:
-    """Host arrays of the round's ``grads`` argument's shapes (None: the round takes none)."""
+    """The shapes of the round's ``grads`` argument (None: the round takes none)."""
     return None
 
-  def _load_local_programs(self) -> None:
+  def _load_local_programs(self, params: Any, state: Any) -> None:
     """Loads the programs a step runs on this process's devices before its round."""
 
   def _stop_ahead(self) -> None:
@@ -658,8 +675,8 @@ class ElasticDataParallel:
         return
       holders = [p for p in everyone if p not in lost]
       if self._me in holders:
-        _, spec, args = self._outer_args(holders, params, state, grads)
-        self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*_abstract(args)).compile()
+        _, spec, args = self._outer_args(holders, params, state, grads, True)
+        self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*args).compile()
       self._broadcast_fn(tuple(everyone), order.index(holders[0]),
                          tuple(order.index(r) for r in lost)).lower(abstract_rows).compile()
 
@@ -671,8 +688,10 @@ class ElasticDataParallel:
       updates, state = tx.update(None, state, params, **{PHASE_ARG: "outer"})
       return optax.apply_updates(params, updates), state
 
-    return jax.jit(jax.shard_map(outer, mesh=self._mesh_of(list(holders)),
-                                 in_specs=(P(), spec.spec), out_specs=(P(), spec.spec)))
+    return Replayed(
+        jax.jit(jax.shard_map(outer, mesh=self._mesh_of(list(holders)).abstract_mesh,
+                              in_specs=(P(), spec.spec), out_specs=(P(), spec.spec))),
+        self._traces, ("outer", holders, spec))
 
   def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
                  state: Any) -> tuple[Any, Any]:
@@ -703,6 +722,38 @@ class ElasticDataParallel:
     pieces = 1 if len(receiver_rows) == 1 else PIPELINE_PIECES
     return _relay(self._mesh_of(list(processes)), self.mesh.axis_names[self._replica_axis],
                   (source_row, *receiver_rows), pieces)
+
+
+class Replayed:
+  """``fn`` (a jitted function whose jaxpr names no device: its ``shard_map`` over an abstract
+  mesh), traced once: at its first call or ``lower`` on any backend, into ``traces[key]``, as a
+  jaxpr whose constants are host arrays. The program it runs replays that jaxpr
+  (``jax.jit(jaxpr_as_fun(jaxpr))``), so a backend rebuild, which needs every program anew, does
+  not run ``fn``'s Python again: for an optimizer with a codec that trace takes up to a second
+  on a loaded CPU, and the admitting round would wait for it. The replay is the same computation
+  (bit for bit); the persistent compilation cache keeps it like any program."""
+
+  def __init__(self, fn: Callable, traces: dict, key: Any):
+    self._fn, self._traces, self._key = fn, traces, key
+    self._jit: Callable | None = None
+
+  def _program(self, args: tuple) -> Callable:
+    if self._jit is None:
+      avals = [(np.shape(x), np.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(args)]
+      if self._key not in self._traces or self._traces[self._key][2] != avals:
+        traced = self._fn.trace(*args)
+        jaxpr = ClosedJaxpr(traced.jaxpr.jaxpr, [np.asarray(c) for c in traced.jaxpr.consts])
+        self._traces[self._key] = (jaxpr, jax.tree_util.tree_structure(traced.out_info), avals)
+      jaxpr, self._out_tree, _ = self._traces[self._key]
+      self._jit = jax.jit(jaxpr_as_fun(jaxpr))
+    return self._jit
+
+  def __call__(self, *args: Any) -> Any:
+    out = self._program(args)(*jax.tree_util.tree_leaves(args))
+    return jax.tree_util.tree_unflatten(self._out_tree, out)
+
+  def lower(self, *args: Any) -> Any:
+    return self._program(args).lower(*jax.tree_util.tree_leaves(args))
 
 
 def _relay(mesh: Mesh, name: str, chain: tuple[int, ...], pieces: int) -> Callable:

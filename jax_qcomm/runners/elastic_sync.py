@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
-from jax_qcomm.runners.elastic import ElasticDataParallel
+from jax_qcomm.runners.elastic import ElasticDataParallel, Replayed, global_shapes
 from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import _SpecKey, apply_update, find_states, place
 from jax_qcomm.transport.axes import axis_names
@@ -69,8 +69,9 @@ class ElasticSyncDataParallel(ElasticDataParallel):
   @functools.lru_cache(maxsize=None)
   def _local_update_fn(self, spec: _SpecKey) -> Callable:
     """``tx.update`` of this process's gradient on its own devices (an accumulating call)."""
-    return _update_program(self.tx, self._local_mesh, spec.spec, P(),
-                           frozenset(axis_names(self.axis_name)), rows=False)
+    return Replayed(_update_program(self.tx, self._local_mesh, spec.spec, P(),
+                                     frozenset(axis_names(self.axis_name)), rows=False),
+                     self._traces, ("local update", spec))
 
   def _local_init(self, params: Any) -> Any:
     return self.local_runner(self.tx, self._local_mesh).init(params)
@@ -139,11 +140,9 @@ class ElasticSyncDataParallel(ElasticDataParallel):
     return out
 
   def _grads_like(self) -> Any:
-    if self._grads_call is None:
-      return None
-    return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), self._grads_call[3])
+    return None if self._grads_call is None else self._grads_call[3]
 
-  def _load_local_programs(self) -> None:
+  def _load_local_programs(self, params: Any, state: Any) -> None:
     if self._grads_call is None:
       return
     with_key, n_extra, shapes, _ = self._grads_call
@@ -153,6 +152,11 @@ class ElasticSyncDataParallel(ElasticDataParallel):
                                                   sharding=NamedSharding(self._local_mesh, spec)),
         group) for group, spec in zip(shapes, specs, strict=True))
     self._grad_fn(with_key, n_extra).lower(*args).compile()
+    if _sync_state(state).config.accum_steps > 1:  # the update of the accumulating calls
+      spec, mesh = self._spec(state), self._local_mesh
+      self._local_update_fn(_SpecKey(spec)).lower(
+          global_shapes(params, mesh, P()), global_shapes(state, mesh, spec),
+          global_shapes(self._grads_like(), mesh, P())).compile()
 
   def _prepare(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
                key: jax.Array | None = None) -> None:
@@ -181,15 +185,17 @@ class ElasticSyncDataParallel(ElasticDataParallel):
               jax.tree_util.tree_map(lambda a: lax.pmean(a, names), aux))
 
     in_specs = (P(), P(names), P()) + ((P(),) if with_key else ())
-    return jax.jit(jax.shard_map(grads_of, mesh=self._local_mesh, in_specs=in_specs,
-                                 out_specs=(P(), P(), P())))
+    return Replayed(jax.jit(jax.shard_map(grads_of, mesh=self._local_mesh.abstract_mesh,
+                                           in_specs=in_specs, out_specs=(P(), P(), P()))),
+                     self._traces, ("grads", with_key, n_extra))
 
   @functools.lru_cache(maxsize=None)
   def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
     name = self.mesh.axis_names[self._replica_axis]
     inside = frozenset(n for n in axis_names(self.axis_name) if n != name)
-    return _update_program(self.tx, self._mesh_of(list(holders)), spec.spec, P(name), inside,
-                           rows=True)
+    return Replayed(_update_program(self.tx, self._mesh_of(list(holders)), spec.spec, P(name),
+                                     inside, rows=True),
+                     self._traces, ("outer", holders, spec))
 
 
 def _update_program(tx: Any, mesh: Mesh, state_spec: Any, grads_spec: P, varying: frozenset,
@@ -202,7 +208,8 @@ def _update_program(tx: Any, mesh: Mesh, state_spec: Any, grads_spec: P, varying
         lambda g: _compat.make_varying(g[0] if rows else g, varying), grads)
     return apply_update(tx, grads, state, params)
 
-  return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), state_spec, grads_spec),
+  return jax.jit(jax.shard_map(update, mesh=mesh.abstract_mesh,
+                               in_specs=(P(), state_spec, grads_spec),
                                out_specs=(P(), state_spec)))
 
 
