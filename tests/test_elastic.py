@@ -273,6 +273,11 @@ def test_a_replayed_program_traces_its_python_once_and_computes_the_same_bits():
       wide)
   assert other(wide, tx.init(wide), wide_grads)[0]["w"].shape == (14,)
   assert len(traced) == 3
+  # A constant with no host form (a typed key) is replayed on this backend only: not kept.
+  key = jax.random.key(3)
+  keyed = elastic.Replayed(jax.jit(lambda x: x + jax.random.normal(key, x.shape)), traces, "k")
+  np.testing.assert_array_equal(keyed(jnp.zeros(3)), jax.random.normal(key, (3,)))
+  assert "k" not in traces
 
 
 def test_global_shapes_are_what_the_host_local_arrays_become():

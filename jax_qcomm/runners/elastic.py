@@ -740,11 +740,18 @@ class Replayed:
   def _program(self, args: tuple) -> Callable:
     if self._jit is None:
       avals = [(np.shape(x), np.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(args)]
-      if self._key not in self._traces or self._traces[self._key][2] != avals:
+      entry = self._traces.get(self._key)
+      if entry is None or entry[2] != avals:
         traced = self._fn.trace(*args)
-        jaxpr = ClosedJaxpr(traced.jaxpr.jaxpr, [np.asarray(c) for c in traced.jaxpr.consts])
-        self._traces[self._key] = (jaxpr, jax.tree_util.tree_structure(traced.out_info), avals)
-      jaxpr, self._out_tree, _ = self._traces[self._key]
+        try:
+          consts, keep = [np.asarray(c) for c in traced.jaxpr.consts], True
+        except (TypeError, ValueError):  # a constant with no host form (a typed PRNG key):
+          consts, keep = traced.jaxpr.consts, False  # replayed on this backend only
+        entry = (ClosedJaxpr(traced.jaxpr.jaxpr, consts),
+                 jax.tree_util.tree_structure(traced.out_info), avals)
+        if keep:
+          self._traces[self._key] = entry
+      jaxpr, self._out_tree, _ = entry
       self._jit = jax.jit(jaxpr_as_fun(jaxpr))
     return self._jit
 
