@@ -232,7 +232,7 @@ def test_a_replayed_program_traces_its_python_once_and_computes_the_same_bits():
   from jax import lax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-  from jax_qcomm.runners import elastic
+  from jax_qcomm.runners import replay
 
   mesh = Mesh(np.array(jax.devices()[:3]), ("node",))
   tx = optax.adam(1e-2)
@@ -255,9 +255,9 @@ def test_a_replayed_program_traces_its_python_once_and_computes_the_same_bits():
           np.float32), NamedSharding(mesh, P("node"))), params)
   want = jax.device_get(program()(params, state, grads))
   traces = {}
-  first = elastic.Replayed(program(), traces, "update")
+  first = replay.Replayed(program(), traces, "update")
   compiled = first.lower(params, state, grads).compile()  # what the loading thread does
-  again = elastic.Replayed(program(), traces, "update")   # as after a backend rebuild
+  again = replay.Replayed(program(), traces, "update")   # as after a backend rebuild
   assert len(traced) == 2  # the direct program's trace and the first replay's: not again's
   for got in (first(params, state, grads), again(params, state, grads),
               compiled(*jax.tree_util.tree_leaves((params, state, grads)))):
@@ -267,7 +267,7 @@ def test_a_replayed_program_traces_its_python_once_and_computes_the_same_bits():
       np.testing.assert_array_equal(np.atleast_1d(g).view(np.uint8), np.atleast_1d(w).view(np.uint8))
   # Other shapes are traced anew, not replayed wrongly.
   wide = jax.tree_util.tree_map(lambda x: jnp.concatenate([x, x], -1) if x.ndim else x, params)
-  other = elastic.Replayed(program(), traces, "update")
+  other = replay.Replayed(program(), traces, "update")
   wide_grads = jax.tree_util.tree_map(
       lambda p: jax.device_put(np.ones((3, *p.shape), np.float32), NamedSharding(mesh, P("node"))),
       wide)
@@ -275,7 +275,7 @@ def test_a_replayed_program_traces_its_python_once_and_computes_the_same_bits():
   assert len(traced) == 3
   # A constant with no host form (a typed key) is replayed on this backend only: not kept.
   key = jax.random.key(3)
-  keyed = elastic.Replayed(jax.jit(lambda x: x + jax.random.normal(key, x.shape)), traces, "k")
+  keyed = replay.Replayed(jax.jit(lambda x: x + jax.random.normal(key, x.shape)), traces, "k")
   np.testing.assert_array_equal(keyed(jnp.zeros(3)), jax.random.normal(key, (3,)))
   assert "k" not in traces
 
@@ -286,7 +286,7 @@ def test_global_shapes_are_what_the_host_local_arrays_become():
   from jax.experimental import multihost_utils
   from jax.sharding import Mesh, PartitionSpec as P
 
-  from jax_qcomm.runners import elastic
+  from jax_qcomm.runners import replay
 
   mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "data"))
   tree = {"a": np.zeros((2, 8), np.float32), "b": np.zeros((), np.int32),
@@ -294,7 +294,7 @@ def test_global_shapes_are_what_the_host_local_arrays_become():
   specs = {"a": P(None, ("node", "data")), "b": P(), "c": P("data")}
   for spec in (specs, P()):
     want = multihost_utils.host_local_array_to_global_array(tree, mesh, spec)
-    got = elastic.global_shapes(tree, mesh, spec)
+    got = replay.global_shapes(tree, mesh, spec)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
       assert (g.shape, g.dtype, g.sharding) == (w.shape, w.dtype, w.sharding)
 

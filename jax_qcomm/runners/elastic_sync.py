@@ -20,7 +20,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
-from jax_qcomm.runners.elastic import ElasticDataParallel, Replayed, global_shapes
+from jax_qcomm.runners.elastic import ElasticDataParallel
+from jax_qcomm.runners.replay import Replayed, global_shapes
 from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import _SpecKey, apply_update, find_states, place
 from jax_qcomm.transport.axes import axis_names
