@@ -17,7 +17,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat
 from jax_qcomm.runners.elastic import ElasticDataParallel
@@ -148,10 +148,8 @@ class ElasticSyncDataParallel(ElasticDataParallel):
       return
     with_key, n_extra, shapes, _ = self._grads_call
     specs = (P(), P(axis_names(self.axis_name)), P()) + ((P(),) if with_key else ())
-    args = tuple(jax.tree_util.tree_map(
-        lambda s, spec=spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                  sharding=NamedSharding(self._local_mesh, spec)),
-        group) for group, spec in zip(shapes, specs, strict=True))
+    args = tuple(global_shapes(group, self._local_mesh, spec)
+                 for group, spec in zip(shapes, specs, strict=True))
     self._grad_fn(with_key, n_extra).lower(*args).compile()
     if _sync_state(state).config.accum_steps > 1:  # the update of the accumulating calls
       spec, mesh = self._spec(state), self._local_mesh
