@@ -334,15 +334,20 @@ class ElasticDataParallel:
            key: jax.Array | None = None) -> tuple[Any, Any]:
     """Until this process holds the group's state (module docstring). In a group that has
     trained, a restarted process first compiles its step on ``batch`` (any batch of the step's
-    shapes; ``extra`` and ``key`` as the step's), so that the others do not wait for that, then
-    announces that it is ready and waits to be admitted at a round."""
+    shapes; ``extra`` and ``key`` as the step's) and the round's programs over every process,
+    so that the others do not wait for that, then announces that it is ready and waits to be
+    admitted at a round."""
     self._need_init(opt_state)
     if self._fresh and self._live is None and _try_get(self._client, STARTED_KEY) is not None:
       self._compiles_ahead = False
       if batch is not None:
         t_prepare = time.perf_counter()
         self._prepare(params, opt_state, batch, *extra, key=key)
-        _log(f"process {self._me}: compiled its step in {time.perf_counter() - t_prepare:.2f} s")
+        # Traced now, the programs of the round after its admission are only replayed and
+        # loaded then (Replayed): a restarted process has no traces of its first life.
+        self._load_programs(params, opt_state)
+        _log(f"process {self._me}: compiled its step and the next round's programs in "
+             f"{time.perf_counter() - t_prepare:.2f} s")
       self._live = self._await_admission()
     while self._fresh:
       params, opt_state = self._synchronise(params, opt_state)
@@ -529,10 +534,10 @@ class ElasticDataParallel:
     if rebuild and receivers:  # the next round's programs load while the state travels
       loading = threading.Thread(target=self._load_programs, args=(params, state),
                                  name="qcomm-elastic-load", daemon=True)
-      loading.start()
     if receivers:
       t_transfer = time.perf_counter()
-      params, state = self._broadcast(processes, holders[0], receivers, params, state)
+      params, state = self._broadcast(processes, holders[0], receivers, params, state,
+                                      sending=loading)
       self._check_live(live)  # every receiver has it (the source's part ends sooner)
       self._transfer_s = time.perf_counter() - t_transfer
     if loading is not None:
@@ -610,8 +615,9 @@ class ElasticDataParallel:
     return mesh, spec, args
 
   def _load_programs(self, params: Any, state: Any) -> None:
-    """Loads, on the backend just rebuilt, the programs of the next round over every process
-    (from the persistent cache, else compiled), so that it does not wait for them."""
+    """Loads, on the current backend (the one just rebuilt, or a restarted process's before its
+    admission), the programs of the next round over every process (from the persistent cache,
+    else compiled), so that it does not wait for them."""
     try:
       everyone = list(range(self._n))
       _, spec, args = self._outer_args(everyone, params, state, self._grads_like(), True)
@@ -676,11 +682,13 @@ class ElasticDataParallel:
         self._traces, ("outer", holders, spec))
 
   def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
-                 state: Any) -> tuple[Any, Any]:
+                 state: Any, sending: threading.Thread | None = None) -> tuple[Any, Any]:
     """The receivers take the source's params and state (``lax.ppermute`` from the source down
     the chain of receivers, :meth:`_broadcast_fn`): the others send nothing. The leaves travel
     packed into one buffer (:func:`_pack`), without those a receiver makes itself
-    (:meth:`_plan`: the source's own fields start at zero, copies of the parameters)."""
+    (:meth:`_plan`: the source's own fields start at zero, copies of the parameters).
+    ``sending``: a thread started once the transfer is under way (not before: a thread that
+    traces holds the interpreter's lock, and would hold up this process's part of it)."""
     mesh = self._mesh_of(processes)
     name = self.mesh.axis_names[self._replica_axis]
     order = sorted(processes, key=self._row_of.__getitem__)
@@ -691,6 +699,8 @@ class ElasticDataParallel:
     rows = multihost_utils.host_local_array_to_global_array(_pack(sent)[None], mesh, P(name))
     out = self._broadcast_fn(tuple(processes), order.index(source),
                              tuple(order.index(r) for r in receivers))(rows)
+    if sending is not None:
+      sending.start()
     jax.block_until_ready(out)
     if self._me in receivers:
       got = np.asarray(multihost_utils.global_array_to_host_local_array(out, mesh, P(name)))[0]
