@@ -5,7 +5,7 @@ cluster the goodput harness uses (3 nodes, 10 Mbit/s links).
     python scripts/relay_pieces.py run      # as root: notebooks/data/relay_pieces/relay.json
     python scripts/relay_pieces.py table    # its table (markdown)
 
-Each configuration is the runners' own relay program (``elastic._relay``): node 0 sends a buffer
+Each configuration is the runners' own relay program (``transfer.relay``): node 0 sends a buffer
 of the elastic state's size (1.45 MB: per-step sync's parameters and Adam state on the
 ``lm_bytes`` model; 1.93 MB: diloco's) to node 1, or down the chain 0 -> 1 -> 2. The time is that
 of the last receiver, from the call to its result (compiled beforehand): the median of ``--repeat``
@@ -40,7 +40,7 @@ def node(out: str, repeat: int) -> None:
   from jax.experimental import multihost_utils
   from jax.sharding import PartitionSpec as P
   from jax_qcomm import _compat
-  from jax_qcomm.runners import elastic
+  from jax_qcomm.runners import transfer
 
   me, client = jax.process_index(), _compat.distributed_state()[0]
 
@@ -48,7 +48,7 @@ def node(out: str, repeat: int) -> None:
     mesh = distributed.global_mesh(("node",))
     rows = multihost_utils.host_local_array_to_global_array(
         np.full((1, words), me, np.uint32), mesh, P("node"))
-    program = elastic._relay(mesh, "node", chain, pieces).lower(rows).compile()
+    program = transfer.relay(mesh, "node", chain, pieces).lower(rows).compile()
     return lambda: jax.block_until_ready(program(rows))
 
   def last_receiver(seconds: float) -> float:  # every process's time: the largest

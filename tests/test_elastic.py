@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -74,6 +75,13 @@ def _finish(proc):
   return text
 
 
+def _assert_programs_loaded_ahead(text):
+  """Every restarted process traced and loaded the next round's programs before it announced
+  itself ready, and no process failed to load them ahead (after a rebuild or before)."""
+  assert "compiled its step and the next round's programs" in text, text[-4000:]
+  assert "could not load the next round's programs ahead" not in text, text[-4000:]
+
+
 def _check_run(out):
   """Anchors bit-identical per synchronisation across every record; the final results."""
   anchors = collections.defaultdict(set)
@@ -124,6 +132,7 @@ def test_killed_workers_and_worker_zero_rejoin(tmp_path, uninterrupted):
   assert _pids(out, 2) == [survivor]  # the survivor never restarted
   assert len(_pids(out, 0)) == 2 and len(_pids(out, 1)) == 3
   assert text.count("restarting it with rank") == 3
+  _assert_programs_loaded_ahead(text)
   done = _check_run(out)
   replicas = done["replicas_per_sync"]
   assert len(replicas) == STEPS // 4 and min(replicas) < 3 and replicas[-1] == 3
@@ -302,16 +311,16 @@ def test_global_shapes_are_what_the_host_local_arrays_become():
 def test_the_state_transfer_packs_every_leaf_into_one_buffer_and_back():
   import numpy as np
 
-  from jax_qcomm.runners import elastic
+  from jax_qcomm.runners import transfer
 
   leaves = [np.arange(7, dtype=np.float32) / 3, np.array([True, False, True]),
             np.int8(-5) * np.ones((), np.int8), np.arange(5, dtype=np.uint16).reshape(5, 1),
             np.array([np.nan, -np.inf], np.float32), np.zeros((0, 3), np.float32)]
-  words = elastic._pack(leaves)
-  assert words.dtype == np.uint32 and words.shape == (elastic._packed_words(leaves),)
+  words = transfer.pack(leaves)
+  assert words.dtype == np.uint32 and words.shape == (transfer.packed_words(leaves),)
   assert words.size * 4 - sum(x.nbytes for x in leaves) in range(4)
   like = [np.zeros_like(x) for x in leaves]
-  for got, want in zip(elastic._unpack(words, like), leaves, strict=True):
+  for got, want in zip(transfer.unpack(words, like), leaves, strict=True):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bits, NaN included
 
@@ -323,13 +332,13 @@ def test_the_state_goes_down_a_chain_of_receivers_in_pieces(chain, pieces):
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-  from jax_qcomm.runners import elastic
+  from jax_qcomm.runners import transfer
 
   rows = 8
   mesh = Mesh(np.array(jax.devices()[:rows]), ("node",))
   words = 37  # not a multiple of the pieces
   data = np.arange(rows * words, dtype=np.uint32).reshape(rows, words) * 2654435761
-  program = elastic._relay(mesh, "node", chain, pieces)
+  program = transfer.relay(mesh, "node", chain, pieces)
   out = np.asarray(program(jax.device_put(data, NamedSharding(mesh, P("node")))))
   want = data.copy()
   want[list(chain[1:])] = data[chain[0]]
@@ -347,16 +356,16 @@ def test_the_state_goes_down_a_chain_of_receivers_in_pieces(chain, pieces):
 def test_a_receiver_makes_the_leaves_that_do_not_travel():
   import numpy as np
 
-  from jax_qcomm.runners import elastic
+  from jax_qcomm.runners import transfer
 
   source = [np.arange(3, dtype=np.float32), np.ones((2, 2), np.int32),    # the parameters
             np.arange(3, dtype=np.float32)[None], np.full((3,), 7.0, np.float32),
             np.full((1, 2, 2), 1, np.int32)]
-  plan = [None, None, 0, elastic.ZEROS, 1]
-  sent = elastic._sent(source, plan)
+  plan = [None, None, 0, transfer.ZEROS, 1]
+  sent = transfer.sent_leaves(source, plan)
   assert len(sent) == 2
   mine = [np.zeros_like(x) - 1 for x in source]  # the receiver's own, before
-  got = elastic._received(elastic._unpack(elastic._pack(sent), sent), mine, plan)
+  got = transfer.received_leaves(transfer.unpack(transfer.pack(sent), sent), mine, plan)
   want = [source[0], source[1], source[0][None], np.zeros(3, np.float32), source[1][None]]
   for g, w in zip(got, want, strict=True):
     assert g.dtype == w.dtype and g.shape == w.shape
@@ -408,3 +417,55 @@ def test_spare_delay_needs_elastic_and_seconds():
     run = subprocess.run([sys.executable, "-m", "jax_qcomm.tools.launch", *argv],
                          capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr
+
+
+class _Service:
+  """A coordination-service client whose barrier over ``stuck`` never answers (a restarted
+  member never asks), and whose keys hold the incarnations the processes published."""
+
+  def __init__(self, live, published, stuck):
+    self.live, self.published, self.stuck, self.dir_reads = live, published, stuck, 0
+
+  def get_live_nodes(self, processes):
+    if sorted(processes) == sorted(self.stuck):
+      threading.Event().wait()
+    return {p: self.live[p] for p in processes if p in self.live}
+
+  def key_value_dir_get(self, directory):
+    self.dir_reads += 1
+    return [(f"{directory}{p}", str(i)) for p, i in self.published.items()]
+
+
+def _bare_runner(service, me=0, n=3):
+  from jax_qcomm.runners import elastic
+
+  runner = object.__new__(elastic.ElasticDataParallel)
+  runner._client, runner._me, runner._n = service, me, n
+  return runner
+
+
+def test_a_barrier_held_up_by_a_process_restarted_since_the_last_one_ends_without_it(
+    monkeypatch):
+  """Process 2 died after the last barrier and came back (a new incarnation) before this one:
+  the service counts it live and it never asks, so the barrier would wait for ever. The round's
+  check reads the incarnations the processes published and leaves it out instead."""
+  from jax_qcomm.runners import elastic
+
+  monkeypatch.setattr(elastic, "BARRIER_POLL_S", 0.05)
+  expected = {0: 11, 2: 12}
+  service = _Service(live={0: 11, 2: 99}, published={0: 11, 1: 5, 2: 99}, stuck=[0, 2])
+  runner = _bare_runner(service)
+  t0 = time.monotonic()
+  with pytest.raises(elastic._Changed) as changed:
+    runner._check_live(expected)
+  assert time.monotonic() - t0 < 5 and service.dir_reads >= 1
+  assert changed.value.live == {0: 11, 2: 99}  # 2's new incarnation: the round goes on without it
+  # Nothing restarted: the barrier's own answer, and no reading of the keys.
+  service = _Service(live={0: 11, 2: 12}, published={0: 11, 2: 12}, stuck=[])
+  _bare_runner(service)._check_live(expected)
+  assert service.dir_reads == 0
+  # A member lost (not restarted) is the barrier's answer, as before.
+  service = _Service(live={0: 11}, published={0: 11, 2: 12}, stuck=[])
+  with pytest.raises(elastic._Changed) as changed:
+    _bare_runner(service)._check_live(expected)
+  assert changed.value.live == {0: 11}

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from test_elastic import _check_run, _finish, _kill_mid_window, _launch, _pids, _syncs, _wait
+from test_elastic import (_assert_programs_loaded_ahead, _check_run, _finish, _kill_mid_window,
+                          _launch, _pids, _syncs, _wait)
 
 SYNC_CALLS, SYNC_PAUSE = 1000, 0.03  # per-step sync: 500 optimizer steps of 2 calls
 
@@ -55,6 +56,7 @@ def test_per_step_sync_survives_losses_mid_collective_in_an_admission_of_rank_ze
   text = _finish(proc)
   assert text.count("restarting it with rank") == 7, text[-4000:]
   assert "rank 0 kills itself in _outer" in text and "rank 2 kills itself in _broadcast" in text
+  _assert_programs_loaded_ahead(text)
   done = _check_run(out)
   replicas = done["replicas_per_sync"]
   assert len(replicas) == SYNC_CALLS // 2 and min(replicas) == 1 and replicas[-1] == 3

@@ -57,11 +57,11 @@ import optax
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
+from jax_qcomm.runners import transfer
 from jax_qcomm.runners.replay import Replayed, global_shapes
 from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, replica_rows
 from jax_qcomm.transforms import layout
@@ -79,6 +79,11 @@ READY_DIR = "qcomm/elastic/ready/"
 #: Key directory where the group writes, under ``<index>/<incarnation>``, the live set that admits
 #: a ready process at the next round.
 ADMIT_DIR = "qcomm/elastic/admit/"
+#: Key directory where each process publishes, under its index, its incarnation as it builds the
+#: runner: a barrier that waits on a process restarted since the last round reads it.
+INCARNATION_DIR = "qcomm/elastic/incarnation/"
+#: Seconds between two readings of ``INCARNATION_DIR`` while a barrier of a round waits.
+BARRIER_POLL_S = 1.0
 #: Seconds a ready process waits to be admitted before it gives up with an error.
 ADMIT_TIMEOUT_S = 3600
 #: At most this many sets of lost processes have their programs compiled ahead (:func:`_loss_sets`).
@@ -86,8 +91,6 @@ COMPILE_AHEAD_SETS = 16
 #: Pieces the state is cut into when it travels to more than one receiver: it goes down a chain
 #: of them, each passing on the piece it has while it takes the next (``_broadcast_fn``).
 PIPELINE_PIECES = 8
-#: In a transfer plan (``ElasticDataParallel._plan``): a leaf the receiver starts at zero.
-ZEROS = "zeros"
 
 
 def before_backend(client: Any, process_id: int, num_processes: int) -> None:
@@ -209,6 +212,8 @@ class ElasticDataParallel:
           "elastic=True), or start the processes with `python -m jax_qcomm.tools.launch -n N "
           "--elastic`")
     self._client, self._me, self._n = client, int(process_id), int(num_processes)
+    client.key_value_set(f"{INCARNATION_DIR}{self._me}",
+                         str(self._get_live([self._me])[self._me]), allow_overwrite=True)
     # Devices by id (2048 * process + k): ids survive a backend rebuild, device objects do not.
     self._ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(self.mesh.devices)
     self._replica_axis = None
@@ -247,8 +252,9 @@ class ElasticDataParallel:
 
   def _plan(self, params: Any, state: Any) -> list[int | str | None]:
     """How a receiver of ``(params, state)`` makes each of its leaves (flattened): None, the leaf
-    travels; :data:`ZEROS`, it starts at zero (``OWN_FIELDS``: the source's own); ``j``, a copy
-    of leaf ``j`` of ``params`` (which travels) in the leaf's shape (:meth:`_param_fields`)."""
+    travels; :data:`transfer.ZEROS`, it starts at zero (``OWN_FIELDS``: the source's own); ``j``,
+    a copy of leaf ``j`` of ``params`` (which travels) in the leaf's shape
+    (:meth:`_param_fields`)."""
     tree = (params, state)
     own = _field_leaves(tree, self.OWN_FIELDS)
     copies = _field_leaves(tree, self._param_fields(state))
@@ -258,7 +264,7 @@ class ElasticDataParallel:
         plan.append(copied % n)
         copied += 1
       else:
-        plan.append(ZEROS if is_own else None)
+        plan.append(transfer.ZEROS if is_own else None)
     return plan
 
   @property
@@ -410,11 +416,36 @@ class ElasticDataParallel:
       raise ValueError("opt_state must come from this runner's init (dp.init(params))")
 
   # -- the round ------------------------------------------------------------------------------------
-  def _get_live(self, processes=None) -> dict[int, int]:
+  def _get_live(self, processes=None, expected: dict[int, int] | None = None) -> dict[int, int]:
     """``{process: incarnation}`` of the live ones among ``processes`` (default: all), once
-    every live one of them has asked (a barrier among them)."""
-    processes = range(self._n) if processes is None else processes
-    live = {int(p): int(i) for p, i in dict(self._client.get_live_nodes(sorted(processes))).items()}
+    every live one of them has asked (a barrier among them).
+
+    The service counts a restarted process as live, and it does not ask: a process that died and
+    came back since the caller's last barrier would hold this one up for ever. So, given the
+    ``expected`` incarnations, the barrier is watched from a thread, and while it waits the
+    incarnations the processes published are read (``INCARNATION_DIR``) every
+    ``BARRIER_POLL_S`` seconds: a restarted one raises :class:`_Changed` without it (every process
+    of the round waits in the same barrier, and reads the same keys)."""
+    processes = sorted(range(self._n) if processes is None else processes)
+    answer: dict = {}
+
+    def ask():
+      try:
+        answer["live"] = self._client.get_live_nodes(processes)
+      except Exception as error:  # noqa: BLE001  (raised in the caller's thread)
+        answer["error"] = error
+
+    asker = threading.Thread(target=ask, name="qcomm-elastic-live", daemon=True)
+    asker.start()
+    asker.join(None if expected is None else BARRIER_POLL_S)
+    while asker.is_alive():
+      restarted = self._restarted(expected)
+      if restarted:  # the barrier stays open in the service; its answer is not needed
+        raise _Changed({**expected, **restarted})
+      asker.join(BARRIER_POLL_S)
+    if "error" in answer:
+      raise answer["error"]
+    live = {int(p): int(i) for p, i in dict(answer["live"]).items()}
     if self._me not in live:
       raise RuntimeError(
           f"process {self._me} was declared lost by the coordination service (stopped or cut "
@@ -427,9 +458,16 @@ class ElasticDataParallel:
     outside the round never holds it up); :class:`_Changed` if one is gone or restarted. Every
     process of the round reaches the same calls in the same order and gets the same answer, so
     all of them see a change at the same point."""
-    now = self._get_live(live)
+    now = self._get_live(live, expected=live)
     if now != live:
       raise _Changed(now)
+
+  def _restarted(self, expected: dict[int, int]) -> dict[int, int]:
+    """``{process: incarnation}`` of the processes of ``expected`` that published another
+    incarnation than the one expected (restarted since)."""
+    published = {int(name.rstrip("/").rsplit("/", 1)[-1]): int(value)
+                 for name, value in self._client.key_value_dir_get(INCARNATION_DIR)}
+    return {p: published[p] for p in expected if published.get(p, expected[p]) != expected[p]}
 
   def _synchronise(self, params: Any, opt_state: Any, grads: Any = None) -> tuple[Any, Any]:
     """The round, run again over the new live set until one completes: diloco's synchronisation
@@ -655,8 +693,8 @@ class ElasticDataParallel:
     everyone = list(range(self._n))
     order = sorted(everyone, key=self._row_of.__getitem__)
     rows = NamedSharding(self._mesh_of(everyone), P(self.mesh.axis_names[self._replica_axis]))
-    words = _packed_words(_sent(jax.tree_util.tree_leaves((params, state)),
-                                self._plan(params, state)))
+    words = transfer.packed_words(transfer.sent_leaves(
+        jax.tree_util.tree_leaves((params, state)), self._plan(params, state)))
     abstract_rows = jax.ShapeDtypeStruct((self._n, words), np.uint32, sharding=rows)
     for lost in _loss_sets(self._n):
       if self._ahead_stop.is_set():
@@ -685,7 +723,7 @@ class ElasticDataParallel:
                  state: Any, sending: threading.Thread | None = None) -> tuple[Any, Any]:
     """The receivers take the source's params and state (``lax.ppermute`` from the source down
     the chain of receivers, :meth:`_broadcast_fn`): the others send nothing. The leaves travel
-    packed into one buffer (:func:`_pack`), without those a receiver makes itself
+    packed into one buffer (:func:`transfer.pack`), without those a receiver makes itself
     (:meth:`_plan`: the source's own fields start at zero, copies of the parameters).
     ``sending``: a thread started once the transfer is under way (not before: a thread that
     traces holds the interpreter's lock, and would hold up this process's part of it)."""
@@ -695,8 +733,9 @@ class ElasticDataParallel:
     leaves, treedef = jax.tree_util.tree_flatten((params, state))
     leaves = [np.asarray(x) for x in leaves]
     plan = self._plan(params, state)
-    sent = _sent(leaves, plan)
-    rows = multihost_utils.host_local_array_to_global_array(_pack(sent)[None], mesh, P(name))
+    sent = transfer.sent_leaves(leaves, plan)
+    rows = multihost_utils.host_local_array_to_global_array(transfer.pack(sent)[None], mesh,
+                                                            P(name))
     out = self._broadcast_fn(tuple(processes), order.index(source),
                              tuple(order.index(r) for r in receivers))(rows)
     if sending is not None:
@@ -704,7 +743,7 @@ class ElasticDataParallel:
     jax.block_until_ready(out)
     if self._me in receivers:
       got = np.asarray(multihost_utils.global_array_to_host_local_array(out, mesh, P(name)))[0]
-      leaves = _received(_unpack(got, sent), leaves, plan)
+      leaves = transfer.received_leaves(transfer.unpack(got, sent), leaves, plan)
     params, state = jax.tree_util.tree_unflatten(treedef, leaves)
     return (place(params, P(), self._local_mesh),
             place(state, self._spec(state), self._local_mesh))
@@ -712,77 +751,5 @@ class ElasticDataParallel:
   @functools.lru_cache(maxsize=None)
   def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
     pieces = 1 if len(receiver_rows) == 1 else PIPELINE_PIECES
-    return _relay(self._mesh_of(list(processes)), self.mesh.axis_names[self._replica_axis],
+    return transfer.relay(self._mesh_of(list(processes)), self.mesh.axis_names[self._replica_axis],
                   (source_row, *receiver_rows), pieces)
-
-
-def _relay(mesh: Mesh, name: str, chain: tuple[int, ...], pieces: int) -> Callable:
-  """A program over ``mesh`` of ``uint32[rows, words]`` (a row per index along ``name``): the
-  rows of ``chain[1:]`` take row ``chain[0]``'s words, the others keep theirs. The words go down
-  the chain, in ``pieces`` pieces: at tick ``t`` link ``k`` (``chain[k]`` to ``chain[k + 1]``)
-  carries piece ``t - k``, so every link carries the words once and ``r`` receivers wait
-  ``(pieces + r - 1) / pieces`` times one transfer (sent from the first row to each in turn,
-  ``r`` times); one receiver takes them whole (``pieces=1``)."""
-  position = np.full(mesh.shape[name], -1, np.int32)  # of each row in the chain
-  position[list(chain)] = np.arange(len(chain))
-
-  def relay(x):
-    words = x.shape[-1]
-    size = -(-words // pieces)
-    buf = jnp.pad(x.reshape(-1), (0, size * pieces - words)).reshape(pieces, size)
-    at = jnp.asarray(position)[lax.axis_index(name)]
-    for tick in range(pieces + len(chain) - 2):
-      links = [(chain[k], chain[k + 1]) for k in range(len(chain) - 1) if 0 <= tick - k < pieces]
-      got = lax.ppermute(buf[jnp.clip(tick - at, 0, pieces - 1)], name, perm=links)
-      piece = tick - (at - 1)  # the piece this row takes, if it is a receiver with a link now
-      takes = (at >= 1) & (piece >= 0) & (piece < pieces)
-      buf = jnp.where(takes, buf.at[jnp.clip(piece, 0, pieces - 1)].set(got), buf)
-    return buf.reshape(-1)[:words].reshape(x.shape)
-
-  return jax.jit(jax.shard_map(relay, mesh=mesh, in_specs=P(name), out_specs=P(name)))
-
-
-def _sent(leaves: list[Any], plan: list[int | str | None]) -> list[Any]:
-  """The leaves that travel in a transfer of plan ``plan`` (``ElasticDataParallel._plan``)."""
-  return [x for x, how in zip(leaves, plan, strict=True) if how is None]
-
-
-def _received(got: list[np.ndarray], leaves: list[np.ndarray],
-              plan: list[int | str | None]) -> list[np.ndarray]:
-  """A receiver's leaves: those of ``got`` (the leaves that travelled, in order), the others made
-  as ``plan`` says (in ``leaves``' shapes and dtypes)."""
-  got, out = iter(got), []
-  for x, how in zip(leaves, plan, strict=True):
-    if how is None:
-      out.append(next(got))
-    elif how == ZEROS:
-      out.append(np.zeros_like(x))
-    else:  # a copy of the parameters' leaf, which came first
-      out.append(np.broadcast_to(out[how], x.shape).astype(x.dtype))
-  return out
-
-
-def _nbytes(x: Any) -> int:
-  return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
-
-
-def _pack(leaves: list[np.ndarray]) -> np.ndarray:
-  """The bytes of ``leaves`` end to end, zero-padded to whole 32-bit words: ``uint32[words]``."""
-  pad = _packed_words(leaves) * 4 - sum(map(_nbytes, leaves))
-  data = np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]
-                        + [np.zeros(pad, np.uint8)])
-  return data.view(np.uint32)
-
-
-def _packed_words(leaves: list[Any]) -> int:
-  """The 32-bit words :func:`_pack` makes of ``leaves`` (arrays or shapes)."""
-  return -(-sum(map(_nbytes, leaves)) // 4)
-
-
-def _unpack(words: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
-  """The inverse of :func:`_pack`: leaves of ``like``'s shapes and dtypes, from ``words``."""
-  data, out, at = np.ascontiguousarray(words).view(np.uint8), [], 0
-  for x in like:
-    out.append(data[at:at + x.nbytes].view(x.dtype).reshape(x.shape).copy())
-    at += x.nbytes
-  return out
