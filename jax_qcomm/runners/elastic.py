@@ -19,7 +19,9 @@ synchronisation is a round among the processes alive, agreed through the coordin
    ``jax.experimental.multihost_utils.live_devices``), called at one program point, after every
    round; the round counts as done only if nobody in it died or restarted meanwhile (atomicity as
    ``live_devices`` gives it). Otherwise every survivor retries it with the new set, from the
-   same inputs: only the lost replica's pseudo-gradient is missing from the mean.
+   same inputs: only the lost replica's pseudo-gradient is missing from the mean. A process
+   restarted since the last barrier, which the service counts live but which never asks, is
+   found from the incarnation it published (``INCARNATION_DIR``) and left out the same way.
 2. Each process publishes how many synchronisations its state holds. The holders of the newest
    state run diloco's outer step over their own devices (a mesh of the holders only), so the mean
    is over the replicas present; the others (a restarted process, or one that fell behind) receive
