@@ -753,5 +753,6 @@ class ElasticDataParallel:
   @functools.lru_cache(maxsize=None)
   def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
     pieces = 1 if len(receiver_rows) == 1 else PIPELINE_PIECES
-    return transfer.relay(self._mesh_of(list(processes)), self.mesh.axis_names[self._replica_axis],
-                  (source_row, *receiver_rows), pieces)
+    return transfer.relay(self._mesh_of(list(processes)),
+                          self.mesh.axis_names[self._replica_axis], (source_row, *receiver_rows),
+                          pieces)

@@ -55,7 +55,7 @@ def sent_leaves(leaves: list[Any], plan: list[int | str | None]) -> list[Any]:
 
 
 def received_leaves(got: list[np.ndarray], leaves: list[np.ndarray],
-              plan: list[int | str | None]) -> list[np.ndarray]:
+                    plan: list[int | str | None]) -> list[np.ndarray]:
   """A receiver's leaves: those of ``got`` (the leaves that travelled, in order), the others made
   as ``plan`` says (in ``leaves``' shapes and dtypes)."""
   got, out = iter(got), []
