@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from elastic_goodput import _cpu  # this directory: the harness whose cluster this measures
+
 OUT = os.path.join(os.path.dirname(__file__), "..", "notebooks", "data", "relay_pieces")
 SIZES_MB = (1.45, 1.93)
 CONFIGS = [((0, 1), 1), ((0, 1), 4)] + [((0, 1, 2), p) for p in (1, 2, 4, 8, 16, 32)]
@@ -105,12 +107,6 @@ def run(repeat: int) -> None:
   with open(path, "w") as f:
     json.dump(data, f, indent=1)
   table()
-
-
-def _cpu() -> str:
-  with open("/proc/cpuinfo") as f:
-    return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                platform.processor())
 
 
 def table() -> None:

@@ -159,12 +159,9 @@ class ElasticSyncDataParallel(ElasticDataParallel):
 
   def _prepare(self, params: Any, opt_state: Any, batch: Any, *extra: Any,
                key: jax.Array | None = None) -> None:
-    """Compiles the gradient program (run once) and the accumulating update."""
-    grads = jax.block_until_ready(self._grads(params, batch, extra, key)[0])
-    if _sync_state(opt_state).config.accum_steps > 1:
-      spec = self._spec(opt_state)
-      self._local_update_fn(_SpecKey(spec)).lower(
-          params, place(opt_state, spec, self._local_mesh), grads).compile()
+    """Compiles the gradient program (run once; it records the shapes the others are loaded
+    from: ``join`` loads the accumulating update and the round next, ``_load_programs``)."""
+    jax.block_until_ready(self._grads(params, batch, extra, key)[0])
 
   @functools.lru_cache(maxsize=None)
   def _grad_fn(self, with_key: bool, n_extra: int) -> Callable:
