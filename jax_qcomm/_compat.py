@@ -173,6 +173,18 @@ def distributed_state() -> tuple[Any, int | None, int | None]:
   return state.client, getattr(state, "process_id", None), getattr(state, "num_processes", None)
 
 
+def coordinator_address() -> str | None:
+  """The coordination service's ``host:port`` this process connected to (``jax.distributed``'s
+  record of it), or None."""
+  import importlib
+
+  try:
+    state = importlib.import_module("jax._src.distributed").global_state
+  except (ImportError, AttributeError):
+    return None
+  return getattr(state, "coordinator_address", None)
+
+
 def distributed_state_problems() -> list[str]:
   """What is missing in the private ``jax.distributed`` state :func:`distributed_state` reads and
   the client method it relies on (empty if all are as expected)."""
@@ -183,7 +195,8 @@ def distributed_state_problems() -> list[str]:
   except (ImportError, AttributeError) as e:
     return [f"jax._src.distributed.global_state is gone ({e})"]
   problems = [f"jax._src.distributed.global_state has no {name!r}"
-              for name in ("client", "process_id", "num_processes") if not hasattr(state, name)]
+              for name in ("client", "process_id", "num_processes", "coordinator_address")
+              if not hasattr(state, name)]
   try:
     client_type = importlib.import_module("jaxlib._jax").DistributedRuntimeClient
   except (ImportError, AttributeError) as e:

@@ -1,5 +1,5 @@
 """How long the elastic runners' transfer of the state to restarted processes takes, by the number
-of pieces it is cut into (``jax_qcomm.runners.elastic.PIPELINE_PIECES``), on the simulated
+of pieces it is cut into (``jax_qcomm.runners.transfer.PIPELINE_PIECES``), on the simulated
 cluster the goodput harness uses (3 nodes, 10 Mbit/s links).
 
     python scripts/relay_pieces.py run      # as root: notebooks/data/relay_pieces/relay.json

@@ -59,13 +59,14 @@ import optax
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_qcomm import _compat
 from jax_qcomm.runners import transfer
 from jax_qcomm.runners.replay import Replayed, global_shapes
-from jax_qcomm.transforms.diloco import PHASE_ARG, DiLoCoState, replica_rows
+from jax_qcomm.transforms.diloco import PHASE_ARG, PRESENT_ARG, DiLoCoState, replica_rows
 from jax_qcomm.transforms import layout
 from jax_qcomm.transforms.specs import _SpecKey, checked_spec, is_state, place
 
@@ -90,9 +91,6 @@ BARRIER_POLL_S = 1.0
 ADMIT_TIMEOUT_S = 3600
 #: At most this many sets of lost processes have their programs compiled ahead (:func:`_loss_sets`).
 COMPILE_AHEAD_SETS = 16
-#: Pieces the state is cut into when it travels to more than one receiver: it goes down a chain
-#: of them, each passing on the piece it has while it takes the next (``_broadcast_fn``).
-PIPELINE_PIECES = 8
 
 
 def before_backend(client: Any, process_id: int, num_processes: int) -> None:
@@ -181,7 +179,7 @@ class _Changed(Exception):
 
 
 @dataclasses.dataclass(eq=False)
-class ElasticDataParallel:
+class ElasticDataParallel(transfer.Transfers):
   """The elastic runner made by ``qcomm.data_parallel(..., elastic=True)`` (module docstring).
 
   init(params) -> opt_state: this process's replica of the diloco state (its own devices only).
@@ -233,7 +231,10 @@ class ElasticDataParallel:
     # A restarted process does not: its first life's programs are in its cache directory, and
     # while it compiled, every step of the others would wait for it.
     self._compiles_ahead = True
-    self._transfer_s = 0.0  # the last transfer of the state to restarted processes
+    self._transfer_s: float | None = 0.0  # the last transfer of the state (None: in the background)
+    self._healing = False  # holds the group's state, and has not yet taken part in a round
+    self._receiving: tuple | None = None  # the state this process fetches after its round
+    self._loading: threading.Thread | None = None  # loads the next round's programs
     self._traces: dict = {}  # the programs' jaxprs (Replayed): they outlive backend rebuilds
     self.stall_s = 0.0
     self.short_syncs: list[dict] = []
@@ -251,6 +252,12 @@ class ElasticDataParallel:
     if isinstance(state, DiLoCoState) and cfg.fragments == 1 and not cfg.delay:
       return ("params",)
     return ()
+
+  def _heals(self, state: Any) -> bool:
+    """Whether the state goes to restarted processes in the background (:meth:`_hand_over`):
+    diloco whose replicas start from the anchor after a round (:meth:`_param_fields`), where a
+    receiver takes part in the next round with no pseudo-gradient of its own."""
+    return bool(self._param_fields(state))
 
   def _plan(self, params: Any, state: Any) -> list[int | str | None]:
     """How a receiver of ``(params, state)`` makes each of its leaves (flattened): None, the leaf
@@ -353,11 +360,11 @@ class ElasticDataParallel:
         self._prepare(params, opt_state, batch, *extra, key=key)
         # Traced now, the programs of the round after its admission are only replayed and
         # loaded then (Replayed): a restarted process has no traces of its first life.
-        self._load_programs(params, opt_state)
+        self._load_programs(params, opt_state, [self._me] if self._heals(opt_state) else [])
         _log(f"process {self._me}: compiled its step and the next round's programs in "
              f"{time.perf_counter() - t_prepare:.2f} s")
       self._live = self._await_admission()
-    while self._fresh:
+    while self._fresh or self._healing:
       params, opt_state = self._synchronise(params, opt_state)
     return params, opt_state
 
@@ -499,9 +506,14 @@ class ElasticDataParallel:
           raise error
         self._check_live(live)  # every process of the round has read the others' info
         self._client.key_value_delete(f"{round_key}/info/{self._me}")
+        if self._receiving is not None:  # sent in the background: no process waits for it
+          result = self._receive(result)
         out = self._commit(*result[:5])
+        if self._me in result[8]:  # it has taken part in a round: next time it counts
+          self._healing = False
         if not self._fresh:  # a process not yet admitted has no step of its own to report
-          self._report(result[5], result[6], result[2], time.perf_counter() - t_start, stalled)
+          self._report(result[5], result[6], result[2], time.perf_counter() - t_start, stalled,
+                       result[8])
         if result[7]:  # ready processes: the next round admits them
           self._live = {**live, **result[7]}
           text = json.dumps({str(p): i for p, i in self._live.items()})
@@ -524,8 +536,11 @@ class ElasticDataParallel:
     client = self._client
     processes = sorted(live)
     fp = _fingerprint(live)
+    if self._loading is not None:  # the programs this round runs
+      self._loading.join()
+      self._loading = None
     mine = {"step": -1 if self._fresh else self._outer_step, "backend": self._backend,
-            "history": self._history}
+            "history": self._history, "healing": self._healing}
     # The one reader of the ready processes; a round of every process has none to read (a ready
     # process is outside the round), which spares the step a request to the service.
     if self._me == processes[0] and len(processes) < self._n:
@@ -548,9 +563,14 @@ class ElasticDataParallel:
     rebuild = bool(holders) and full and any(i["backend"] != fp for i in infos.values())
     receivers = [p for p in processes if p not in holders] if (full and holders) else []
     params, state, grads = self._inputs
-    history = _appended(infos[holders[0]]["history"], len(holders)) if holders else []
+    heals = bool(receivers) and self._heals(state)
+    # Holders that took the state at the last round: no pseudo-gradient of their own yet.
+    healing = [p for p in holders if infos[p]["healing"]]
+    healing = healing if len(healing) < len(holders) else []
+    history = (_appended(infos[holders[0]]["history"], len(holders) - len(healing))
+               if holders else [])
     if self._me in holders:  # before a rebuild: over the communicators the holders have used
-      params, state = self._outer(holders, params, state, grads)
+      params, state = self._outer(holders, params, state, grads, healing)
     if rebuild:
       t_rebuild = time.perf_counter()
       self._stop_ahead()  # no compilation on the backend being dropped
@@ -564,7 +584,7 @@ class ElasticDataParallel:
       self._check_live(live)
       self._backend = fp
       self._rebuild()
-      if not receivers:  # no transfer places them on the new backend
+      if not receivers or (heals and self._me not in receivers):  # no relay places them
         params = place(params, P(), self._local_mesh)
         state = place(state, self._spec(state), self._local_mesh)
       self.stall_s += time.perf_counter() - t_rebuild
@@ -572,40 +592,55 @@ class ElasticDataParallel:
            f"({time.perf_counter() - t_rebuild:.2f} s)")
     loading = None
     if rebuild and receivers:  # the next round's programs load while the state travels
-      loading = threading.Thread(target=self._load_programs, args=(params, state),
+      loading = threading.Thread(target=self._load_programs,
+                                 args=(params, state, receivers if heals else []),
                                  name="qcomm-elastic-load", daemon=True)
-    if receivers:
+    if heals:  # the others go on: the receivers take it, and sit out the next round's mean
+      self._transfer_s = None
+      if self._me == holders[0]:
+        self._hand_over(key, params, state, len(receivers))
+      if self._me in receivers:
+        self._receiving = (key, loading)
+      elif loading is not None:
+        self._loading = loading
+        loading.start()
+    elif receivers:
       t_transfer = time.perf_counter()
       params, state = self._broadcast(processes, holders[0], receivers, params, state,
                                       sending=loading)
       self._check_live(live)  # every receiver has it (the source's part ends sooner)
       self._transfer_s = time.perf_counter() - t_transfer
-    if loading is not None:
-      loading.join()
+      if loading is not None:
+        loading.join()
     admitted = not holders or self._me in holders or self._me in receivers
     missing = sorted(set(range(self._n)) - set(holders)) if holders else []
     ready = {int(p): i for p, i in infos[processes[0]].get("ready", {}).items()}
     # XLA:CPU rebuilds its communicators with every process: admit only when all are back.
     admit = ready if ready and len(processes) + len(ready) == self._n else {}
-    return params, state, history, admitted, bool(holders), missing, receivers, admit
+    return (params, state, history, admitted, bool(holders), missing, receivers, admit, healing)
 
   def _report(self, missing: list[int], admitted: list[int], history: list[int], seconds: float,
-              stalled: float) -> None:
+              stalled: float, healing: list[int]) -> None:
     """One log line and record for a synchronisation that ran short or admitted a process."""
     self.stall_s += stalled
-    if not (missing or admitted) or not history:
+    if not (missing or admitted or healing) or not history:
       return
     replicas = history[-1][1]
     record = {"outer_step": self._outer_step, "replicas": replicas, "missing": missing,
-              "admitted": admitted, "seconds": round(seconds, 3), "stall_s": round(stalled, 3)}
-    if admitted:
-      record["transfer_s"] = round(self._transfer_s, 3)
+              "admitted": admitted, "healing": healing, "seconds": round(seconds, 3),
+              "stall_s": round(stalled, 3)}
+    transfer_s = self._transfer_s if admitted else None
+    if transfer_s is not None:
+      record["transfer_s"] = round(transfer_s, 3)
     self.short_syncs.append(record)
     text = (f"{self.ROUND} {self._outer_step} averaged {replicas} of {self._n} replicas"
             + (f" (missing {missing})" if missing else "")
+            + (f" (without {healing}, admitted at the last one)" if healing else "")
             + (f", admitted {admitted}" if admitted else "")
             + f"; it took {seconds:.2f} s, {stalled:.2f} s of it in attempts a lost process broke"
-            + (f", {self._transfer_s:.2f} s in the state's transfer" if admitted else ""))
+            + (f", {transfer_s:.2f} s in the state's transfer" if transfer_s is not None else "")
+            + (" (its transfer goes on behind the next steps)"
+               if admitted and transfer_s is None else ""))
     _log(f"process {self._me}: {text}")
 
   def _commit(self, params, state, history, admitted, synchronised) -> tuple[Any, Any]:
@@ -623,12 +658,13 @@ class ElasticDataParallel:
   def _spec(self, state: Any) -> Any:
     return checked_spec(state, self.axis_name)
 
-  def _outer(self, holders: list[int], params: Any, state: Any,
-             grads: Any = None) -> tuple[Any, Any]:
+  def _outer(self, holders: list[int], params: Any, state: Any, grads: Any = None,
+             absent: list[int] = ()) -> tuple[Any, Any]:
     """The round's program over the holders' devices: diloco's synchronisation (or the update
-    from this process's ``grads``, per-step data parallelism)."""
+    from this process's ``grads``, per-step data parallelism); the holders ``absent`` count for
+    nothing in the mean."""
     mesh, spec, args = self._outer_args(holders, params, state, grads)
-    out = self._outer_fn(tuple(holders), _SpecKey(spec))(*args)
+    out = self._outer_fn(tuple(holders), _SpecKey(spec), self._rows_in(holders, absent))(*args)
     new_params = multihost_utils.global_array_to_host_local_array(out[0], mesh, P())
     new_state = multihost_utils.global_array_to_host_local_array(out[1], mesh, spec)
     if len(holders) == self._n and self._ahead is None and self._compiles_ahead:
@@ -654,14 +690,21 @@ class ElasticDataParallel:
       args += (put(rows, mesh, P(name)),)
     return mesh, spec, args
 
-  def _load_programs(self, params: Any, state: Any) -> None:
+  def _rows_in(self, processes: list[int], some: list[int]) -> tuple[int, ...]:
+    """The rows of the processes ``some`` in the mesh of ``processes`` (:meth:`_mesh_of`)."""
+    order = sorted(processes, key=self._row_of.__getitem__)
+    return tuple(sorted(order.index(p) for p in some))
+
+  def _load_programs(self, params: Any, state: Any, absent: list[int] = ()) -> None:
     """Loads, on the current backend (the one just rebuilt, or a restarted process's before its
-    admission), the programs of the next round over every process (from the persistent cache,
-    else compiled), so that it does not wait for them."""
+    admission), the programs of the next rounds over every process (from the persistent cache,
+    else compiled), so that they do not wait for them: with ``absent``, the round where those
+    count for nothing first."""
     try:
       everyone = list(range(self._n))
       _, spec, args = self._outer_args(everyone, params, state, self._grads_like(), True)
-      self._outer_fn(tuple(everyone), _SpecKey(spec)).lower(*args).compile()
+      for rows in ((self._rows_in(everyone, absent),) if absent else ()) + ((),):
+        self._outer_fn(tuple(everyone), _SpecKey(spec), rows).lower(*args).compile()
       self._load_local_programs(params, state)
     except Exception as error:  # noqa: BLE001  (the round compiles them itself)
       _log(f"process {self._me}: could not load the next round's programs ahead: {error!r}")
@@ -705,54 +748,52 @@ class ElasticDataParallel:
       if self._me in holders:
         _, spec, args = self._outer_args(holders, params, state, grads, True)
         self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*args).compile()
-      self._broadcast_fn(tuple(everyone), order.index(holders[0]),
-                         tuple(order.index(r) for r in lost)).lower(abstract_rows).compile()
+      if self._heals(state):  # the round after their admission, without them in the mean
+        _, spec, args = self._outer_args(everyone, params, state, grads, True)
+        self._outer_fn(tuple(everyone), _SpecKey(spec),
+                       self._rows_in(everyone, list(lost))).lower(*args).compile()
+      else:
+        self._broadcast_fn(tuple(everyone), order.index(holders[0]),
+                           tuple(order.index(r) for r in lost)).lower(abstract_rows).compile()
 
   @functools.lru_cache(maxsize=None)
-  def _outer_fn(self, holders: tuple, spec: _SpecKey) -> Callable:
-    tx = self.tx
+  def _outer_fn(self, holders: tuple, spec: _SpecKey, absent: tuple = ()) -> Callable:
+    """The round's program over ``holders``; the rows ``absent`` count for nothing in the mean
+    (diloco's ``PRESENT_ARG``)."""
+    tx, name = self.tx, self.mesh.axis_names[self._replica_axis]
+    present = np.ones(len(holders), bool)
+    present[list(absent)] = False
 
     def outer(params, state):
-      updates, state = tx.update(None, state, params, **{PHASE_ARG: "outer"})
+      extra = {PHASE_ARG: "outer"}
+      if absent:
+        extra[PRESENT_ARG] = jnp.asarray(present)[lax.axis_index(name)]
+      updates, state = tx.update(None, state, params, **extra)
       return optax.apply_updates(params, updates), state
 
     return Replayed(
         jax.jit(jax.shard_map(outer, mesh=self._mesh_of(list(holders)).abstract_mesh,
                               in_specs=(P(), spec.spec), out_specs=(P(), spec.spec))),
-        self._traces, ("outer", holders, spec))
+        self._traces, ("outer", holders, spec, absent))
 
-  def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
-                 state: Any, sending: threading.Thread | None = None) -> tuple[Any, Any]:
-    """The receivers take the source's params and state (``lax.ppermute`` from the source down
-    the chain of receivers, :meth:`_broadcast_fn`): the others send nothing. The leaves travel
-    packed into one buffer (:func:`transfer.pack`), without those a receiver makes itself
-    (:meth:`_plan`: the source's own fields start at zero, copies of the parameters).
-    ``sending``: a thread started once the transfer is under way (not before: a thread that
-    traces holds the interpreter's lock, and would hold up this process's part of it)."""
-    mesh = self._mesh_of(processes)
-    name = self.mesh.axis_names[self._replica_axis]
-    order = sorted(processes, key=self._row_of.__getitem__)
-    leaves, treedef = jax.tree_util.tree_flatten((params, state))
-    leaves = [np.asarray(x) for x in leaves]
-    plan = self._plan(params, state)
-    sent = transfer.sent_leaves(leaves, plan)
-    rows = multihost_utils.host_local_array_to_global_array(transfer.pack(sent)[None], mesh,
-                                                            P(name))
-    out = self._broadcast_fn(tuple(processes), order.index(source),
-                             tuple(order.index(r) for r in receivers))(rows)
-    if sending is not None:
-      sending.start()
-    jax.block_until_ready(out)
-    if self._me in receivers:
-      got = np.asarray(multihost_utils.global_array_to_host_local_array(out, mesh, P(name)))[0]
-      leaves = transfer.received_leaves(transfer.unpack(got, sent), leaves, plan)
-    params, state = jax.tree_util.tree_unflatten(treedef, leaves)
-    return (place(params, P(), self._local_mesh),
-            place(state, self._spec(state), self._local_mesh))
-
-  @functools.lru_cache(maxsize=None)
-  def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
-    pieces = 1 if len(receiver_rows) == 1 else PIPELINE_PIECES
-    return transfer.relay(self._mesh_of(list(processes)),
-                          self.mesh.axis_names[self._replica_axis], (source_row, *receiver_rows),
-                          pieces)
+  def _receive(self, result: tuple) -> tuple:
+    """A receiver's part of a background transfer (after its round: nobody waits for it), while
+    a thread loads the next rounds' programs: ``result`` with the state it took, or, if the
+    source is gone, not admitted (it waits for the next admission)."""
+    (key, loading), self._receiving = self._receiving, None
+    if loading is not None:
+      loading.start()
+    t_transfer = time.perf_counter()
+    try:
+      _, words, unpacked = self._packing(*result[:2])
+      address = self._client.blocking_key_value_get(f"{key}/state", KEY_TIMEOUT_S * 1000)
+      params, state = unpacked(transfer.fetch(address, words.nbytes))
+    except Exception as error:  # noqa: BLE001  (the source lost: admitted at a later round)
+      _log(f"process {self._me}: could not take the state ({error!r}); it waits to be admitted")
+      return (*result[:3], False, *result[4:])
+    finally:
+      if loading is not None:
+        loading.join()
+    self._transfer_s = time.perf_counter() - t_transfer
+    self._healing = True
+    return (params, state, *result[2:])

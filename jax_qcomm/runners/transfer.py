@@ -1,15 +1,23 @@
 """The state's transfer to restarted processes (the elastic runners' admitting round): the leaves
-packed into one buffer of 32-bit words, and a program that sends a row of a mesh down a chain of
-the others, in pieces.
+packed into one buffer of 32-bit words, and two ways to send it. :func:`relay` is a program that
+sends a row of a mesh down a chain of the others, in pieces (every process waits for it: XLA:CPU
+runs a process's programs one after the other). :func:`serve` and :func:`fetch` send it over a
+TCP connection of its own, from a thread, while the sender's programs go on.
 
     plan = runner._plan(params, state)            # per leaf: None (travels), ZEROS, or a copy
     words = pack(sent_leaves(leaves, plan))       # uint32[packed_words(...)]
     rows = relay(mesh, "node", (0, 2, 1), pieces)(global_rows)   # rows 2 and 1 take row 0's
+    address = serve(words, receivers=1, toward=coordinator)      # or, on the source...
+    words = fetch(address, words.nbytes)                         # ...and on a receiver
     leaves = received_leaves(unpack(words, sent_leaves(leaves, plan)), leaves, plan)
 """
 
 from __future__ import annotations
 
+import functools
+import socket
+import struct
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -17,10 +25,19 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_qcomm import _compat
+from jax_qcomm.transforms.specs import place
 
 #: In a transfer plan (``ElasticDataParallel._plan``): a leaf the receiver starts at zero.
 ZEROS = "zeros"
+#: Seconds :func:`serve` waits for its receivers to connect, and :func:`fetch` for the bytes.
+SERVE_TIMEOUT_S = 120.0
+#: Pieces the state is cut into when it travels to more than one receiver by :func:`relay`: it
+#: goes down a chain of them, each passing on the piece it has while it takes the next.
+PIPELINE_PIECES = 8
 
 
 def relay(mesh: Mesh, name: str, chain: tuple[int, ...], pieces: int) -> Callable:
@@ -93,3 +110,122 @@ def unpack(words: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
     out.append(data[at:at + x.nbytes].view(x.dtype).reshape(x.shape).copy())
     at += x.nbytes
   return out
+
+
+def _local_address(toward: str) -> str:
+  """The address of this machine's interface that routes to ``toward`` (``host:port``)."""
+  host, port = toward.rsplit(":", 1)
+  host = host.strip("[]")
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connect() sends nothing over UDP
+    probe.connect((host, int(port)))
+    return probe.getsockname()[0]
+
+
+def serve(data: np.ndarray, receivers: int, toward: str,
+          timeout_s: float = SERVE_TIMEOUT_S) -> str:
+  """Sends ``data``'s bytes to each of the next ``receivers`` connections, from daemon threads
+  (the caller goes on); returns the ``host:port`` to :func:`fetch` them from, on the interface
+  that routes to ``toward`` (the coordination service's address). The listener closes once they
+  have connected, or after ``timeout_s``."""
+  payload = np.ascontiguousarray(data).view(np.uint8).tobytes()
+  host = _local_address(toward)
+  listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+  listener.bind((host, 0))
+  listener.listen(receivers)
+  listener.settimeout(timeout_s)
+
+  def send(conn):
+    with conn:
+      conn.sendall(struct.pack("!Q", len(payload)) + payload)
+
+  def accept():
+    with listener:
+      for _ in range(receivers):
+        try:
+          conn, _ = listener.accept()
+        except OSError:  # timed out: a receiver is gone
+          return
+        conn.settimeout(timeout_s)
+        threading.Thread(target=send, args=(conn,), name="qcomm-state-send", daemon=True).start()
+
+  threading.Thread(target=accept, name="qcomm-state-serve", daemon=True).start()
+  port = listener.getsockname()[1]
+  return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def fetch(address: str, nbytes: int, timeout_s: float = SERVE_TIMEOUT_S) -> np.ndarray:
+  """The ``nbytes`` bytes :func:`serve` sends from ``address``, as ``uint32[nbytes // 4]``;
+  OSError if the sender is gone or sends another size."""
+  host, port = address.rsplit(":", 1)
+  with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+    data = bytearray()
+    while len(data) < 8 + nbytes:
+      chunk = conn.recv(min(1 << 20, 8 + nbytes - len(data)))
+      if not chunk:
+        break
+      data += chunk
+  if len(data) < 8 or struct.unpack("!Q", data[:8])[0] != nbytes or len(data) != 8 + nbytes:
+    raise OSError(f"the state's sender at {address} sent {len(data) - 8} of {nbytes} bytes")
+  return np.frombuffer(bytes(data[8:]), np.uint32)
+
+
+class Transfers:
+  """The elastic runner's sending of its state (``runners.elastic.ElasticDataParallel`` inherits
+  it, and its meshes, ``_plan``, ``_spec`` and coordination client serve here)."""
+
+  def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
+                 state: Any, sending: threading.Thread | None = None) -> tuple[Any, Any]:
+    """The receivers take the source's params and state (``lax.ppermute`` from the source down
+    the chain of receivers, :meth:`_broadcast_fn`): the others send nothing. The leaves travel
+    packed into one buffer (:func:`pack`), without those a receiver makes itself
+    (:meth:`_plan`: the source's own fields start at zero, copies of the parameters).
+    ``sending``: a thread started once the transfer is under way (not before: a thread that
+    traces holds the interpreter's lock, and would hold up this process's part of it)."""
+    mesh = self._mesh_of(processes)
+    name = self.mesh.axis_names[self._replica_axis]
+    order = sorted(processes, key=self._row_of.__getitem__)
+    leaves, words, unpacked = self._packing(params, state)
+    rows = multihost_utils.host_local_array_to_global_array(words[None], mesh, P(name))
+    out = self._broadcast_fn(tuple(processes), order.index(source),
+                             tuple(order.index(r) for r in receivers))(rows)
+    if sending is not None:
+      sending.start()
+    jax.block_until_ready(out)
+    if self._me in receivers:
+      return unpacked(
+          np.asarray(multihost_utils.global_array_to_host_local_array(out, mesh, P(name)))[0])
+    return unpacked(None)
+
+  def _packing(self, params: Any, state: Any) -> tuple[list[np.ndarray], np.ndarray, Callable]:
+    """(this process's leaves of ``(params, state)`` on the host, the words a transfer of them
+    sends, and ``unpacked(words)``: the params and state a receiver of ``words`` makes, placed
+    on this process's devices (None: this process's own))."""
+    leaves, treedef = jax.tree_util.tree_flatten((params, state))
+    leaves = [np.asarray(x) for x in leaves]
+    plan = self._plan(params, state)
+    sent = sent_leaves(leaves, plan)
+
+    def unpacked(words):
+      out = leaves if words is None else received_leaves(
+          unpack(words, sent), leaves, plan)
+      p, s = jax.tree_util.tree_unflatten(treedef, out)
+      return place(p, P(), self._local_mesh), place(s, self._spec(s), self._local_mesh)
+
+    return leaves, pack(sent), unpacked
+
+  def _hand_over(self, key: str, params: Any, state: Any, receivers: int) -> None:
+    """The source's part of a background transfer: the state served to ``receivers``
+    connections from a thread (:func:`serve`), its address published under ``key``."""
+    words = self._packing(params, state)[1]
+    self._client.key_value_set(f"{key}/state", serve(
+        words, receivers, _compat.coordinator_address()), allow_overwrite=True)
+
+
+  @functools.lru_cache(maxsize=None)
+  def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
+    pieces = 1 if len(receiver_rows) == 1 else PIPELINE_PIECES
+    return relay(self._mesh_of(list(processes)),
+                          self.mesh.axis_names[self._replica_axis], (source_row, *receiver_rows),
+                          pieces)
+

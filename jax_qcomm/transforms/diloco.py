@@ -69,6 +69,13 @@ PHASE_ARG = "qcomm_diloco_phase"
 #: ``pending`` is applied and this round's pseudo-gradient is left for the caller to send
 #: (:class:`qcomm.data_parallel`'s ``overlap=True`` runner sends it on devices of its own).
 PHASES = ("inner", "outer", "arrive")
+#: The extra argument of an ``"outer"`` call that leaves this replica's pseudo-gradient out of the
+#: mean: a boolean scalar per replica (varying over the replica axes), False where the replica
+#: counts for nothing this time. The mean is over the replicas where it is True (at least one):
+#: the others send zeros, and the sum is divided by the count of the present. The elastic runner
+#: passes it for a process that has just received the group's state and has taken no inner step
+#: (``runners.elastic``). Needs ``fragments=1`` and ``delay=0``.
+PRESENT_ARG = "qcomm_diloco_present"
 #: Values of ``delay``.
 DELAYS = (0, 1)
 
@@ -423,8 +430,14 @@ class _DiLoCo:
   def update(self, grads: Any, state: DiLoCoState, params: Any = None, **extra_args: Any):
     axis_size(self.config.axis_name)  # clear error outside shard_map
     phase = extra_args.pop(PHASE_ARG, None)
+    present = extra_args.pop(PRESENT_ARG, None)
     if phase is not None and phase not in PHASES:
       raise ValueError(f"{PHASE_ARG} must be one of {PHASES} (or absent), got {phase!r}")
+    if present is not None and (phase != "outer" or state.config.fragments > 1
+                                or state.config.delay):
+      raise ValueError(f"{PRESENT_ARG} needs {PHASE_ARG}='outer', fragments=1 and delay=0; got "
+                       f"{PHASE_ARG}={phase!r}, fragments={state.config.fragments}, "
+                       f"delay={state.config.delay}")
     if phase == "arrive" and not state.config.delay:
       raise ValueError(f"{PHASE_ARG}='arrive' needs qcomm.diloco(..., delay=1)")
     if phase in ("outer", "arrive"):
@@ -458,6 +471,8 @@ class _DiLoCo:
       anchor = jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params)
       delta = jax.tree_util.tree_map(lambda a, p: a - p.astype(jnp.float32), anchor, local)
       delta = _with_residual(delta, state.residual, cfg)
+      if present is not None:  # an absent replica sends zeros (residual included)
+        delta = jax.tree_util.tree_map(lambda d: jnp.where(present, d, 0), delta)
       key, sub = _parts.split_key(state.key)
       if group is not None:  # the fragment's leaves, keyed by their paths (the policy reads them)
         paths, anchor_leaves = _paths_and_leaves(anchor)
@@ -471,6 +486,10 @@ class _DiLoCo:
           delta, _comm_axis(cfg), cfg.codec, sub, "mean", policy=cfg.policy,
           comm_bucket_size=cfg.comm_bucket_size)
       finite = jnp.isfinite(_parts.whole_model(mark, axis_names(_comm_axis(cfg))))
+      if present is not None:  # the mean over the present replicas
+        count = lax.psum(jnp.asarray(present, jnp.float32), axis_names(_comm_axis(cfg)))
+        scale = axis_size(_comm_axis(cfg)) / count
+        mean = jax.tree_util.tree_map(lambda m: m * scale.astype(m.dtype), mean)
       if group is None:
         outer_updates, outer_state = self.outer.update(mean, state.outer_opt_state, anchor)
         new_outer = _parts.keep_if_finite(finite, outer_state, state.outer_opt_state)
