@@ -619,52 +619,61 @@ def test_fragments_over_nodes_of_a_sharded_sync_over_gpus():
 
 # ---- a replica left out of the mean (the elastic runner's newly admitted process) -----------------
 
-def _outer_program(tx, d, absent=None):
-  """The outer phase alone over d devices: ``(anchor, state) -> (anchor, state, copies)``; the
-  replica ``absent`` (if any) is left out of the mean."""
+def _outer_program(tx, nodes, data, absent=None):
+  """The outer phase alone over a ``nodes x data`` mesh (axes "node", "data"):
+  ``(anchor, state) -> (anchor, state, copies)``; the node ``absent`` (if any) is left out of
+  the mean, the flag varying over "node" only, as the elastic runner passes it."""
   from jax_qcomm.transforms.diloco import PHASE_ARG, PRESENT_ARG
-  mesh, axes = _mesh(d), frozenset({AX})
-  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, _params()), AX)
+  mesh = Mesh(np.array(jax.devices("cpu")[:nodes * data]).reshape(nodes, data), ("node", "data"))
+  axes = frozenset({"node", "data"})
+  spec = qcomm.state_partition_spec(jax.eval_shape(tx.init, _params()), ("node", "data"))
 
   def outer(anchor, s):
     extra = {PHASE_ARG: "outer"}
     if absent is not None:
-      extra[PRESENT_ARG] = jax.lax.axis_index(AX) != absent
+      extra[PRESENT_ARG] = jax.lax.axis_index("node") != absent
     u, s = tx.update(None, s, anchor, **extra)
     anchor = optax.apply_updates(anchor, u)
-    return anchor, s, jax.tree.map(lambda a: _compat.make_varying(a, axes)[None], anchor)
+    return anchor, s, jax.tree.map(lambda a: _compat.make_varying(a, axes)[None, None], anchor)
 
-  return jax.jit(jax.shard_map(outer, mesh=mesh, in_specs=(P(), spec),
-                               out_specs=(P(), spec, P(AX))))
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
+  return init, jax.jit(jax.shard_map(outer, mesh=mesh, in_specs=(P(), spec),
+                                     out_specs=(P(), spec, P("node", "data"))))
 
 
+@pytest.mark.parametrize("data,inner_sync", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("codec", [qcomm.NoCompression(), qcomm.QSGD(4), qcomm.Summable(4)],
                          ids=["exact", "qsgd4", "summable4"])
-def test_an_absent_replica_counts_for_nothing_in_the_mean(codec):
-  # Three replicas, the third absent with non-finite parameters of its own: the new anchor is the
-  # one two replicas alone make (exactly so with the exact codec), bit-identical on all three,
-  # and the absent one's residual stays zero.
+def test_an_absent_replica_counts_for_nothing_in_the_mean(codec, data, inner_sync):
+  # Three nodes (of `data` replicas each, or of a sync over `data` inside), the third absent
+  # with non-finite parameters of its own: the new anchor is the one the two other nodes alone
+  # make (exactly so with the exact codec), bit-identical on every device, and the absent
+  # ones' residual stays zero.
   params = _params()
-  tx = qcomm.diloco(optax.sgd(0.1), axis_name=AX, every=2, codec=codec,
-                    policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
+  inner = (qcomm.sync(optax.sgd(0.1), axis_name="data", codec=qcomm.NoCompression())
+           if inner_sync else optax.sgd(0.1))
+  tx = qcomm.diloco(inner, axis_name="node" if inner_sync else ("node", "data"), every=2,
+                    codec=codec, policy=qcomm.LeafPolicy(min_size=0, compress_1d=True))
   rng = np.random.default_rng(3)
+  per_node = 1 if inner_sync else data  # replicas per node
   local = [jax.tree.map(lambda p: p + 0.05 * rng.normal(size=p.shape).astype(np.float32),
-                        params) for _ in range(2)]
-  local.append(jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan), params))
+                        params) for _ in range(2 * per_node)]
+  local += [jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan), params)] * per_node
 
-  def state_of(d):
-    s = jax.jit(jax.shard_map(tx.init, mesh=_mesh(d), in_specs=P(),
-                              out_specs=qcomm.state_partition_spec(
-                                  jax.eval_shape(tx.init, params), AX)))(params)
-    rows = jax.tree.map(lambda *x: jnp.stack(x), *local[:d])
-    return s._replace(params=rows, mini_step=jnp.full_like(s.mini_step, 2))
+  def run(nodes, absent=None):
+    init, outer = _outer_program(tx, nodes, data, absent)
+    s = init(params)
+    rows = jax.tree.map(lambda *x: jnp.stack(x), *local[:nodes * per_node])
+    s = s._replace(params=rows, mini_step=jnp.full_like(s.mini_step, 2))
+    return outer(params, s)
 
-  anchor3, state3, copies = _outer_program(tx, 3, absent=2)(params, state_of(3))
-  anchor2, _, _ = _outer_program(tx, 2)(params, state_of(2))
+  anchor3, state3, copies = run(3, absent=2)
+  anchor2, _, _ = run(2)
   for c in jax.tree.leaves(copies):
-    assert np.isfinite(np.asarray(c)).all()
-    for r in (1, 2):
-      np.testing.assert_array_equal(np.asarray(c)[r], np.asarray(c)[0])
+    c = np.asarray(c).reshape(3 * data, *c.shape[2:])
+    assert np.isfinite(c).all()
+    for r in range(1, 3 * data):
+      np.testing.assert_array_equal(c[r], c[0])
   moved = [np.max(np.abs(np.asarray(a) - np.asarray(p)))
            for a, p in zip(jax.tree.leaves(anchor3), jax.tree.leaves(params))]
   assert min(moved) > 0  # the present replicas moved it
@@ -672,8 +681,8 @@ def test_an_absent_replica_counts_for_nothing_in_the_mean(codec):
     _close(anchor3, anchor2, rtol=1e-6, atol=1e-7)
   else:
     _close(anchor3, anchor2, rtol=0, atol=0.02)  # the rounding draws differ
-  for r in jax.tree.leaves(state3.residual):
-    np.testing.assert_array_equal(np.asarray(r)[2], 0)
+  for r in jax.tree.leaves(state3.residual):  # rows by node first
+    np.testing.assert_array_equal(np.asarray(r)[2 * r.shape[0] // 3:], 0)
 
 
 def test_present_is_refused_outside_the_plain_outer_phase():

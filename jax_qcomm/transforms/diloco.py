@@ -487,7 +487,9 @@ class _DiLoCo:
           comm_bucket_size=cfg.comm_bucket_size)
       finite = jnp.isfinite(_parts.whole_model(mark, axis_names(_comm_axis(cfg))))
       if present is not None:  # the mean over the present replicas
-        count = lax.psum(jnp.asarray(present, jnp.float32), axis_names(_comm_axis(cfg)))
+        names = axis_names(_comm_axis(cfg))
+        count = lax.psum(_compat.make_varying(jnp.asarray(present, jnp.float32),
+                                              frozenset(names)), names)
         scale = axis_size(_comm_axis(cfg)) / count
         mean = jax.tree_util.tree_map(lambda m: m * scale.astype(m.dtype), mean)
       if group is None:
