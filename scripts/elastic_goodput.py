@@ -13,7 +13,8 @@ every 20 steps (4000 steps), or ``--method=ddp``, a 4-bit ``qcomm.sync`` every s
 ``kill`` sends SIGKILL to node 1, then 2, then 0, ...: ``--first-s`` seconds (default:
 ``--every-s``) after the first evaluation, then every ``--every-s`` seconds; ``kill2`` kills two
 nodes at once each time (1 and 2, then 2 and 0, ...); the launcher restarts each (from its
-spare). Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the replicas
+spare); none after the last evaluation (a process killed once its training is over would wait
+to be admitted by a group that has finished). Useful steps: for every synchronisation (diloco) or optimizer step (ddp), the replicas
 averaged times the calls it covers (the work that reached the parameters); per second of
 the run's wall time (start-up included in every run). Every run starts with an empty compilation
 cache of its own (``JAX_COMPILATION_CACHE_DIR``, a new directory, removed afterwards): the elastic
@@ -102,7 +103,7 @@ def run(kind: str, every_s: float, method: str = "diloco", first_s: float | None
   with open(log_path, "w") as log:
     proc = subprocess.Popen(_command(result_json, method), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    evaluated = threading.Event()
+    evaluated, trained = threading.Event(), threading.Event()
 
     def pump():
       for line in proc.stdout:
@@ -110,6 +111,8 @@ def run(kind: str, every_s: float, method: str = "diloco", first_s: float | None
         log.flush()
         if "[eval] step" in line:
           evaluated.set()
+        if f"[eval] step {STEPS[method]}:" in line:  # the last: no kill after the training
+          trained.set()
 
     threading.Thread(target=pump, daemon=True).start()
     if kind != "clean":
@@ -120,7 +123,8 @@ def run(kind: str, every_s: float, method: str = "diloco", first_s: float | None
         while proc.poll() is None and time.monotonic() < deadline:
           time.sleep(0.5)
         ranks = [rank, (rank + 1) % NODES] if kind == "kill2" else [rank]
-        pids = {r: _node_pid(r) for r in ranks} if proc.poll() is None else {}
+        pids = ({r: _node_pid(r) for r in ranks} if proc.poll() is None and not trained.is_set()
+                else {})
         for r, pid in pids.items():
           if pid is not None:
             os.kill(pid, signal.SIGKILL)

@@ -27,14 +27,17 @@ synchronisation is a round among the processes alive, agreed through the coordin
    is over the replicas present; the others (a restarted process, or one that fell behind) receive
    the result: the anchor, the outer optimizer's state, the counters and the rounding key, and the
    inner optimizer's state of the lowest holder (their error-feedback residual starts at zero,
-   and their replica parameters are the anchor). It travels down a chain of the receivers.
-   After every round the anchors of all live replicas are bit-identical.
+   and their replica parameters are the anchor). It travels over a TCP connection of its own
+   while the others go on (:meth:`_hand_over`; with ``fragments`` or ``delay``, down a chain of
+   the receivers in a program every process waits for), and a receiver's first round counts no
+   pseudo-gradient of its own (diloco's ``PRESENT_ARG``). After every round the anchors of all
+   live replicas are bit-identical.
 3. XLA:CPU caches its gloo communicators by device set, and a restarted process cannot enter a set
    it was in before (docs/distributed.md). So a process that needs the state is admitted only when
    every process is alive again: then the holders run the round over the communicators they have
    used, and all of them rebuild their CPU backend (:func:`jax_qcomm._compat.reset_cpu_backend`,
    the stale communicators' keys deleted between two barriers) before the state goes to the new
-   ones; meanwhile a thread loads the next round's programs on the new backend. Until then the
+   ones; meanwhile a thread loads the next rounds' programs on the new backend. Until then the
    survivors go on without it.
 
 Arrays made before a rebuild are invalid afterwards: use the params and state a call returns.
@@ -68,7 +71,7 @@ from jax_qcomm.runners import transfer
 from jax_qcomm.runners.replay import Replayed, global_shapes
 from jax_qcomm.transforms.diloco import PHASE_ARG, PRESENT_ARG, DiLoCoState, replica_rows
 from jax_qcomm.transforms import layout
-from jax_qcomm.transforms.specs import _SpecKey, checked_spec, is_state, place
+from jax_qcomm.transforms.specs import _SpecKey, checked_spec, place
 
 #: Seconds to wait for a coordination-service key that every process of a round wrote before the
 #: barrier it passed (present at once unless the service is failing).
@@ -139,17 +142,6 @@ def _try_get(client: Any, key: str) -> str | None:
     return None
 
 
-def _field_leaves(tree: Any, fields: tuple[str, ...]) -> list[bool]:
-  """For each leaf of ``tree``: whether it lies in one of the named fields of a qcomm state."""
-  def mark(node):
-    flags = jax.tree_util.tree_map(lambda _: False, node)
-    if not is_state(node):
-      return flags
-    return flags._replace(**{f: jax.tree_util.tree_map(lambda _: True, getattr(node, f))
-                             for f in fields if hasattr(node, f)})
-  return jax.tree_util.tree_leaves(jax.tree_util.tree_map(mark, tree, is_leaf=is_state))
-
-
 def _appended(history: list[list[int]], replicas: int) -> list[list[int]]:
   """A run-length encoded record ``[[rounds, replicas], ...]`` with one more round."""
   history = [list(h) for h in history]
@@ -193,8 +185,9 @@ class ElasticDataParallel(transfer.Transfers):
     without it) and in CPU backend rebuilds, so far.
   short_syncs: one record per synchronisation of this process that averaged fewer replicas than
     the group has, or admitted a restarted one: ``{"outer_step", "replicas", "missing",
-    "admitted", "seconds", "stall_s"}`` and, for an admission, ``"transfer_s"`` (the seconds of
-    the state's transfer); also logged, one line each.
+    "admitted", "healing", "seconds", "stall_s"}`` (``healing``: the processes admitted at the
+    last round, which count for nothing in this one's mean) and, where the state's transfer was
+    timed, ``"transfer_s"``; also logged, one line each.
   """
   tx: optax.GradientTransformation
   mesh: Mesh
@@ -258,23 +251,6 @@ class ElasticDataParallel(transfer.Transfers):
     diloco whose replicas start from the anchor after a round (:meth:`_param_fields`), where a
     receiver takes part in the next round with no pseudo-gradient of its own."""
     return bool(self._param_fields(state))
-
-  def _plan(self, params: Any, state: Any) -> list[int | str | None]:
-    """How a receiver of ``(params, state)`` makes each of its leaves (flattened): None, the leaf
-    travels; :data:`transfer.ZEROS`, it starts at zero (``OWN_FIELDS``: the source's own); ``j``,
-    a copy of leaf ``j`` of ``params`` (which travels) in the leaf's shape
-    (:meth:`_param_fields`)."""
-    tree = (params, state)
-    own = _field_leaves(tree, self.OWN_FIELDS)
-    copies = _field_leaves(tree, self._param_fields(state))
-    n, copied, plan = len(jax.tree_util.tree_leaves(params)), 0, []
-    for is_own, is_copy in zip(own, copies, strict=True):
-      if is_copy:
-        plan.append(copied % n)
-        copied += 1
-      else:
-        plan.append(transfer.ZEROS if is_own else None)
-    return plan
 
   @property
   def replicas_per_sync(self) -> list[int]:

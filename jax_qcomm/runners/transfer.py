@@ -29,9 +29,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_qcomm import _compat
-from jax_qcomm.transforms.specs import place
+from jax_qcomm.transforms.specs import is_state, place
 
-#: In a transfer plan (``ElasticDataParallel._plan``): a leaf the receiver starts at zero.
+#: In a transfer plan (``Transfers._plan``): a leaf the receiver starts at zero.
 ZEROS = "zeros"
 #: Seconds :func:`serve` waits for its receivers to connect, and :func:`fetch` for the bytes.
 SERVE_TIMEOUT_S = 120.0
@@ -67,7 +67,7 @@ def relay(mesh: Mesh, name: str, chain: tuple[int, ...], pieces: int) -> Callabl
 
 
 def sent_leaves(leaves: list[Any], plan: list[int | str | None]) -> list[Any]:
-  """The leaves that travel in a transfer of plan ``plan`` (``ElasticDataParallel._plan``)."""
+  """The leaves that travel in a transfer of plan ``plan`` (``Transfers._plan``)."""
   return [x for x, how in zip(leaves, plan, strict=True) if how is None]
 
 
@@ -110,6 +110,17 @@ def unpack(words: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
     out.append(data[at:at + x.nbytes].view(x.dtype).reshape(x.shape).copy())
     at += x.nbytes
   return out
+
+
+def _field_leaves(tree: Any, fields: tuple[str, ...]) -> list[bool]:
+  """For each leaf of ``tree``: whether it lies in one of the named fields of a qcomm state."""
+  def mark(node):
+    flags = jax.tree_util.tree_map(lambda _: False, node)
+    if not is_state(node):
+      return flags
+    return flags._replace(**{f: jax.tree_util.tree_map(lambda _: True, getattr(node, f))
+                             for f in fields if hasattr(node, f)})
+  return jax.tree_util.tree_leaves(jax.tree_util.tree_map(mark, tree, is_leaf=is_state))
 
 
 def _local_address(toward: str) -> str:
@@ -172,7 +183,25 @@ def fetch(address: str, nbytes: int, timeout_s: float = SERVE_TIMEOUT_S) -> np.n
 
 class Transfers:
   """The elastic runner's sending of its state (``runners.elastic.ElasticDataParallel`` inherits
-  it, and its meshes, ``_plan``, ``_spec`` and coordination client serve here)."""
+  it; its meshes, ``OWN_FIELDS``, ``_param_fields``, ``_spec`` and coordination client serve
+  here)."""
+
+  def _plan(self, params: Any, state: Any) -> list[int | str | None]:
+    """How a receiver of ``(params, state)`` makes each of its leaves (flattened): None, the leaf
+    travels; :data:`ZEROS`, it starts at zero (``OWN_FIELDS``: the source's own); ``j``,
+    a copy of leaf ``j`` of ``params`` (which travels) in the leaf's shape
+    (:meth:`_param_fields`)."""
+    tree = (params, state)
+    own = _field_leaves(tree, self.OWN_FIELDS)
+    copies = _field_leaves(tree, self._param_fields(state))
+    n, copied, plan = len(jax.tree_util.tree_leaves(params)), 0, []
+    for is_own, is_copy in zip(own, copies, strict=True):
+      if is_copy:
+        plan.append(copied % n)
+        copied += 1
+      else:
+        plan.append(ZEROS if is_own else None)
+    return plan
 
   def _broadcast(self, processes: list[int], source: int, receivers: list[int], params: Any,
                  state: Any, sending: threading.Thread | None = None) -> tuple[Any, Any]:
