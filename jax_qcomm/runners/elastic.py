@@ -62,7 +62,6 @@ import optax
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -336,7 +335,7 @@ class ElasticDataParallel(transfer.Transfers):
         self._prepare(params, opt_state, batch, *extra, key=key)
         # Traced now, the programs of the round after its admission are only replayed and
         # loaded then (Replayed): a restarted process has no traces of its first life.
-        self._load_programs(params, opt_state, [self._me] if self._heals(opt_state) else [])
+        self._load_programs(params, opt_state)
         _log(f"process {self._me}: compiled its step and the next round's programs in "
              f"{time.perf_counter() - t_prepare:.2f} s")
       self._live = self._await_admission()
@@ -568,8 +567,7 @@ class ElasticDataParallel(transfer.Transfers):
            f"({time.perf_counter() - t_rebuild:.2f} s)")
     loading = None
     if rebuild and receivers:  # the next round's programs load while the state travels
-      loading = threading.Thread(target=self._load_programs,
-                                 args=(params, state, receivers if heals else []),
+      loading = threading.Thread(target=self._load_programs, args=(params, state),
                                  name="qcomm-elastic-load", daemon=True)
     if heals:  # the others go on: the receivers take it, and sit out the next round's mean
       self._transfer_s = None
@@ -639,8 +637,8 @@ class ElasticDataParallel(transfer.Transfers):
     """The round's program over the holders' devices: diloco's synchronisation (or the update
     from this process's ``grads``, per-step data parallelism); the holders ``absent`` count for
     nothing in the mean."""
-    mesh, spec, args = self._outer_args(holders, params, state, grads)
-    out = self._outer_fn(tuple(holders), _SpecKey(spec), self._rows_in(holders, absent))(*args)
+    mesh, spec, args = self._outer_args(holders, params, state, grads, absent=absent)
+    out = self._outer_fn(tuple(holders), _SpecKey(spec), self._heals(state))(*args)
     new_params = multihost_utils.global_array_to_host_local_array(out[0], mesh, P())
     new_state = multihost_utils.global_array_to_host_local_array(out[1], mesh, spec)
     if len(holders) == self._n and self._ahead is None and self._compiles_ahead:
@@ -651,36 +649,35 @@ class ElasticDataParallel(transfer.Transfers):
     return new_params, new_state
 
   def _outer_args(self, holders: list[int], params: Any, state: Any, grads: Any,
-                  abstract: bool = False) -> tuple:
+                  abstract: bool = False, absent: list[int] = ()) -> tuple:
     """(mesh, state spec, the round program's global arguments) over the holders' devices;
-    ``abstract``: as ``jax.ShapeDtypeStruct`` values (no transfer; ``grads`` may be shapes)."""
+    ``abstract``: as ``jax.ShapeDtypeStruct`` values (no transfer; ``grads`` may be shapes).
+    Where the round weighs the replicas (:meth:`_heals`), a last argument says, per row, whether
+    its process counts in the mean: all but ``absent``."""
     mesh = self._mesh_of(holders)
     spec = self._spec(state)
+    name = self.mesh.axis_names[self._replica_axis]
     put = global_shapes if abstract else multihost_utils.host_local_array_to_global_array
     args = (put(params, mesh, P()), put(state, mesh, spec))
     if grads is not None:  # a leading row per process
-      name = self.mesh.axis_names[self._replica_axis]
       rows = jax.tree_util.tree_map(
           lambda g: jax.ShapeDtypeStruct((1, *np.shape(g)), g.dtype) if abstract
           else jnp.asarray(g)[None], grads)
       args += (put(rows, mesh, P(name)),)
+    if self._heals(state):
+      present = (jax.ShapeDtypeStruct((1,), np.bool_) if abstract
+                 else np.array([self._me not in absent]))
+      args += (put(present, mesh, P(name)),)
     return mesh, spec, args
 
-  def _rows_in(self, processes: list[int], some: list[int]) -> tuple[int, ...]:
-    """The rows of the processes ``some`` in the mesh of ``processes`` (:meth:`_mesh_of`)."""
-    order = sorted(processes, key=self._row_of.__getitem__)
-    return tuple(sorted(order.index(p) for p in some))
-
-  def _load_programs(self, params: Any, state: Any, absent: list[int] = ()) -> None:
+  def _load_programs(self, params: Any, state: Any) -> None:
     """Loads, on the current backend (the one just rebuilt, or a restarted process's before its
-    admission), the programs of the next rounds over every process (from the persistent cache,
-    else compiled), so that they do not wait for them: with ``absent``, the round where those
-    count for nothing first."""
+    admission), the programs of the next round over every process (from the persistent cache,
+    else compiled), so that it does not wait for them."""
     try:
       everyone = list(range(self._n))
       _, spec, args = self._outer_args(everyone, params, state, self._grads_like(), True)
-      for rows in ((self._rows_in(everyone, absent),) if absent else ()) + ((),):
-        self._outer_fn(tuple(everyone), _SpecKey(spec), rows).lower(*args).compile()
+      self._outer_fn(tuple(everyone), _SpecKey(spec), self._heals(state)).lower(*args).compile()
       self._load_local_programs(params, state)
     except Exception as error:  # noqa: BLE001  (the round compiles them itself)
       _log(f"process {self._me}: could not load the next round's programs ahead: {error!r}")
@@ -704,9 +701,10 @@ class ElasticDataParallel(transfer.Transfers):
 
   def _compile_ahead(self, params: Any, state: Any, grads: Any) -> None:
     """Compiles, in a thread at the lowest CPU priority, this process's programs for the losses
-    of :func:`_loss_sets`: the round over the holders each leaves, and the transfer of the state
-    to the lost ones when they are back (from the lowest of the others); the persistent
-    compilation cache keeps them for when that happens."""
+    of :func:`_loss_sets`: the round over the holders each leaves, and the transfer program of
+    the state to the lost ones when they are back (from the lowest of the others; none where it
+    travels in the background); the persistent compilation cache keeps them for when that
+    happens."""
     try:  # on Linux the nice value is per thread: the steps keep their priority
       os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
@@ -723,34 +721,29 @@ class ElasticDataParallel(transfer.Transfers):
       holders = [p for p in everyone if p not in lost]
       if self._me in holders:
         _, spec, args = self._outer_args(holders, params, state, grads, True)
-        self._outer_fn(tuple(holders), _SpecKey(spec)).lower(*args).compile()
-      if self._heals(state):  # the round after their admission, without them in the mean
-        _, spec, args = self._outer_args(everyone, params, state, grads, True)
-        self._outer_fn(tuple(everyone), _SpecKey(spec),
-                       self._rows_in(everyone, list(lost))).lower(*args).compile()
-      else:
+        self._outer_fn(tuple(holders), _SpecKey(spec), self._heals(state)).lower(*args).compile()
+      if not self._heals(state):
         self._broadcast_fn(tuple(everyone), order.index(holders[0]),
                            tuple(order.index(r) for r in lost)).lower(abstract_rows).compile()
 
   @functools.lru_cache(maxsize=None)
-  def _outer_fn(self, holders: tuple, spec: _SpecKey, absent: tuple = ()) -> Callable:
-    """The round's program over ``holders``; the rows ``absent`` count for nothing in the mean
-    (diloco's ``PRESENT_ARG``)."""
+  def _outer_fn(self, holders: tuple, spec: _SpecKey, weighted: bool = False) -> Callable:
+    """The round's program over ``holders``; ``weighted``: it takes a last argument, a flag per
+    row, False where the row counts for nothing in the mean (diloco's ``PRESENT_ARG``)."""
     tx, name = self.tx, self.mesh.axis_names[self._replica_axis]
-    present = np.ones(len(holders), bool)
-    present[list(absent)] = False
 
-    def outer(params, state):
+    def outer(params, state, *present):
       extra = {PHASE_ARG: "outer"}
-      if absent:
-        extra[PRESENT_ARG] = jnp.asarray(present)[lax.axis_index(name)]
+      if present:
+        extra[PRESENT_ARG] = present[0][0]
       updates, state = tx.update(None, state, params, **extra)
       return optax.apply_updates(params, updates), state
 
+    in_specs = (P(), spec.spec) + ((P(name),) if weighted else ())
     return Replayed(
         jax.jit(jax.shard_map(outer, mesh=self._mesh_of(list(holders)).abstract_mesh,
-                              in_specs=(P(), spec.spec), out_specs=(P(), spec.spec))),
-        self._traces, ("outer", holders, spec, absent))
+                              in_specs=in_specs, out_specs=(P(), spec.spec))),
+        self._traces, ("outer", holders, spec, weighted))
 
   def _receive(self, result: tuple) -> tuple:
     """A receiver's part of a background transfer (after its round: nobody waits for it), while

@@ -186,7 +186,7 @@ class ElasticSyncDataParallel(ElasticDataParallel):
                      self._traces, ("grads", with_key, n_extra))
 
   @functools.lru_cache(maxsize=None)
-  def _outer_fn(self, holders: tuple, spec: _SpecKey, absent: tuple = ()) -> Callable:
+  def _outer_fn(self, holders: tuple, spec: _SpecKey, weighted: bool = False) -> Callable:
     name = self.mesh.axis_names[self._replica_axis]
     inside = frozenset(n for n in axis_names(self.axis_name) if n != name)
     return Replayed(_update_program(self.tx, self._mesh_of(list(holders)), spec.spec, P(name),
