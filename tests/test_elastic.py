@@ -127,12 +127,20 @@ def test_killed_workers_and_worker_zero_rejoin(tmp_path, uninterrupted):
   survivor = _pids(out, 2)[0]
   _kill_mid_window(out, proc, 1, 3)   # a non-coordinator worker
   _kill_mid_window(out, proc, 0, 3)   # the process that was worker 0
-  _kill_mid_window(out, proc, 1, 3)   # the same rank again: repeated restarts
+  # Both again, at once: repeated restarts, and two receivers of the state (down a chain).
+  _kill_mid_window(out, proc, 1, 3, also=(0,))
   text = _finish(proc)
   assert _pids(out, 2) == [survivor]  # the survivor never restarted
-  assert len(_pids(out, 0)) == 2 and len(_pids(out, 1)) == 3
-  assert text.count("restarting it with rank") == 3
+  assert len(_pids(out, 0)) == 3 and len(_pids(out, 1)) == 3
+  assert text.count("restarting it with rank") == 4
   _assert_programs_loaded_ahead(text)
+  # Each admission's state travelled behind the survivors' steps, and the admitted processes
+  # sat out the next synchronisation's mean.
+  assert re.search(r"averaged 1 of 3 replicas \(missing \[0, 1\]\), admitted \[0, 1\]; [^\n]*"
+                   r"its transfer goes on behind the next steps", text), text[-4000:]
+  assert re.search(r"averaged 1 of 3 replicas \(without \[0, 1\], admitted at the last one\)",
+                   text), text[-4000:]
+  assert "could not take the state" not in text
   done = _check_run(out)
   replicas = done["replicas_per_sync"]
   assert len(replicas) == STEPS // 4 and min(replicas) < 3 and replicas[-1] == 3
@@ -351,6 +359,71 @@ def test_the_state_goes_down_a_chain_of_receivers_in_pieces(chain, pieces):
   assert len(permutes) == pieces + len(chain) - 2, hlo
   size = -(-words // pieces)
   assert all(f"tensor<{size}xui32>" in line for line in permutes), permutes
+
+
+def test_the_state_goes_over_tcp_down_a_chain_of_receivers_each_passing_it_on():
+  import threading
+
+  import numpy as np
+
+  from jax_qcomm.runners import transfer
+
+  data = (np.arange(300_001, dtype=np.uint32) * 2654435761).astype(np.uint32)
+  toward = "127.0.0.1:1"  # the interface that routes there: the loopback
+  address = transfer.serve(data, toward)
+  # Three receivers: each passes what it takes to the next, which connects first or later.
+  senders = [transfer.Sender(data.nbytes, toward) for _ in range(2)]
+  sources = [address] + [s.address for s in senders]
+  got = {}
+
+  def take(i):
+    got[i] = transfer.fetch(sources[i], data.nbytes,
+                            passing=senders[i] if i < len(senders) else None)
+
+  threads = [threading.Thread(target=take, args=(i,)) for i in (2, 0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  for i in range(3):
+    np.testing.assert_array_equal(got[i], data)
+  # The sender serves one connection: a second finds nothing there.
+  with pytest.raises(OSError):
+    transfer.fetch(address, data.nbytes, timeout_s=5)
+
+
+def test_a_chain_broken_upstream_fails_every_receiver_after_it():
+  import threading
+
+  import numpy as np
+
+  from jax_qcomm.runners import transfer
+
+  toward, nbytes = "127.0.0.1:1", 4 * 100_000
+  upstream = transfer.Sender(nbytes, toward)  # sends a quarter, then its end is gone
+  passing = transfer.Sender(nbytes, toward)
+  errors = {}
+
+  def take(name, address, passing=None):
+    try:
+      transfer.fetch(address, nbytes, timeout_s=30, passing=passing)
+    except OSError as error:
+      errors[name] = str(error)
+
+  threads = [threading.Thread(target=take, args=("first", upstream.address, passing)),
+             threading.Thread(target=take, args=("second", passing.address))]
+  for t in threads:
+    t.start()
+  upstream.put(bytes(nbytes // 4))
+  upstream.close()
+  for t in threads:
+    t.join(60)
+  assert set(errors) == {"first", "second"}, errors
+  assert f"sent {nbytes // 4} of {nbytes} bytes" in errors["first"]
+  # Another size than expected is refused before any data is taken.
+  wrong = transfer.serve(np.zeros(7, np.uint32), toward)
+  with pytest.raises(OSError, match="sent 0 of 32 bytes"):
+    transfer.fetch(wrong, 32)
 
 
 def test_a_receiver_makes_the_leaves_that_do_not_travel():

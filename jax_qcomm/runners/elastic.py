@@ -572,9 +572,10 @@ class ElasticDataParallel(transfer.Transfers):
     if heals:  # the others go on: the receivers take it, and sit out the next round's mean
       self._transfer_s = None
       if self._me == holders[0]:
-        self._hand_over(key, params, state, len(receivers))
-      if self._me in receivers:
-        self._receiving = (key, loading)
+        self._hand_over(key, params, state)
+      if self._me in receivers:  # down the chain of them, each passing on what it takes
+        self._receiving = (key, loading, receivers.index(self._me),
+                           self._me == receivers[-1])
       elif loading is not None:
         self._loading = loading
         loading.start()
@@ -749,14 +750,12 @@ class ElasticDataParallel(transfer.Transfers):
     """A receiver's part of a background transfer (after its round: nobody waits for it), while
     a thread loads the next rounds' programs: ``result`` with the state it took, or, if the
     source is gone, not admitted (it waits for the next admission)."""
-    (key, loading), self._receiving = self._receiving, None
+    (key, loading, index, last), self._receiving = self._receiving, None
     if loading is not None:
       loading.start()
     t_transfer = time.perf_counter()
     try:
-      _, words, unpacked = self._packing(*result[:2])
-      address = self._client.blocking_key_value_get(f"{key}/state", KEY_TIMEOUT_S * 1000)
-      params, state = unpacked(transfer.fetch(address, words.nbytes))
+      params, state = self._take(key, *result[:2], index, last, KEY_TIMEOUT_S)
     except Exception as error:  # noqa: BLE001  (the source lost: admitted at a later round)
       _log(f"process {self._me}: could not take the state ({error!r}); it waits to be admitted")
       return (*result[:3], False, *result[4:])

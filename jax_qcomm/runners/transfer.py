@@ -2,12 +2,13 @@
 packed into one buffer of 32-bit words, and two ways to send it. :func:`relay` is a program that
 sends a row of a mesh down a chain of the others, in pieces (every process waits for it: XLA:CPU
 runs a process's programs one after the other). :func:`serve` and :func:`fetch` send it over a
-TCP connection of its own, from a thread, while the sender's programs go on.
+TCP connection of its own, from a thread, while the sender's programs go on; receivers in a
+chain pass each piece on as it comes (``fetch(..., passing=Sender(...))``).
 
     plan = runner._plan(params, state)            # per leaf: None (travels), ZEROS, or a copy
     words = pack(sent_leaves(leaves, plan))       # uint32[packed_words(...)]
     rows = relay(mesh, "node", (0, 2, 1), pieces)(global_rows)   # rows 2 and 1 take row 0's
-    address = serve(words, receivers=1, toward=coordinator)      # or, on the source...
+    address = serve(words, toward=coordinator)                   # or, on the source...
     words = fetch(address, words.nbytes)                         # ...and on a receiver
     leaves = received_leaves(unpack(words, sent_leaves(leaves, plan)), leaves, plan)
 """
@@ -15,6 +16,7 @@ TCP connection of its own, from a thread, while the sender's programs go on.
 from __future__ import annotations
 
 import functools
+import queue
 import socket
 import struct
 import threading
@@ -133,52 +135,89 @@ def _local_address(toward: str) -> str:
     return probe.getsockname()[0]
 
 
-def serve(data: np.ndarray, receivers: int, toward: str,
-          timeout_s: float = SERVE_TIMEOUT_S) -> str:
-  """Sends ``data``'s bytes to each of the next ``receivers`` connections, from daemon threads
-  (the caller goes on); returns the ``host:port`` to :func:`fetch` them from, on the interface
-  that routes to ``toward`` (the coordination service's address). The listener closes once they
-  have connected, or after ``timeout_s``."""
-  payload = np.ascontiguousarray(data).view(np.uint8).tobytes()
-  host = _local_address(toward)
-  listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-  listener.bind((host, 0))
-  listener.listen(receivers)
-  listener.settimeout(timeout_s)
+class Sender:
+  """Sends bytes to the first connection on a port of its own, from a daemon thread, as they
+  come (:meth:`put`, then :meth:`close`): the ``host:port`` in ``address`` is on the interface
+  that routes to ``toward`` (the coordination service's address). The listener closes once one
+  has connected, or after ``timeout_s``. :func:`fetch` is the other end."""
 
-  def send(conn):
+  def __init__(self, nbytes: int, toward: str, timeout_s: float = SERVE_TIMEOUT_S):
+    host = _local_address(toward)
+    self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    self._listener.bind((host, 0))
+    self._listener.listen(1)
+    self._listener.settimeout(timeout_s)
+    port = self._listener.getsockname()[1]
+    self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=self._send, args=(nbytes, timeout_s), name="qcomm-state-send",
+                     daemon=True).start()
+
+  def put(self, chunk: bytes) -> None:
+    self._chunks.put(chunk)
+
+  def close(self) -> None:
+    self._chunks.put(None)
+
+  def _send(self, nbytes: int, timeout_s: float) -> None:
+    with self._listener:
+      try:
+        conn, _ = self._listener.accept()
+      except OSError:  # timed out: the receiver is gone
+        return
     with conn:
-      conn.sendall(struct.pack("!Q", len(payload)) + payload)
-
-  def accept():
-    with listener:
-      for _ in range(receivers):
-        try:
-          conn, _ = listener.accept()
-        except OSError:  # timed out: a receiver is gone
-          return
-        conn.settimeout(timeout_s)
-        threading.Thread(target=send, args=(conn,), name="qcomm-state-send", daemon=True).start()
-
-  threading.Thread(target=accept, name="qcomm-state-serve", daemon=True).start()
-  port = listener.getsockname()[1]
-  return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+      conn.settimeout(timeout_s)
+      try:
+        conn.sendall(struct.pack("!Q", nbytes))
+        while (chunk := self._chunks.get()) is not None:
+          conn.sendall(chunk)
+      except OSError:  # the receiver is gone
+        return
 
 
-def fetch(address: str, nbytes: int, timeout_s: float = SERVE_TIMEOUT_S) -> np.ndarray:
-  """The ``nbytes`` bytes :func:`serve` sends from ``address``, as ``uint32[nbytes // 4]``;
-  OSError if the sender is gone or sends another size."""
-  host, port = address.rsplit(":", 1)
-  with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
-    data = bytearray()
-    while len(data) < 8 + nbytes:
-      chunk = conn.recv(min(1 << 20, 8 + nbytes - len(data)))
-      if not chunk:
-        break
-      data += chunk
-  if len(data) < 8 or struct.unpack("!Q", data[:8])[0] != nbytes or len(data) != 8 + nbytes:
-    raise OSError(f"the state's sender at {address} sent {len(data) - 8} of {nbytes} bytes")
-  return np.frombuffer(bytes(data[8:]), np.uint32)
+def serve(data: np.ndarray, toward: str, timeout_s: float = SERVE_TIMEOUT_S) -> str:
+  """Sends ``data``'s bytes to the first connection (:class:`Sender`), while the caller goes
+  on; returns the address to :func:`fetch` them from."""
+  payload = np.ascontiguousarray(data).view(np.uint8).tobytes()
+  sender = Sender(len(payload), toward, timeout_s)
+  sender.put(payload)
+  sender.close()
+  return sender.address
+
+
+def _recv(conn: socket.socket, nbytes: int, passing: Sender | None = None) -> bytearray:
+  """Up to ``nbytes`` bytes from ``conn`` (fewer if it closes first), each chunk also handed
+  to ``passing`` as it comes."""
+  data = bytearray()
+  while len(data) < nbytes:
+    chunk = conn.recv(min(1 << 20, nbytes - len(data)))
+    if not chunk:
+      break
+    data += chunk
+    if passing is not None:
+      passing.put(chunk)
+  return data
+
+
+def fetch(address: str, nbytes: int, timeout_s: float = SERVE_TIMEOUT_S,
+          passing: Sender | None = None) -> np.ndarray:
+  """The ``nbytes`` bytes a :class:`Sender` sends from ``address``, as ``uint32[nbytes // 4]``;
+  ``passing``: a sender to the next receiver of a chain, which gets each piece as it comes (and
+  is closed at the end, whole or not). OSError if the sender is gone or sends another size."""
+  try:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+      head = _recv(conn, 8)
+      if len(head) == 8 and struct.unpack("!Q", head)[0] == nbytes:
+        data = _recv(conn, nbytes, passing)
+      else:
+        data = bytearray()
+  finally:
+    if passing is not None:
+      passing.close()
+  if len(data) != nbytes:
+    raise OSError(f"the state's sender at {address} sent {len(data)} of {nbytes} bytes")
+  return np.frombuffer(bytes(data), np.uint32)
 
 
 class Transfers:
@@ -243,13 +282,28 @@ class Transfers:
 
     return leaves, pack(sent), unpacked
 
-  def _hand_over(self, key: str, params: Any, state: Any, receivers: int) -> None:
-    """The source's part of a background transfer: the state served to ``receivers``
-    connections from a thread (:func:`serve`), its address published under ``key``."""
+  def _hand_over(self, key: str, params: Any, state: Any) -> None:
+    """The source's part of a background transfer: the state served to the first receiver from
+    a thread (:func:`serve`), its address published under ``key/state/0`` (each receiver passes
+    it on to the next: :meth:`_take`)."""
     words = self._packing(params, state)[1]
-    self._client.key_value_set(f"{key}/state", serve(
-        words, receivers, _compat.coordinator_address()), allow_overwrite=True)
+    self._client.key_value_set(f"{key}/state/0", serve(words, _compat.coordinator_address()),
+                               allow_overwrite=True)
 
+  def _take(self, key: str, params: Any, state: Any, index: int, last: bool,
+            timeout_s: float) -> tuple[Any, Any]:
+    """Receiver ``index``'s part of a background transfer: the state from the address under
+    ``key/state/<index>``, passed on as it comes to the next receiver (unless ``last``), whose
+    address it publishes first."""
+    _, words, unpacked = self._packing(params, state)
+    passing = None
+    if not last:
+      passing = Sender(words.nbytes, _compat.coordinator_address())
+      self._client.key_value_set(f"{key}/state/{index + 1}", passing.address,
+                                 allow_overwrite=True)
+    address = self._client.blocking_key_value_get(f"{key}/state/{index}",
+                                                  int(timeout_s * 1000))
+    return unpacked(fetch(address, words.nbytes, passing=passing))
 
   @functools.lru_cache(maxsize=None)
   def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
