@@ -6,6 +6,7 @@ processes killed every few minutes, against the same run with no failure.
     python scripts/elastic_goodput.py run --kind kill2 --every-s 120 --first-s 30 [--method ddp]
     python scripts/elastic_goodput.py run ... --repeat 2     # NAME_2.json: one more of a run
     python scripts/elastic_goodput.py table                  # medians over the repeats
+    python scripts/elastic_goodput.py table --only clean_4,kill_6   # those runs only
 
 Each run is ``python -m jax_qcomm.tools.cluster --elastic`` (3 nodes sharing the machine's cores,
 10 Mbit/s links) of ``training.lm_slow_link``: ``--method=diloco`` with 4-bit synchronisations
@@ -164,15 +165,18 @@ def _cpu() -> str:
   return "unknown"
 
 
-def _runs(method: str, kind: str) -> list[dict]:
-  """Every repeat of one run that exists (``NAME.json``, ``NAME_2.json``, ...)."""
+def _runs(method: str, kind: str, only: set[str] | None = None) -> list[dict]:
+  """Every repeat of one run that exists (``NAME.json``, ``NAME_2.json``, ...); those named in
+  ``only``, if given."""
   runs, k = [], 1
   while True:
-    path = os.path.join(OUT, f"{_name(method, kind, k)}.json")
+    name = _name(method, kind, k)
+    path = os.path.join(OUT, f"{name}.json")
     if not os.path.exists(path):
       return runs
-    with open(path) as f:
-      runs.append(json.load(f))
+    if only is None or name in only:
+      with open(path) as f:
+        runs.append(json.load(f))
     k += 1
 
 
@@ -194,14 +198,16 @@ def _extra_s_per_loss(r: dict) -> float | None:
   return sum(max(0.0, x["seconds"] - typical) for x in rounds) / events
 
 
-def table() -> None:
+def table(only: set[str] | None = None) -> None:
+  """The table over every run, or over the runs named in ``only`` (runs of one machine and
+  day: each goodput is against the clean runs among them)."""
   print("| method | run | runs | kill events | rounds with fewer replicas | useful steps / s "
         "(median) | goodput | survivors' extra s per loss (process 0) | final val loss | wall s |")
   print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
   for method in STEPS:
     base = None
     for kind in KINDS:
-      runs = _runs(method, kind)
+      runs = _runs(method, kind, only)
       if not runs:
         continue
       useful = [sum(r["replicas_per_sync"]) * r["calls_per_sync"] / r["wall_s"] for r in runs]
@@ -232,14 +238,16 @@ def main() -> None:
   r.add_argument("--repeat", type=int, default=1,
                  help="the repeat's number: 2, 3, ... write NAME_2.json, ... (the table takes "
                       "the median)")
-  sub.add_parser("table")
+  t = sub.add_parser("table")
+  t.add_argument("--only", default=None,
+                 help="comma-separated run names (clean_4,kill_6,...): only those")
   args = parser.parse_args()
   if args.cmd == "run":
     if args.repeat < 1:
       parser.error(f"--repeat must be >= 1, got {args.repeat}")
     run(args.kind, args.every_s, args.method, args.first_s, args.repeat)
   else:
-    table()
+    table(None if args.only is None else set(args.only.split(",")))
 
 
 if __name__ == "__main__":
