@@ -514,6 +514,7 @@ class ElasticDataParallel(transfer.Transfers):
     if self._loading is not None:  # the programs this round runs
       self._loading.join()
       self._loading = None
+    self._receiving = None  # an attempt that a loss broke took nothing
     mine = {"step": -1 if self._fresh else self._outer_step, "backend": self._backend,
             "history": self._history, "healing": self._healing}
     # The one reader of the ready processes; a round of every process has none to read (a ready
