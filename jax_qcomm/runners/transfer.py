@@ -253,7 +253,8 @@ class Transfers:
     mesh = self._mesh_of(processes)
     name = self.mesh.axis_names[self._replica_axis]
     order = sorted(processes, key=self._row_of.__getitem__)
-    leaves, words, unpacked = self._packing(params, state)
+    sent, unpacked = self._packing(params, state)
+    words = pack(sent)
     rows = multihost_utils.host_local_array_to_global_array(words[None], mesh, P(name))
     out = self._broadcast_fn(tuple(processes), order.index(source),
                              tuple(order.index(r) for r in receivers))(rows)
@@ -265,9 +266,9 @@ class Transfers:
           np.asarray(multihost_utils.global_array_to_host_local_array(out, mesh, P(name)))[0])
     return unpacked(None)
 
-  def _packing(self, params: Any, state: Any) -> tuple[list[np.ndarray], np.ndarray, Callable]:
-    """(this process's leaves of ``(params, state)`` on the host, the words a transfer of them
-    sends, and ``unpacked(words)``: the params and state a receiver of ``words`` makes, placed
+  def _packing(self, params: Any, state: Any) -> tuple[list[np.ndarray], Callable]:
+    """(the leaves of ``(params, state)`` a transfer sends, on the host (:func:`pack` makes its
+    words), and ``unpacked(words)``: the params and state a receiver of ``words`` makes, placed
     on this process's devices (None: this process's own))."""
     leaves, treedef = jax.tree_util.tree_flatten((params, state))
     leaves = [np.asarray(x) for x in leaves]
@@ -280,13 +281,13 @@ class Transfers:
       p, s = jax.tree_util.tree_unflatten(treedef, out)
       return place(p, P(), self._local_mesh), place(s, self._spec(s), self._local_mesh)
 
-    return leaves, pack(sent), unpacked
+    return sent, unpacked
 
   def _hand_over(self, key: str, params: Any, state: Any) -> None:
     """The source's part of a background transfer: the state served to the first receiver from
     a thread (:func:`serve`), its address published under ``key/state/0`` (each receiver passes
     it on to the next: :meth:`_take`)."""
-    words = self._packing(params, state)[1]
+    words = pack(self._packing(params, state)[0])
     self._client.key_value_set(f"{key}/state/0", serve(words, _compat.coordinator_address()),
                                allow_overwrite=True)
 
@@ -295,15 +296,16 @@ class Transfers:
     """Receiver ``index``'s part of a background transfer: the state from the address under
     ``key/state/<index>``, passed on as it comes to the next receiver (unless ``last``), whose
     address it publishes first."""
-    _, words, unpacked = self._packing(params, state)
+    sent, unpacked = self._packing(params, state)
+    nbytes = 4 * packed_words(sent)  # its own leaves' size: nothing to pack
     passing = None
     if not last:
-      passing = Sender(words.nbytes, _compat.coordinator_address())
+      passing = Sender(nbytes, _compat.coordinator_address())
       self._client.key_value_set(f"{key}/state/{index + 1}", passing.address,
                                  allow_overwrite=True)
     address = self._client.blocking_key_value_get(f"{key}/state/{index}",
                                                   int(timeout_s * 1000))
-    return unpacked(fetch(address, words.nbytes, passing=passing))
+    return unpacked(fetch(address, nbytes, passing=passing))
 
   @functools.lru_cache(maxsize=None)
   def _broadcast_fn(self, processes: tuple, source_row: int, receiver_rows: tuple) -> Callable:
